@@ -1,0 +1,24 @@
+"""DSpark inference: candidate generator for `generate()`, verify policies, scheduler, statistics.
+
+Never imports training code.
+"""
+
+from .candidate_generator import DSparkCandidateGenerator
+from .integration import dspark_options, enable_dspark
+from .policies import ConfidenceThreshold, FixedLength, FullBlock, PrefixScheduler, VerifyPolicy, make_policy
+from .stats import GenerationStats, RoundStats, collect_stats
+
+__all__ = [
+    "DSparkCandidateGenerator",
+    "dspark_options",
+    "enable_dspark",
+    "VerifyPolicy",
+    "FullBlock",
+    "FixedLength",
+    "ConfidenceThreshold",
+    "PrefixScheduler",
+    "make_policy",
+    "GenerationStats",
+    "RoundStats",
+    "collect_stats",
+]

@@ -1,0 +1,467 @@
+"""Hardware-aware prefix scheduler (DSpark Algorithm 1, SPEC §4, paper §5.2).
+
+Given R active requests, each with γ calibrated confidences c_{r,k} (the
+probability that draft token x_{r,k} survives verification given that
+x_{r,<k} survived), and a profiled step-rate curve SPS(B) (target forward
+steps per second when the verify batch holds B tokens), choose how many
+draft tokens ℓ_r ∈ {0..γ} of each request to send to the target.
+
+Every request always occupies one anchor slot, so a verify batch holds
+B = R + Σ_r ℓ_r tokens and is expected to commit
+τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j} tokens, where a_{r,j} = Π_{i≤j} c_{r,i}
+(the survival of the prefix up to j). The objective is the system
+throughput Θ = τ* · SPS(B) (expected committed tokens per second).
+
+Two schedulers live here:
+
+* :func:`prefix_schedule` — Algorithm 1 exactly: greedy over the pooled
+  (r, j) ranking with an early STOP at the first non-improving Θ. The STOP
+  is a correctness requirement (non-anticipation, SPEC §4): whether x_{r,k}
+  is verified never depends on c_{r,k+1} or later, which may depend on the
+  sampled value of x_{r,k}.
+* :class:`LaggedBudgetScheduler` — the production variant (paper §5.2):
+  the verify budget K (extra tokens beyond the R anchor slots) comes from a
+  full search of the Θ(B) curve over confidences of ``lag`` (default 2)
+  rounds earlier, and the K slots are filled by the current round's a_{r,j}
+  ranking. K never depends on the current draft tokens, so the scheme stays
+  lossless without the early STOP and the batch shape is known ahead (as
+  CUDA-graph replay needs).
+
+Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j
+first, then smaller r. Since a_{r,j} is non-increasing in j, every prefix
+of this order is prefix-closed per request (a valid ℓ vector) and, for its
+size, value-maximal.
+
+Note: the pool holds every (r, j), including a_{r,j} = 0, as SPEC §4
+states (the Chinese review filters a_{r,j} > 0). With a non-increasing
+SPS(B) a zero-value entry can never raise Θ, so this only matters for
+curves that rise with B.
+
+Pure python/torch; no model imports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+__all__ = [
+    "ScheduleResult",
+    "SPSLike",
+    "ConfidencesLike",
+    "survival",
+    "prefix_schedule",
+    "prefix_schedule_detailed",
+    "budget_from_confidences",
+    "fill_budget",
+    "LaggedBudgetScheduler",
+]
+
+SPSLike = Union[Mapping[int, float], Callable[[int], float]]
+"""SPS(B): verify batch size B (tokens, one slot per request included) ->
+target forward steps per second. A table (Mapping[int, float]) or a
+callable."""
+
+ConfidencesLike = Union[torch.Tensor, Sequence[Sequence[float]]]
+"""R sequences of γ calibrated confidences c_{r,k} ∈ [0, 1]: an [R, γ]
+tensor (any float dtype, any device) or a list of R lists of length γ."""
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """Outcome of one scheduling decision.
+
+    Attributes:
+        lengths: ℓ_r per request (R ints in 0..γ), the number of draft
+            tokens of request r to verify (the anchor slot is not counted).
+        theta: Θ = expected_tokens · SPS(batch_tokens), in committed tokens
+            per second.
+        batch_tokens: B = R + Σ ℓ_r, tokens in the verify batch.
+        expected_tokens: τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j}, expected tokens
+            committed this round (accepted + one resampled/bonus each).
+    """
+
+    lengths: list[int]
+    theta: float
+    batch_tokens: int
+    expected_tokens: float
+
+
+# --------------------------------------------------------------------------
+# validation helpers
+# --------------------------------------------------------------------------
+def _confidence_rows(confidences: ConfidencesLike) -> list[list[float]]:
+    """Validate ``confidences`` and return them as R python lists of γ floats.
+
+    Raises:
+        ValueError: not 2-D, R = 0, γ = 0, ragged rows, NaN, or values
+            outside [0, 1].
+        TypeError: an entry that is not a number.
+    """
+    if isinstance(confidences, torch.Tensor):
+        if confidences.dim() != 2:
+            raise ValueError(
+                f"confidences must be 2-D [R, gamma]; got a tensor of shape {tuple(confidences.shape)}"
+            )
+        if confidences.is_complex():
+            raise TypeError(f"confidences must be a real tensor; got dtype {confidences.dtype}")
+        rows = confidences.detach().to("cpu", torch.float64).tolist()
+    else:
+        if isinstance(confidences, (str, bytes)) or not isinstance(confidences, (Sequence, _array_like_types())):
+            raise ValueError(
+                f"confidences must be an [R, gamma] tensor or a list of R lists; got {type(confidences).__name__}"
+            )
+        rows = []
+        for r, row in enumerate(confidences):
+            if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+                raise ValueError(
+                    f"confidences must be 2-D [R, gamma]; row {r} is {row!r}, not a sequence"
+                )
+            values = []
+            for k, value in enumerate(row):
+                if isinstance(value, (str, bytes)) or hasattr(value, "__iter__") and not _is_scalar(value):
+                    raise ValueError(
+                        f"confidences must be 2-D [R, gamma]; entry [{r}][{k}] is {value!r}, not a number"
+                    )
+                try:
+                    values.append(float(value))
+                except (TypeError, ValueError) as exc:
+                    raise TypeError(f"confidences[{r}][{k}] = {value!r} is not a number") from exc
+            rows.append(values)
+    if len(rows) == 0:
+        raise ValueError("confidences must hold at least one request (R >= 1); got R = 0")
+    gamma = len(rows[0])
+    for r, row in enumerate(rows):
+        if len(row) != gamma:
+            raise ValueError(
+                f"confidences are ragged: row 0 has gamma = {gamma} entries but row {r} has {len(row)}"
+            )
+    if gamma == 0:
+        raise ValueError(f"confidences must have gamma >= 1 positions per request; got shape ({len(rows)}, 0)")
+    for r, row in enumerate(rows):
+        for k, value in enumerate(row):
+            if math.isnan(value):
+                raise ValueError(f"confidences[{r}][{k}] is NaN")
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"confidences[{r}][{k}] = {value!r} is outside [0, 1]")
+    return rows
+
+
+def _array_like_types() -> tuple[type, ...]:
+    try:  # numpy is optional here; accept its arrays without importing it eagerly elsewhere
+        import numpy as np
+
+        return (np.ndarray,)
+    except ImportError:  # pragma: no cover
+        return ()
+
+
+def _is_scalar(value: object) -> bool:
+    """True for 0-d tensors / numpy scalars, which are iterable-looking but scalar."""
+    shape = getattr(value, "shape", None)
+    return shape is not None and tuple(shape) == ()
+
+
+def _survival_rows(rows: list[list[float]]) -> list[list[float]]:
+    """a_{r,j} = Π_{i≤j} c_{r,i} on validated python rows (float64 arithmetic)."""
+    out = []
+    for row in rows:
+        prod = 1.0
+        acc = []
+        for c in row:
+            prod *= c
+            acc.append(prod)
+        out.append(acc)
+    return out
+
+
+def _ranked_entries(a: list[list[float]]) -> list[tuple[int, int, float]]:
+    """Pool E = {(r, j)} (j 1-based) sorted by a_{r,j} desc, then j asc, then r asc."""
+    entries = [(r, j + 1, a_rj) for r, row in enumerate(a) for j, a_rj in enumerate(row)]
+    entries.sort(key=lambda e: (-e[2], e[1], e[0]))
+    return entries
+
+
+class _SPSLookup:
+    """Validated, cached SPS(B) lookups (steps/s)."""
+
+    def __init__(self, sps: SPSLike):
+        if isinstance(sps, Mapping):
+            self._table: Mapping[int, float] | None = sps
+            self._fn: Callable[[int], float] | None = None
+        elif callable(sps):
+            self._table = None
+            self._fn = sps
+        else:
+            raise TypeError(
+                f"sps must be a Mapping[int, float] table or a callable B -> steps/s; got {type(sps).__name__}"
+            )
+        self._cache: dict[int, float] = {}
+
+    def __call__(self, batch_tokens: int) -> float:
+        if batch_tokens in self._cache:
+            return self._cache[batch_tokens]
+        if self._table is not None:
+            if batch_tokens not in self._table:
+                known = sorted(self._table)
+                span = f"{known[0]}..{known[-1]}" if known else "empty"
+                raise ValueError(
+                    f"SPS table has no entry for verify batch size B = {batch_tokens} (table covers {span})"
+                )
+            raw = self._table[batch_tokens]
+        else:
+            raw = self._fn(batch_tokens)  # type: ignore[misc]
+        try:
+            value = float(raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"SPS({batch_tokens}) = {raw!r} is not a number (steps/s)") from exc
+        if not math.isfinite(value) or value <= 0.0:
+            raise ValueError(f"SPS({batch_tokens}) = {raw!r} must be a finite positive rate in steps/s")
+        self._cache[batch_tokens] = value
+        return value
+
+
+def _as_lookup(sps: SPSLike | _SPSLookup) -> _SPSLookup:
+    return sps if isinstance(sps, _SPSLookup) else _SPSLookup(sps)
+
+
+# --------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------
+def survival(confidences: ConfidencesLike) -> torch.Tensor:
+    """Prefix survival probabilities a_{r,j} = Π_{i≤j} c_{r,i} (DSpark §3/§4, Alg. 1 step 1).
+
+    Args:
+        confidences: [R, γ] calibrated confidences c_{r,k} ∈ [0, 1] (tensor or
+            list of R lists of length γ).
+
+    Returns:
+        torch.float64 CPU tensor of shape [R, γ]; non-increasing along j.
+
+    Raises:
+        ValueError: not 2-D, R = 0, γ = 0, ragged rows, NaN, or values
+            outside [0, 1].
+    """
+    rows = _confidence_rows(confidences)
+    return torch.tensor(rows, dtype=torch.float64).cumprod(dim=1)
+
+
+def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> ScheduleResult:
+    """DSpark Algorithm 1 (SPEC §4) with early STOP; returns ℓ* and Θ_best.
+
+    1. a_{r,j} = Π_{i≤j} c_{r,i}.
+    2. Pool E = {(r, j)} sorted by a_{r,j} descending (ties: smaller j, then
+       smaller r).
+    3. ℓ_r = 0, B = R, τ* = R, Θ_best = R · SPS(R).
+    4. For (r, j) in order: ℓ_r = j, B += 1, τ* += a_{r,j},
+       Θ = τ* · SPS(B); if Θ > Θ_best keep a snapshot, else STOP.
+
+    The STOP keeps the decision non-anticipating (lossless); it reaches the
+    global optimum when Θ(B) along the sorted order is unimodal.
+
+    Args:
+        confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1] (tensor or lists).
+        sps: SPS(B) in target steps/s for a verify batch of B tokens (one
+            anchor slot per request included); a Mapping[int, float] or a
+            callable. Only the B values the scan reaches are looked up.
+
+    Returns:
+        :class:`ScheduleResult` with ``lengths`` = ℓ* (R ints in 0..γ),
+        ``theta`` = Θ_best (tokens/s), ``batch_tokens`` = R + Σℓ*,
+        ``expected_tokens`` = τ* at ℓ*.
+
+    Raises:
+        ValueError: bad confidences (see :func:`survival`); a B the scan
+            needs missing from an SPS table (the message names B); an SPS
+            value that is non-positive, NaN or infinite.
+        TypeError: ``sps`` neither a Mapping nor callable.
+    """
+    a = _survival_rows(_confidence_rows(confidences))
+    lookup = _as_lookup(sps)
+    num_requests = len(a)
+
+    lengths = [0] * num_requests
+    batch_tokens = num_requests
+    expected_tokens = float(num_requests)
+    best = ScheduleResult(list(lengths), expected_tokens * lookup(batch_tokens), batch_tokens, expected_tokens)
+
+    for r, j, a_rj in _ranked_entries(a):
+        lengths[r] = j
+        batch_tokens += 1
+        expected_tokens += a_rj
+        theta = expected_tokens * lookup(batch_tokens)
+        if theta > best.theta:
+            best = ScheduleResult(list(lengths), theta, batch_tokens, expected_tokens)
+        else:
+            break  # STOP: never look at entries whose value may depend on already-admitted tokens
+    return best
+
+
+def prefix_schedule(confidences: ConfidencesLike, sps: SPSLike) -> list[int]:
+    """DSpark Algorithm 1 (SPEC §4): verify lengths ℓ* (R ints in 0..γ).
+
+    See :func:`prefix_schedule_detailed` for arguments, semantics and errors.
+    """
+    return prefix_schedule_detailed(confidences, sps).lengths
+
+
+def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
+    """Verify budget K for the production scheduler (DSpark §5.2).
+
+    Full search (no early stop) over the greedy Θ(B) curve,
+    B = R .. R·(1+γ): Θ(B) = (R + sum of the top B−R values a_{r,j}) · SPS(B).
+    Returns K = B* − R for the first B* attaining the maximum.
+
+    Only safe (lossless) when ``confidences`` are from an EARLIER round than
+    the draft tokens the budget will be spent on (see
+    :class:`LaggedBudgetScheduler`); applied to the current round it
+    anticipates and biases the output distribution (SPEC §4 counterexample).
+
+    Args:
+        confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1].
+        sps: SPS(B) in steps/s (Mapping or callable); every B in
+            R..R·(1+γ) is looked up.
+
+    Returns:
+        K, an int in 0..R·γ: extra verify tokens beyond the R anchor slots.
+
+    Raises:
+        ValueError / TypeError: as :func:`prefix_schedule_detailed`.
+    """
+    a = _survival_rows(_confidence_rows(confidences))
+    lookup = _as_lookup(sps)
+    num_requests = len(a)
+    expected_tokens = float(num_requests)
+    best_theta = expected_tokens * lookup(num_requests)
+    best_budget = 0
+    for extra, (_, _, a_rj) in enumerate(_ranked_entries(a), start=1):
+        expected_tokens += a_rj
+        theta = expected_tokens * lookup(num_requests + extra)
+        if theta > best_theta:
+            best_theta, best_budget = theta, extra
+    return best_budget
+
+
+def fill_budget(confidences: ConfidencesLike, budget: int) -> list[int]:
+    """Fill K verify slots by the current a_{r,j} ranking (DSpark §5.2).
+
+    Admits the top-K entries of the pooled order (a_{r,j} desc, then j asc,
+    then r asc); the result is prefix-closed per request. If K exceeds R·γ
+    (the budget came from a round with more requests or longer blocks) it is
+    capped at R·γ.
+
+    Args:
+        confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1] of the CURRENT round.
+        budget: K ≥ 0, extra verify tokens beyond the R anchor slots.
+
+    Returns:
+        ℓ (R ints in 0..γ) with Σℓ = min(K, R·γ).
+
+    Raises:
+        ValueError: bad confidences; K negative or not an integer.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        try:
+            as_int = int(budget)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"verify budget K must be a non-negative int; got {budget!r}") from exc
+        if as_int != budget:
+            raise ValueError(f"verify budget K must be a non-negative int; got {budget!r}")
+        budget = as_int
+    if budget < 0:
+        raise ValueError(f"verify budget K must be a non-negative int; got {budget}")
+    a = _survival_rows(_confidence_rows(confidences))
+    lengths = [0] * len(a)
+    for r, j, _ in _ranked_entries(a)[:budget]:
+        lengths[r] = j  # entries of one request arrive in increasing j
+    return lengths
+
+
+class LaggedBudgetScheduler:
+    """Production scheduler (DSpark §5.2): lagged verify budget, current ranking.
+
+    Each :meth:`schedule` call is one decoding round. The verify budget K
+    spent this round was computed (by :func:`budget_from_confidences`, full
+    Θ(B) search, no early stop) from the confidences passed ``lag`` calls
+    ago; the K slots are then filled by this round's a_{r,j} ranking
+    (:func:`fill_budget`). K never depends on this round's draft tokens, so
+    verification stays lossless, and the next ``lag`` batch sizes are known
+    in advance (CUDA-graph replay).
+
+    Fallback: during the first ``lag`` calls (no history yet) the budget is
+    ``default_budget``, a fixed number that never looks at current
+    confidences; when None it is R (one draft token per request on
+    average, the MTP-1-like shape).
+
+    Args:
+        sps: SPS(B) in steps/s (Mapping or callable); every B in
+            R..R·(1+γ) of each round is looked up.
+        lag: rounds between the confidences a budget is computed from and
+            the round that spends it; must be ≥ 1 (paper: 2).
+        default_budget: K for the first ``lag`` rounds (int ≥ 0) or None.
+
+    Raises:
+        ValueError: lag < 1 or a negative default_budget.
+    """
+
+    def __init__(self, sps: SPSLike, lag: int = 2, default_budget: int | None = None):
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise ValueError(f"lag must be an int >= 1 (a budget may not use the current round); got {lag!r}")
+        if default_budget is not None and (
+            isinstance(default_budget, bool) or not isinstance(default_budget, int) or default_budget < 0
+        ):
+            raise ValueError(f"default_budget must be None or an int >= 0; got {default_budget!r}")
+        self._sps = _SPSLookup(sps) if not isinstance(sps, _SPSLookup) else sps
+        self.lag = lag
+        self.default_budget = default_budget
+        self._pending: deque[int] = deque()
+        self.last_budget: int | None = None
+
+    @property
+    def pending_budgets(self) -> list[int]:
+        """Budgets already fixed for the next rounds, oldest (next) first."""
+        return list(self._pending)
+
+    def reset(self) -> None:
+        """Forget the history (e.g. at the start of a new generate() call)."""
+        self._pending.clear()
+        self.last_budget = None
+
+    def schedule(self, confidences: ConfidencesLike) -> list[int]:
+        """Verify lengths ℓ (R ints in 0..γ) for this round.
+
+        Args:
+            confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1] of this round.
+
+        Raises:
+            ValueError / TypeError: as :func:`budget_from_confidences`.
+        """
+        rows = _confidence_rows(confidences)
+        # Budget for `lag` rounds ahead, from this round's confidences; computed
+        # first so a bad SPS table fails before any state changes.
+        future_budget = budget_from_confidences(rows, self._sps)
+        if len(self._pending) >= self.lag:
+            budget = self._pending.popleft()
+        else:
+            budget = len(rows) if self.default_budget is None else self.default_budget
+        self._pending.append(future_budget)
+        self.last_budget = budget
+        return fill_budget(rows, budget)
+
+    def schedule_detailed(self, confidences: ConfidencesLike) -> ScheduleResult:
+        """Like :meth:`schedule`, plus Θ, B and τ* of the chosen lengths.
+
+        Raises:
+            ValueError: additionally if SPS lacks the chosen B.
+        """
+        rows = _confidence_rows(confidences)
+        lengths = self.schedule(rows)
+        a = _survival_rows(rows)
+        expected_tokens = len(rows) + sum(sum(row[:ell]) for row, ell in zip(a, lengths))
+        batch_tokens = len(rows) + sum(lengths)
+        return ScheduleResult(lengths, expected_tokens * self._sps(batch_tokens), batch_tokens, expected_tokens)

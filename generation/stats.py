@@ -1,0 +1,85 @@
+"""Per-round statistics of speculative decoding, and a context manager that collects them from `generate()`."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RoundStats:
+    """One speculative round.
+
+    Attributes:
+        drafted: draft tokens sampled this round (slots the policy admitted).
+        verified: draft tokens sent to the target (= drafted: drafting stops where verification stops).
+        accepted: draft tokens the target accepted (n in the paper).
+        committed: tokens appended this round (accepted + the resampled/bonus token; may be cut by EOS/length).
+        confidences: calibrated c_k of the verified positions (empty without a confidence head).
+        draft_tokens: the drafted token ids.
+        t_draft_ms: drafter time (context ingestion + block forward + sequential sampling), ms.
+        t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms.
+    """
+
+    drafted: int
+    verified: int
+    accepted: int = 0
+    committed: int = 0
+    confidences: list[float] = field(default_factory=list)
+    draft_tokens: list[int] = field(default_factory=list)
+    t_draft_ms: float = 0.0
+    t_verify_ms: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    """All rounds of one `generate()` call (the prefill is not a round)."""
+
+    rounds: list[RoundStats] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length τ: mean tokens committed per round."""
+        return sum(r.committed for r in self.rounds) / max(1, len(self.rounds))
+
+    def summary(self) -> dict:
+        n = max(1, len(self.rounds))
+        return {
+            "rounds": len(self.rounds),
+            "tau": self.tau,
+            "drafted": sum(r.drafted for r in self.rounds),
+            "accepted": sum(r.accepted for r in self.rounds),
+            "t_draft_ms": sum(r.t_draft_ms for r in self.rounds) / n,
+            "t_verify_ms": sum(r.t_verify_ms for r in self.rounds) / n,
+        }
+
+    def to_dict(self) -> dict:
+        return {**self.summary(), "per_round": [asdict(r) for r in self.rounds]}
+
+
+_collector: contextvars.ContextVar[list | None] = contextvars.ContextVar("dspark_stats", default=None)
+
+
+@contextlib.contextmanager
+def collect_stats():
+    """Collect the :class:`GenerationStats` of every DSpark `generate()` call inside the block.
+
+    Context-local (per thread / task), so concurrent users never see each other's statistics::
+
+        with collect_stats() as runs:
+            target.generate(ids, assistant_model=drafter)
+        print(runs[-1].tau)
+    """
+    runs: list[GenerationStats] = []
+    token = _collector.set(runs)
+    try:
+        yield runs
+    finally:
+        _collector.reset(token)
+
+
+def register(stats: GenerationStats) -> None:
+    runs = _collector.get()
+    if runs is not None:
+        runs.append(stats)

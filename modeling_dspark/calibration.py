@@ -1,0 +1,445 @@
+"""Calibration of the confidence head: Sequential Temperature Scaling (SPEC §3).
+
+The confidence head (SPEC eq. 7) gives c_k = σ(logit_k), the probability that
+draft token x_k survives verification given that x_<k survived. The
+scheduler (SPEC §4, Algorithm 1) needs the *absolute* prefix-survival
+probabilities a_k = Π_{i≤k} c_i, so they must be calibrated. STS fits one
+temperature per position, left to right, on held-out data:
+
+    c_k(T_k) = σ(logit_k / T_k),   a_k = Π_{i≤k} c_i(T_i),
+    T_k = argmin_{T ∈ grid} ECE(a_k, accepted[:, k])   with T_1..T_{k−1} fixed.
+
+Data layout used throughout (positions are 0-based in arrays, 1-based in the
+paper and in reports):
+
+* ``confidence_logits`` [N, γ] pre-sigmoid confidence-head outputs;
+* ``accepted`` [N, γ] 0/1: accepted[n, k] = 1 iff draft tokens 1..k of block n
+  all survived verification (so it is non-increasing along k);
+* ``valid`` [N, γ] bool, optional: False where the block was cut short by the
+  end of a sequence. It is made prefix-closed (a position counts only if every
+  earlier position of the row is valid too).
+
+The paper's reliability figure (Fig. 6, Alpaca; SPEC §3) reports per position
+one ROC-AUC and the ECE before → after STS. Temperature scaling is monotone
+in each c_k, so the AUROC of c_k on the blocks that reach position k (prefix
+survived; label: token k survives) is exactly unchanged; that is the
+``auroc`` of :func:`calibration_report`. The AUROC of the *product* a_k over
+all blocks is a different quantity and, for k ≥ 2, can change slightly under
+STS (different T_i re-weight the factors), so it is reported separately as
+``auroc_survival_before`` / ``auroc_survival_after``.
+
+Pure numpy/torch; matplotlib is imported only inside :func:`plot_reliability`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "survival_from_confidences",
+    "expected_calibration_error",
+    "auroc",
+    "default_sts_grid",
+    "fit_sts",
+    "apply_sts",
+    "calibration_report",
+    "plot_reliability",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _to_numpy(x: Any, dtype=np.float64) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16 or x.dtype == torch.float16:
+            x = x.float()
+        x = x.numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # Numerically stable σ for float64 arrays.
+    out = np.empty_like(x, dtype=np.float64)
+    pos = x >= 0
+    out[pos] = 1.0 / (1.0 + np.exp(-x[pos]))
+    ex = np.exp(x[~pos])
+    out[~pos] = ex / (1.0 + ex)
+    return out
+
+
+def _prepare(
+    confidence_logits: Any, accepted: Any, valid: Any | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate and convert to (logits float64 [N, γ], accepted float64 [N, γ], valid bool [N, γ])."""
+    logits = _to_numpy(confidence_logits)
+    acc = _to_numpy(accepted)
+    if logits.ndim != 2:
+        raise ValueError(f"confidence_logits must be [N, γ], got shape {logits.shape}")
+    if acc.shape != logits.shape:
+        raise ValueError(f"accepted shape {acc.shape} must match confidence_logits {logits.shape}")
+    if valid is None:
+        ok = np.ones(logits.shape, dtype=bool)
+    else:
+        ok = _to_numpy(valid, dtype=bool)
+        if ok.shape != logits.shape:
+            raise ValueError(f"valid shape {ok.shape} must match confidence_logits {logits.shape}")
+        ok = np.logical_and.accumulate(ok, axis=1)  # prefix-closed
+    if not np.all((acc[ok] == 0) | (acc[ok] == 1)):
+        raise ValueError("accepted must be 0/1 (or bool) at valid positions")
+    if not np.all(np.isfinite(logits[ok])):
+        raise ValueError("confidence_logits must be finite at valid positions")
+    return logits, acc, ok
+
+
+def _check_temperatures(temperatures: Sequence[float], gamma: int) -> np.ndarray:
+    t = np.asarray([float(x) for x in temperatures], dtype=np.float64)
+    if t.shape != (gamma,):
+        raise ValueError(f"expected {gamma} temperatures, got {t.shape[0] if t.ndim else 0}")
+    if not np.all(t > 0) or not np.all(np.isfinite(t)):
+        raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
+    return t
+
+
+def _bin_index(scores: np.ndarray, n_bins: int) -> np.ndarray:
+    # Equal-width bins on [0, 1]: [0, 1/n), [1/n, 2/n), ..., [(n−1)/n, 1].
+    return np.minimum((scores * n_bins).astype(np.int64), n_bins - 1)
+
+
+def _ece_rows(scores: np.ndarray, labels: np.ndarray, n_bins: int) -> np.ndarray:
+    """ECE of each row of scores [G, M] against shared labels [M] → [G]."""
+    g, m = scores.shape
+    idx = _bin_index(scores, n_bins) + (np.arange(g, dtype=np.int64) * n_bins)[:, None]
+    idx = idx.ravel()
+    sum_s = np.bincount(idx, weights=scores.ravel(), minlength=g * n_bins)
+    sum_y = np.bincount(idx, weights=np.broadcast_to(labels, (g, m)).ravel(), minlength=g * n_bins)
+    # Σ_b |B_b|/M · |mean_s − mean_y| = Σ_b |Σ_s − Σ_y| / M
+    return np.abs(sum_s - sum_y).reshape(g, n_bins).sum(axis=1) / m
+
+
+def _check_scores_labels(scores: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    s = _to_numpy(scores)
+    y = _to_numpy(labels)
+    if s.shape != y.shape:
+        raise ValueError(f"scores shape {s.shape} must match labels shape {y.shape}")
+    s, y = s.ravel(), y.ravel()
+    if s.size == 0:
+        raise ValueError("scores is empty")
+    if not np.all(np.isfinite(s)) or not np.all(np.isfinite(y)):
+        raise ValueError("scores and labels must be finite")
+    return s, y
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def survival_from_confidences(c: Any) -> Any:
+    """Prefix-survival probabilities a_k = Π_{i≤k} c_i along the last axis (SPEC §3, §4 step 1).
+
+    Args:
+        c: [N, γ] (or [..., γ]) conditional confidences, torch tensor or array.
+
+    Returns:
+        Same shape and kind as ``c`` (torch tensor → torch tensor, else float64 ndarray).
+    """
+    if isinstance(c, torch.Tensor):
+        return torch.cumprod(c, dim=-1)
+    return np.cumprod(_to_numpy(c), axis=-1)
+
+
+def expected_calibration_error(scores: Any, labels: Any, n_bins: int = 15) -> float:
+    """Standard expected calibration error with equal-width bins on [0, 1].
+
+    ECE = Σ_b (|B_b| / M) · |mean(scores in B_b) − mean(labels in B_b)|; bin b
+    is [b/n, (b+1)/n), the last bin includes 1.
+
+    Args:
+        scores: predicted probabilities in [0, 1], any shape.
+        labels: outcomes in [0, 1] (normally 0/1), same shape.
+        n_bins: number of bins (≥ 1).
+
+    Returns:
+        ECE as a Python float in [0, 1].
+    """
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    s, y = _check_scores_labels(scores, labels)
+    if s.min() < 0 or s.max() > 1:
+        raise ValueError("scores must lie in [0, 1]")
+    if y.min() < 0 or y.max() > 1:
+        raise ValueError("labels must lie in [0, 1]")
+    return float(_ece_rows(s[None, :], y, n_bins)[0])
+
+
+def auroc(scores: Any, labels: Any) -> float:
+    """Area under the ROC curve via the Mann–Whitney rank statistic.
+
+    Tied scores get average ranks, so a tie between a positive and a negative
+    counts 1/2. AUROC = (R₊ − n₊(n₊+1)/2) / (n₊ n₋), R₊ the rank sum of positives.
+
+    Args:
+        scores: real-valued scores, any shape.
+        labels: 0/1 (or bool) labels, same shape.
+
+    Raises:
+        ValueError: shapes differ, labels not binary, or only one class present.
+    """
+    s, y = _check_scores_labels(scores, labels)
+    if not np.all((y == 0) | (y == 1)):
+        raise ValueError("labels must be 0/1")
+    pos = y == 1
+    n_pos = int(pos.sum())
+    n_neg = s.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUROC is undefined when only one class is present")
+    _, inverse, counts = np.unique(s, return_inverse=True, return_counts=True)
+    upper = np.cumsum(counts)  # 1-based rank of the last member of each tie group
+    avg_rank = upper - (counts - 1) / 2.0
+    ranks = avg_rank[inverse.ravel()]
+    u = ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def _auroc_or_none(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    if scores.size == 0 or labels.min() == labels.max():
+        return None
+    return auroc(scores, labels)
+
+
+# ----------------------------------------------------------------------------- STS
+
+
+def default_sts_grid(n: int = 301, low: float = 0.05, high: float = 20.0) -> np.ndarray:
+    """STS temperature grid: ``n`` log-spaced points from ``low`` to ``high``, plus exactly 1.0
+    (so "leave this position alone" is always a candidate). Sorted float64 array."""
+    if not (0 < low < high) or n < 2:
+        raise ValueError(f"need 0 < low < high and n >= 2, got low={low}, high={high}, n={n}")
+    return np.unique(np.concatenate([np.geomspace(low, high, n), [1.0]]))
+
+
+_DEFAULT_GRID = default_sts_grid()
+
+
+def fit_sts(
+    confidence_logits: Any,
+    accepted: Any,
+    grid: Sequence[float] | np.ndarray | None = None,
+    valid: Any | None = None,
+    n_bins: int = 15,
+) -> list[float]:
+    """Fit Sequential Temperature Scaling temperatures T_1..T_γ (SPEC §3).
+
+    For k = 1..γ in order, with T_1..T_{k−1} already fixed, pick the grid value
+    T_k minimising ECE(a_k, accepted[:, k]) over the rows valid at k, where
+    a_k = a_{k−1}(T_1..T_{k−1}) · σ(logit_k / T_k). Ties go to the T closest
+    to 1 (in log scale). A position with no valid rows gets T_k = 1.
+
+    Args:
+        confidence_logits: [N, γ] pre-sigmoid confidence logits (held-out data).
+        accepted: [N, γ] bool/0-1, accepted[n, k] = 1 iff tokens 1..k of block n survived.
+        grid: candidate temperatures (> 0); default :func:`default_sts_grid` (0.05…20, 301 log-spaced points plus 1.0).
+        valid: optional [N, γ] bool, False past a sequence end (made prefix-closed).
+        n_bins: ECE bins.
+
+    Returns:
+        list of γ Python floats.
+    """
+    logits, acc, ok = _prepare(confidence_logits, accepted, valid)
+    grid_arr = _DEFAULT_GRID if grid is None else np.asarray(grid, dtype=np.float64).ravel()
+    if grid_arr.size == 0 or not np.all(grid_arr > 0) or not np.all(np.isfinite(grid_arr)):
+        raise ValueError("grid must be a non-empty sequence of finite temperatures > 0")
+    tie_break = np.abs(np.log(grid_arr))
+    n, gamma = logits.shape
+    temps: list[float] = []
+    prefix = np.ones(n, dtype=np.float64)  # calibrated a_{k−1} per row
+    for k in range(gamma):
+        rows = ok[:, k]
+        if not rows.any():
+            t_best = 1.0
+        else:
+            pre, lk, yk = prefix[rows], logits[rows, k], acc[rows, k]
+            m = lk.size
+            chunk = max(1, (1 << 22) // m)
+            eces = np.empty(grid_arr.size, dtype=np.float64)
+            for s in range(0, grid_arr.size, chunk):
+                ts = grid_arr[s : s + chunk]
+                a = pre[None, :] * _sigmoid(lk[None, :] / ts[:, None])  # [G, m]
+                eces[s : s + chunk] = _ece_rows(a, yk, n_bins)
+            best = eces.min()
+            # tolerance absorbs float noise so the tie-break is meaningful
+            cand = np.flatnonzero(eces <= best + 1e-12)
+            t_best = float(grid_arr[cand[np.argmin(tie_break[cand])]])
+        temps.append(t_best)
+        prefix = prefix * _sigmoid(logits[:, k] / t_best)
+    return temps
+
+
+def apply_sts(confidence_logits: Any, temperatures: Sequence[float]) -> Any:
+    """Calibrated confidences c_k = σ(logit_k / T_k) (SPEC §3).
+
+    Args:
+        confidence_logits: [..., γ] pre-sigmoid logits; torch tensor (any
+            device) or array.
+        temperatures: γ temperatures from :func:`fit_sts`.
+
+    Returns:
+        torch input → torch tensor on the same device, float32 (float64 if
+        the input is float64); otherwise a float64 ndarray. Same shape.
+    """
+    if isinstance(confidence_logits, torch.Tensor):
+        gamma = confidence_logits.shape[-1] if confidence_logits.dim() else 0
+        t = _check_temperatures(temperatures, gamma)
+        dtype = torch.float64 if confidence_logits.dtype == torch.float64 else torch.float32
+        t_t = torch.as_tensor(t, dtype=dtype, device=confidence_logits.device)
+        return torch.sigmoid(confidence_logits.to(dtype) / t_t)
+    x = _to_numpy(confidence_logits)
+    t = _check_temperatures(temperatures, x.shape[-1] if x.ndim else 0)
+    return _sigmoid(x / t)
+
+
+# ----------------------------------------------------------------------------- report / plot
+
+
+def _reliability_curve(scores: np.ndarray, labels: np.ndarray, n_bins: int):
+    idx = _bin_index(scores, n_bins)
+    cnt = np.bincount(idx, minlength=n_bins)
+    s_sum = np.bincount(idx, weights=scores, minlength=n_bins)
+    y_sum = np.bincount(idx, weights=labels, minlength=n_bins)
+    nz = cnt > 0
+    return s_sum[nz] / cnt[nz], y_sum[nz] / cnt[nz], cnt[nz]
+
+
+def _survival_pair(logits: np.ndarray, temps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    before = np.cumprod(_sigmoid(logits), axis=1)
+    after = np.cumprod(_sigmoid(logits / temps[None, :]), axis=1)
+    return before, after
+
+
+def calibration_report(
+    confidence_logits: Any,
+    accepted: Any,
+    temperatures: Sequence[float],
+    valid: Any | None = None,
+    n_bins: int = 15,
+) -> dict[str, Any]:
+    """Per-position discrimination and calibration before/after STS (cf. paper Fig. 6, SPEC §3).
+
+    Returns a JSON-serialisable dict::
+
+        {"n_bins": int, "temperatures": [T_1..T_γ],
+         "mean_ece_before": float, "mean_ece_after": float,   # over positions with data
+         "positions": [{
+             "position": k (1-based), "n": rows valid at k,
+             "accept_rate": mean of accepted[:, k],
+             "ece_before": ECE(a_k raw), "ece_after": ECE(a_k after STS),
+             "auroc": AUROC of c_k on rows whose prefix 1..k−1 survived (label:
+                      token k survived) — unchanged by STS, or null,
+             "n_conditional": number of those rows,
+             "auroc_survival_before" / "auroc_survival_after": AUROC of a_k vs
+                      accepted[:, k] over all valid rows, or null,
+         }, ...]}
+
+    A value is null (None) where it is undefined (no rows, or one class only).
+    """
+    logits, acc, ok = _prepare(confidence_logits, accepted, valid)
+    temps = _check_temperatures(temperatures, logits.shape[1])
+    a_before, a_after = _survival_pair(logits, temps)
+    positions = []
+    for k in range(logits.shape[1]):
+        rows = ok[:, k]
+        entry: dict[str, Any] = {"position": k + 1, "n": int(rows.sum())}
+        cond = rows & (acc[:, k - 1] == 1) if k > 0 else rows
+        entry["n_conditional"] = int(cond.sum())
+        if rows.any():
+            y = acc[rows, k]
+            entry["accept_rate"] = float(y.mean())
+            entry["ece_before"] = expected_calibration_error(a_before[rows, k], y, n_bins)
+            entry["ece_after"] = expected_calibration_error(a_after[rows, k], y, n_bins)
+            entry["auroc_survival_before"] = _auroc_or_none(a_before[rows, k], y)
+            entry["auroc_survival_after"] = _auroc_or_none(a_after[rows, k], y)
+        else:
+            for key in ("accept_rate", "ece_before", "ece_after", "auroc_survival_before", "auroc_survival_after"):
+                entry[key] = None
+        entry["auroc"] = _auroc_or_none(logits[cond, k], acc[cond, k]) if cond.any() else None
+        positions.append(entry)
+    with_data = [p for p in positions if p["ece_before"] is not None]
+    return {
+        "n_bins": int(n_bins),
+        "temperatures": [float(t) for t in temps],
+        "mean_ece_before": float(np.mean([p["ece_before"] for p in with_data])) if with_data else None,
+        "mean_ece_after": float(np.mean([p["ece_after"] for p in with_data])) if with_data else None,
+        "positions": positions,
+    }
+
+
+def plot_reliability(
+    confidence_logits: Any,
+    accepted: Any,
+    temperatures: Sequence[float],
+    path: str,
+    valid: Any | None = None,
+    n_bins: int = 15,
+    positions: Sequence[int] | None = None,
+    title: str | None = None,
+) -> str:
+    """Write a reliability-diagram PNG of a_k before/after STS (cf. paper Fig. 6).
+
+    One subplot per position (1-based ``positions``, default all): mean
+    predicted a_k per bin against the empirical survival rate, raw and
+    calibrated, with the diagonal; the legend gives ECE, the title the
+    (STS-invariant) conditional AUROC. Uses matplotlib's Agg backend.
+
+    Returns:
+        ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logits, acc, ok = _prepare(confidence_logits, accepted, valid)
+    gamma = logits.shape[1]
+    temps = _check_temperatures(temperatures, gamma)
+    pos_list = list(range(1, gamma + 1)) if positions is None else [int(p) for p in positions]
+    if not pos_list or any(p < 1 or p > gamma for p in pos_list):
+        raise ValueError(f"positions must be within 1..{gamma}, got {pos_list}")
+    report = calibration_report(logits, acc, temps, valid=ok, n_bins=n_bins)
+    a_before, a_after = _survival_pair(logits, temps)
+
+    ncols = min(4, len(pos_list))
+    nrows = math.ceil(len(pos_list) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 3.2 * nrows), squeeze=False)
+    for ax in axes.ravel()[len(pos_list) :]:
+        ax.axis("off")
+    for ax, p in zip(axes.ravel(), pos_list):
+        k = p - 1
+        entry = report["positions"][k]
+        ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--")
+        rows = ok[:, k]
+        if rows.any():
+            y = acc[rows, k]
+            for a, label, color, key in (
+                (a_before, "raw", "tab:red", "ece_before"),
+                (a_after, f"STS (T={temps[k]:.2f})", "tab:blue", "ece_after"),
+            ):
+                xs, ys, _ = _reliability_curve(a[rows, k], y, n_bins)
+                ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"{label}, ECE {100 * entry[key]:.1f}%")
+        auc = entry["auroc"]
+        ax.set_title(f"position {p}" + (f", AUROC {auc:.3f}" if auc is not None else ""), fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("predicted a_k", fontsize=8)
+        ax.set_ylabel("empirical survival", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7, loc="upper left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

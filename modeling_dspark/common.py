@@ -1,0 +1,44 @@
+"""Anchors, block positions and the block attention mask (SPEC §2), shared by inference and training."""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_positions(anchor_positions: torch.LongTensor, num_slots: int) -> torch.LongTensor:
+    """Positions of the γ slots of each block: anchor position p, then p+1 … p+γ−1.
+
+    ``anchor_positions [B, n] -> [B, n, γ]``. Slot i (position p+i) predicts the token at position p+i+1, i.e. the
+    token i+1 places after the anchor (SPEC §2: all γ slots predict).
+    """
+    return anchor_positions.unsqueeze(-1) + torch.arange(num_slots, device=anchor_positions.device)
+
+
+def block_attention_mask(
+    anchor_positions: torch.LongTensor,
+    context_positions: torch.LongTensor,
+    num_slots: int,
+    context_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean attention mask for n packed blocks attending to ``[context; all blocks]`` (True = attend).
+
+    A block sees the target context strictly before its anchor (the anchor itself has not been processed by the
+    target at inference time) and itself bidirectionally; it never sees another block.
+
+    Args:
+        anchor_positions: ``[B, n]`` absolute position p of each block's anchor.
+        context_positions: ``[B, S]`` absolute positions of the context features.
+        num_slots: γ.
+        context_valid: optional ``[B, S]`` bool, False for padding.
+
+    Returns:
+        ``[B, 1, n·γ, S + n·γ]`` bool.
+    """
+    bsz, n = anchor_positions.shape
+    q_block = torch.arange(n, device=anchor_positions.device).repeat_interleave(num_slots)  # [nγ]
+    q_anchor = anchor_positions.repeat_interleave(num_slots, dim=1)  # [B, nγ]
+    ctx = context_positions.unsqueeze(1) < q_anchor.unsqueeze(-1)  # [B, nγ, S]
+    if context_valid is not None:
+        ctx = ctx & context_valid.unsqueeze(1)
+    own = (q_block.unsqueeze(-1) == q_block.unsqueeze(0)).expand(bsz, -1, -1)  # [B, nγ, nγ]
+    return torch.cat([ctx, own], dim=-1).unsqueeze(1)

@@ -1,0 +1,251 @@
+"""Training losses of the DSpark drafter (SPEC §2 eq. 8, §5 eqs 11–14).
+
+Notation (SPEC): a block has γ positions k = 1..γ; ``p_d^k`` is the drafter's
+distribution at position k (after the sequential head, eq. 4), ``p_t^k`` the
+frozen target's distribution at the same position, ``x_k*`` the true
+(target-generated) token and ``c_k`` the confidence head's output (eq. 7).
+
+* eq. 8   c_k* = 1 − ½‖p_d^k − p_t^k‖₁            (exact acceptance probability)
+* eq. 11  L_ce   = −Σ_k w_k log p_d^k(x_k*)
+* eq. 12  L_tv   =  Σ_k w_k ‖p_d^k − p_t^k‖₁        (full L1 norm, i.e. 2 × TV distance)
+* eq. 13  L_conf = −Σ_k w_k [c_k* log c_k + (1 − c_k*) log(1 − c_k)]
+* eq. 14  L = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf
+* §5      w_k = exp(−(k − 1)/decay), decay = γ by default.
+
+Normalisation: every term is returned as a weighted *mean* over the valid
+(unmasked) positions of the batch, Σ_{n,k} w_k·m_{n,k}·term_{n,k} /
+Σ_{n,k} w_k·m_{n,k}, so its magnitude does not depend on the batch size or on
+how many blocks were cut short by a sequence end. (The paper's Σ_k w_k·term
+per block differs from this only by the constant factor Σ_k w_k when no
+position is masked.)
+
+Memory: V is 49k–150k and N·γ up to a few thousand, so a float32 [N·γ, V]
+buffer is up to ~2 GB. The CE and L1 terms of the draft logits are computed
+by one fused autograd function that works on row chunks in float32, keeps only
+the caller's logits for backward (no float32 softmax is stored) and
+recomputes the softmax chunk by chunk in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["position_weights", "confidence_labels", "dspark_loss"]
+
+# Row-chunk size is chosen so one float32 [rows, V] buffer holds about this many elements.
+_CHUNK_ELEMENTS = 1 << 24  # 16M floats = 64 MiB
+
+
+def _row_chunk(vocab_size: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def position_weights(
+    block_size: int,
+    decay: float | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Position weights w_k = exp(−(k − 1)/decay), k = 1..γ (SPEC §5).
+
+    Args:
+        block_size: γ, the number of drafted positions per block.
+        decay: decay constant; defaults to γ as in the paper (the official
+            code uses a separate constant, hence configurable). Must be > 0.
+        device: device of the returned tensor.
+
+    Returns:
+        float32 tensor of shape [γ]; w_1 = 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    decay = float(block_size) if decay is None else float(decay)
+    if not decay > 0:
+        raise ValueError(f"decay must be > 0, got {decay}")
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    return torch.exp(-k / decay)
+
+
+def _l1_distance_no_grad(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """‖softmax(draft) − softmax(target)‖₁ over the last dim, float32, no grad; [M, V] → [M]."""
+    out = torch.empty(draft_logits.shape[0], dtype=torch.float32, device=draft_logits.device)
+    step = _row_chunk(draft_logits.shape[-1])
+    with torch.no_grad():
+        for s in range(0, draft_logits.shape[0], step):
+            p = torch.softmax(draft_logits[s : s + step].float(), dim=-1)
+            q = torch.softmax(target_logits[s : s + step].float(), dim=-1)
+            out[s : s + step] = p.sub_(q).abs_().sum(dim=-1)
+    return out
+
+
+class _DraftCeL1(torch.autograd.Function):
+    """Fused per-row CE and L1 distance of the draft distribution.
+
+    forward(u [M, V], t [M, V], y [M]) → (ce [M], l1 [M]) float32, where
+    ce = logsumexp(u) − u[y] = −log softmax(u)[y] and
+    l1 = ‖softmax(u) − softmax(t)‖₁. Gradient flows to u only; t is a label.
+    Backward (p = softmax(u), s = sign(p − q)):
+        ∂ce/∂u = p − onehot(y),  ∂l1/∂u = p ⊙ (s − ⟨p, s⟩).
+    """
+
+    @staticmethod
+    def forward(ctx, draft_logits, target_logits, tokens):  # type: ignore[override]
+        m, _ = draft_logits.shape
+        ce = torch.empty(m, dtype=torch.float32, device=draft_logits.device)
+        l1 = torch.empty_like(ce)
+        step = _row_chunk(draft_logits.shape[-1])
+        for s in range(0, m, step):
+            u = draft_logits[s : s + step].to(torch.float32, copy=True)  # private copy, edited in place
+            lse = torch.logsumexp(u, dim=-1)
+            ce[s : s + step] = lse - u.gather(-1, tokens[s : s + step, None]).squeeze(-1)
+            p = u.sub_(lse[:, None]).exp_()
+            q = torch.softmax(target_logits[s : s + step].float(), dim=-1)
+            l1[s : s + step] = p.sub_(q).abs_().sum(dim=-1)
+        ctx.save_for_backward(draft_logits, target_logits, tokens)
+        return ce, l1
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_l1):  # type: ignore[override]
+        draft_logits, target_logits, tokens = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        grad = torch.empty_like(draft_logits)
+        m = draft_logits.shape[0]
+        step = _row_chunk(draft_logits.shape[-1])
+        g_ce = grad_ce if grad_ce is not None else torch.zeros(m, device=draft_logits.device)
+        g_l1 = grad_l1 if grad_l1 is not None else torch.zeros(m, device=draft_logits.device)
+        for s in range(0, m, step):
+            p = torch.softmax(draft_logits[s : s + step].float(), dim=-1)
+            q = torch.softmax(target_logits[s : s + step].float(), dim=-1)
+            sign = (p - q).sign_()
+            del q
+            inner = (p * sign).sum(dim=-1, keepdim=True)
+            g = p * (sign.sub_(inner)).mul_(g_l1[s : s + step, None].float())
+            g.addcmul_(p, g_ce[s : s + step, None].float())
+            g.scatter_add_(
+                -1, tokens[s : s + step, None], -g_ce[s : s + step, None].float()
+            )
+            # rows with no incoming gradient (masked positions) get exactly 0, even if their
+            # logits hold inf/NaN garbage
+            live = (g_ce[s : s + step] != 0) | (g_l1[s : s + step] != 0)
+            grad[s : s + step] = torch.where(live[:, None], g, 0.0).to(grad.dtype)
+        return grad, None, None
+
+
+def confidence_labels(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Analytic confidence labels c* = 1 − ½‖softmax(draft) − softmax(target)‖₁ (SPEC eq. 8).
+
+    c* is the exact probability that rejection sampling accepts the drafted
+    token (check: p_t = (0.7, 0.3), p_d = (0.5, 0.5) → 0.8).
+
+    Args:
+        draft_logits: [..., γ, V] draft logits (any float dtype).
+        target_logits: [..., γ, V] target logits, same shape.
+
+    Returns:
+        float32 tensor [..., γ] in [0, 1], detached (a label: no gradient).
+    """
+    if draft_logits.shape != target_logits.shape:
+        raise ValueError(
+            f"draft_logits {tuple(draft_logits.shape)} and target_logits "
+            f"{tuple(target_logits.shape)} must have the same shape"
+        )
+    v = draft_logits.shape[-1]
+    l1 = _l1_distance_no_grad(draft_logits.detach().reshape(-1, v), target_logits.detach().reshape(-1, v))
+    return (1.0 - 0.5 * l1).clamp_(0.0, 1.0).reshape(draft_logits.shape[:-1])
+
+
+def dspark_loss(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    target_tokens: torch.Tensor,
+    confidence_logits: torch.Tensor | None,
+    weights: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    ce_weight: float = 0.1,
+    tv_weight: float = 0.9,
+    conf_weight: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """DSpark training loss, SPEC eqs 11–14.
+
+    Args:
+        draft_logits: [N, γ, V] drafter logits after the sequential head
+            (eq. 4), any float dtype; gradients flow into it.
+        target_logits: [N, γ, V] frozen target logits; treated as labels
+            (no gradient).
+        target_tokens: [N, γ] long, the true next tokens x_k*. Values at
+            masked positions are ignored (may be e.g. −100).
+        confidence_logits: [N, γ] pre-sigmoid confidence-head outputs
+            (eq. 7), or None when the confidence head is disabled (then
+            ``conf`` is 0).
+        weights: [γ] position weights w_k (see :func:`position_weights`).
+        loss_mask: optional [N, γ] bool; False marks positions past the end
+            of a sequence, which contribute nothing (also no gradient).
+        ce_weight, tv_weight, conf_weight: α_ce, α_tv, α_conf of eq. 14.
+
+    Returns:
+        dict of float32 scalars:
+        ``ce``   weighted mean of −log p_d^k(x_k*)                  (eq. 11)
+        ``tv``   weighted mean of ‖p_d^k − p_t^k‖₁ — the full L1 norm as
+                 written in eq. 12, i.e. twice the total-variation distance;
+                 range [0, 2]                                        (eq. 12)
+        ``conf`` weighted mean of BCE-with-logits(conf_logit, c_k*), with
+                 c_k* from eq. 8 (detached). Note its minimum is the entropy
+                 of c*, not 0                                        (eq. 13)
+        ``loss`` ce_weight·ce + tv_weight·tv + conf_weight·conf      (eq. 14)
+        The weighted mean is Σ_{n,k} w_k m_{n,k} term_{n,k} / Σ_{n,k} w_k m_{n,k}
+        over valid positions m; if no position is valid every term is 0.
+    """
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [N, γ, V], got {tuple(draft_logits.shape)}")
+    if target_logits.shape != draft_logits.shape:
+        raise ValueError(
+            f"target_logits {tuple(target_logits.shape)} must match draft_logits "
+            f"{tuple(draft_logits.shape)}"
+        )
+    n, gamma, v = draft_logits.shape
+    if target_tokens.shape != (n, gamma):
+        raise ValueError(f"target_tokens must be [{n}, {gamma}], got {tuple(target_tokens.shape)}")
+    if confidence_logits is not None and confidence_logits.shape != (n, gamma):
+        raise ValueError(
+            f"confidence_logits must be [{n}, {gamma}], got {tuple(confidence_logits.shape)}"
+        )
+    if weights.shape != (gamma,):
+        raise ValueError(f"weights must be [{gamma}], got {tuple(weights.shape)}")
+    if loss_mask is not None and loss_mask.shape != (n, gamma):
+        raise ValueError(f"loss_mask must be [{n}, {gamma}], got {tuple(loss_mask.shape)}")
+
+    device = draft_logits.device
+    valid = (
+        torch.ones(n, gamma, dtype=torch.bool, device=device)
+        if loss_mask is None
+        else loss_mask.to(device=device, dtype=torch.bool)
+    )
+    # [N, γ] effective weights; 0 at masked positions.
+    w = weights.to(device=device, dtype=torch.float32)[None, :] * valid
+    denom = w.sum().clamp_min(torch.finfo(torch.float32).tiny)
+
+    def wmean(term: torch.Tensor) -> torch.Tensor:
+        # torch.where (not w * term) so a NaN/inf in a masked slot cannot leak in.
+        return torch.where(valid, w * term, torch.zeros((), device=device)).sum() / denom
+
+    tokens = torch.where(valid, target_tokens.to(device), torch.zeros((), dtype=torch.long, device=device))
+    ce_rows, l1_rows = _DraftCeL1.apply(
+        draft_logits.reshape(n * gamma, v),
+        target_logits.detach().reshape(n * gamma, v),
+        tokens.reshape(n * gamma).long(),
+    )
+    ce_rows = ce_rows.view(n, gamma)
+    l1_rows = l1_rows.view(n, gamma)
+    ce = wmean(ce_rows)
+    tv = wmean(l1_rows)
+
+    if confidence_logits is not None:
+        c_star = (1.0 - 0.5 * l1_rows.detach()).clamp(0.0, 1.0)  # eq. 8, a label
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), c_star, reduction="none")
+        conf = wmean(bce)
+    else:
+        conf = torch.zeros((), dtype=torch.float32, device=device)
+
+    loss = ce_weight * ce + tv_weight * tv + conf_weight * conf
+    return {"loss": loss, "ce": ce, "tv": tv, "conf": conf}

