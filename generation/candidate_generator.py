@@ -113,7 +113,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
         Args:
             input_ids: ``[1, L]`` committed ids (the last one is the anchor x_0).
-            hidden: ``[γ', H]`` h_k; base_logits: ``[γ', V]`` U_k (float32).
+            hidden: ``[γ', H]`` h_k; base_logits: ``[γ', N]`` U_k (float32; N = V or the draft vocabulary size).
 
         Returns:
             ``(tokens [1, ℓ] long, logits [1, ℓ, V] float32 processed, confidences list[float])``.
@@ -133,6 +133,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             bias, state = d.correction_step(prev, hidden[k : k + 1], state)
             if bias is not None:
                 logits = logits + bias
+            logits = d.expand_draft_logits(logits)  # [1, V]: -inf outside the draft vocabulary, if one is set
             if self.logits_processor is not None and len(self.logits_processor) > 0:
                 logits = self.logits_processor(ids, logits)
             token = self._sample(logits)

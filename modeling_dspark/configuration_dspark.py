@@ -54,6 +54,12 @@ class DSparkConfig(PretrainedConfig):
             ablation baseline; the very same code path with no correction term).
         markov_rank (`int`): r, rank of W_1 ∈ R^{V×r}, W_2 ∈ R^{r×V} (eq. 5); also the RNN state width.
         use_confidence_head (`bool`): whether the confidence head c_k (eq. 7) exists.
+        draft_vocab_size (`int`, optional): N < V to draft only over the N token ids stored in the drafter's
+            ``draft_vocab_ids`` buffer (chosen by frequency in the training data). The drafter's LM-head product
+            and the sequential head's output then cost N/V of the full vocabulary (on CPU the full 49k-row LM
+            head is the drafter's largest cost). Tokens outside the set get probability 0 in the draft
+            distribution; verification stays exact (rejection sampling accepts with min(1, p_t/p_d) and resamples
+            from the residual, so the output is still the target's). `None` = the full vocabulary.
         sts_temperatures (`list[float]`): per-position STS temperatures T_1..T_γ (SPEC §3), applied to the
             confidence logit; default all 1.0 (uncalibrated).
         ce_weight, tv_weight, conf_weight (`float`): loss weights of eq. 14 (0.1, 0.9, 1.0).
@@ -91,6 +97,7 @@ class DSparkConfig(PretrainedConfig):
         sequential_head: str = "markov",
         markov_rank: int = 64,
         use_confidence_head: bool = True,
+        draft_vocab_size: int | None = None,
         sts_temperatures: list[float] | None = None,
         ce_weight: float = 0.1,
         tv_weight: float = 0.9,
@@ -126,6 +133,7 @@ class DSparkConfig(PretrainedConfig):
         self.sequential_head = sequential_head
         self.markov_rank = markov_rank
         self.use_confidence_head = use_confidence_head
+        self.draft_vocab_size = draft_vocab_size
         self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else [1.0] * block_size
         self.ce_weight = ce_weight
         self.tv_weight = tv_weight
@@ -164,6 +172,8 @@ class DSparkConfig(PretrainedConfig):
                 f"target_layer_ids={ids} must be distinct ints in [0, {top}] for a target with "
                 f"{self.target_num_hidden_layers} layers (the last layer's hidden state is the final normed state)"
             )
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
         if self.sequential_head != "none" and self.markov_rank < 1:
             raise ValueError(f"markov_rank must be >= 1 with sequential_head={self.sequential_head!r}")
         if len(self.sts_temperatures) != self.block_size or any(t <= 0 for t in self.sts_temperatures):

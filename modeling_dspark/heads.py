@@ -18,10 +18,11 @@ class MarkovHead(nn.Module):
     Cost: 2·r·V FLOPs per drafted token (eq. 15). W_2 starts at zero, so an untrained head leaves U_k unchanged.
     """
 
-    def __init__(self, vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, rank: int, out_size: int | None = None):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, rank)  # W_1 ∈ R^{V×r}
-        self.out = nn.Linear(rank, vocab_size, bias=False)  # W_2 ∈ R^{r×V} (stored transposed, [V, r])
+        # W_2 ∈ R^{r×V} (stored transposed, [V, r]); V = the draft vocabulary size N when one is set
+        self.out = nn.Linear(rank, out_size or vocab_size, bias=False)
 
     def token_features(self, prev_tokens: torch.LongTensor) -> torch.Tensor:
         """W_1[x_{k−1}]: ``[...] -> [..., r]``."""
@@ -43,12 +44,12 @@ class RNNHead(nn.Module):
     B_k = W_2ᵀ tanh(W_o z_k);  s_0 = 0.  W_g, W_c, W_o are packed in one projection ``gates``.
     """
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None):
         super().__init__()
         self.rank = rank
         self.embed = nn.Embedding(vocab_size, rank)  # W_1
         self.gates = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [W_g; W_c; W_o]
-        self.out = nn.Linear(rank, vocab_size, bias=False)  # W_2
+        self.out = nn.Linear(rank, out_size or vocab_size, bias=False)  # W_2 (over the draft vocabulary)
 
     def token_features(self, prev_tokens: torch.LongTensor) -> torch.Tensor:
         return self.embed(prev_tokens)

@@ -173,10 +173,16 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.layers = nn.ModuleList([DSparkDecoderLayer(config, i) for i in range(config.num_draft_layers)])
         self.norm = rms(h, eps=config.rms_norm_eps)
         self.rotary_emb = rope(config=config)
+        n_out = config.draft_vocab_size or config.vocab_size
+        if config.draft_vocab_size:
+            # the N token ids the drafter drafts over (set from training-data frequencies; saved with the weights)
+            self.register_buffer("draft_vocab_ids", torch.arange(n_out), persistent=True)
+        else:
+            self.draft_vocab_ids = None
         if config.sequential_head == "markov":
-            self.sequential_head = MarkovHead(config.vocab_size, config.markov_rank)
+            self.sequential_head = MarkovHead(config.vocab_size, config.markov_rank, n_out)
         elif config.sequential_head == "rnn":
-            self.sequential_head = RNNHead(config.vocab_size, config.markov_rank, h)
+            self.sequential_head = RNNHead(config.vocab_size, config.markov_rank, h, n_out)
         else:
             self.sequential_head = None
         feat = config.markov_rank if self.sequential_head is not None else h
@@ -320,9 +326,40 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return DSparkOutput(hidden_states=hidden, base_logits=logits)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """U = LM_head(h) through the target's (shared, frozen) head: ``[..., H] -> [..., V]`` float32."""
+        """U = LM_head(h) through the target's (shared, frozen) head: ``[..., H] -> [..., N]`` float32.
+
+        N = V, or the draft vocabulary size when ``config.draft_vocab_size`` is set (then only the rows
+        ``draft_vocab_ids`` of the target's head are used; see :meth:`expand_draft_logits`).
+        """
         head = self.target_lm_head
-        return head(hidden.to(head.weight.dtype)).float()
+        if self.draft_vocab_ids is None:
+            return head(hidden.to(head.weight.dtype)).float()
+        weight = self._draft_head_weight(head)
+        return nn.functional.linear(hidden.to(weight.dtype), weight).float()
+
+    def _draft_head_weight(self, head: nn.Linear) -> torch.Tensor:
+        """Rows ``draft_vocab_ids`` of the target's LM head, gathered once per (ids, head) and reused.
+
+        A frozen N×H copy (N/V of the head): gathering the rows every round would cost more than the product.
+        """
+        key = (self.draft_vocab_ids._version, self.draft_vocab_ids.data_ptr(), head.weight.data_ptr(),
+               head.weight.dtype, head.weight.device)
+        cached = self._target.get("draft_head")
+        if cached is None or cached[0] != key:
+            cached = (key, head.weight.detach()[self.draft_vocab_ids.to(head.weight.device)].contiguous())
+            self._target["draft_head"] = cached
+        return cached[1]
+
+    def expand_draft_logits(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+        """Scatter draft-vocabulary logits ``[..., N]`` into the full vocabulary ``[..., V]`` (``fill`` elsewhere).
+
+        With no draft vocabulary the input is returned unchanged.
+        """
+        if self.draft_vocab_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), fill)
+        full[..., self.draft_vocab_ids.to(logits.device)] = logits
+        return full
 
     # ------------------------------------------------------------------ eqs. 5–7
     def correction_logits(self, prev_tokens: torch.LongTensor, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -142,3 +142,14 @@ def test_other_assistants_unchanged(smollm, prompt_ids):
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)
     out = target.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=20, do_sample=False)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("head", ["rnn", "none"])
+def test_other_heads_and_draft_vocab_greedy_identical(smollm, prompt_ids, references, head):
+    """RNN head / plain DFlash ("none"), with a reduced draft vocabulary: still identical."""
+    from .conftest import make_drafter
+
+    target, _ = smollm
+    drafter = make_drafter(target, block_size=8, sequential_head=head, markov_rank=32, draft_vocab_size=4096,
+                           use_confidence_head=head != "none")
+    list(_check(target, drafter, prompt_ids, references, 8, 64))

@@ -73,31 +73,43 @@ def _assert_matches(emp, exact, label):
         assert worst <= 0, f"{label}: marginal {name} deviates beyond the sampling bound by {worst:.4f}"
 
 
+def _tiny_drafter(target, seed, **kw):
+    torch.manual_seed(seed)
+    cfg = md.DSparkConfig.from_target_config(target.config, block_size=4, markov_rank=8, target_layer_ids=[0, 2], **kw)
+    drafter = md.DSparkDraftModel(cfg).eval().bind_target(target)
+    with torch.no_grad():  # a non-zero correction, so eq. 4's sequential path is exercised
+        drafter.sequential_head.out.weight.normal_(std=1.0)
+        if drafter.draft_vocab_ids is not None:  # a draft vocabulary: q = 0 outside it, p_t is not
+            drafter.draft_vocab_ids.copy_(torch.randperm(target.config.vocab_size)[: kw["draft_vocab_size"]])
+    return drafter
+
+
 @pytest.fixture(scope="module")
 def tiny():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread avoids oversubscription overhead (≈ 15x faster here)
     target = tiny_target(vocab_size=16)
     enable_dspark(target)
-    torch.manual_seed(1)
-    cfg = md.DSparkConfig.from_target_config(target.config, block_size=4, markov_rank=8, target_layer_ids=[0, 2])
-    drafter = md.DSparkDraftModel(cfg).eval().bind_target(target)
-    with torch.no_grad():  # a non-zero Markov correction, so eq. 4's sequential path is exercised
-        drafter.sequential_head.out.weight.normal_(std=1.0)
-    yield target, drafter
+    drafters = {
+        "markov": _tiny_drafter(target, 1),
+        "markov+draft_vocab": _tiny_drafter(target, 2, draft_vocab_size=10),
+        "rnn+draft_vocab": _tiny_drafter(target, 3, sequential_head="rnn", draft_vocab_size=12),
+    }
+    yield target, drafters
     torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
-    "gen",
+    "gen,drafter_name",
     [
-        {"temperature": 0.7, "top_k": 6},
-        {"temperature": 1.5, "top_p": 0.9},
-        {"temperature": 1.0},
+        ({"temperature": 0.7, "top_k": 6}, "markov"),
+        ({"temperature": 1.5, "top_p": 0.9}, "markov+draft_vocab"),
+        ({"temperature": 1.0}, "rnn+draft_vocab"),
     ],
 )
-def test_sampling_distribution_equals_target(tiny, gen):
-    target, drafter = tiny
+def test_sampling_distribution_equals_target(tiny, gen, drafter_name):
+    target, drafters = tiny
+    drafter = drafters[drafter_name]
     exact = exact_joint(target, gen.get("temperature", 1.0), gen.get("top_k"), gen.get("top_p"))
     assert math.isclose(exact.sum().item(), 1.0, rel_tol=1e-6)
     kw = {"top_k": gen.get("top_k", 0), "top_p": gen.get("top_p", 1.0), "temperature": gen["temperature"]}

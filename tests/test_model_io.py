@@ -14,11 +14,13 @@ from generation import enable_dspark
 from .conftest import make_drafter
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
-def test_save_load_round_trip(smollm, tmp_path, head):
+@pytest.mark.parametrize("head,draft_vocab", [("markov", None), ("rnn", None), ("none", None), ("markov", 1000)])
+def test_save_load_round_trip(smollm, tmp_path, head, draft_vocab):
     target, _ = smollm
-    d = make_drafter(target, block_size=8, sequential_head=head, markov_rank=16,
+    d = make_drafter(target, block_size=8, sequential_head=head, markov_rank=16, draft_vocab_size=draft_vocab,
                      use_confidence_head=head != "none", sts_temperatures=[0.5 + i / 10 for i in range(8)])
+    if draft_vocab:
+        d.draft_vocab_ids.copy_(torch.randperm(target.config.vocab_size)[:draft_vocab])
     with torch.no_grad():
         for p in d.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # no zero-initialised tensor survives by accident
@@ -38,7 +40,7 @@ def test_save_load_round_trip(smollm, tmp_path, head):
         assert r.config.to_dict() | skip == d.config.to_dict() | skip
         for k, v in d.state_dict().items():
             w = r.state_dict()[k]
-            assert w.dtype == dtype
+            assert w.dtype == (dtype if v.is_floating_point() else v.dtype)
             assert torch.equal(w, v.to(dtype)), k
     auto = AutoModel.from_pretrained(tmp_path)
     assert isinstance(auto, md.DSparkDraftModel)
