@@ -165,6 +165,7 @@ def dspark_loss(
     ce_weight: float = 0.1,
     tv_weight: float = 0.9,
     conf_weight: float = 1.0,
+    ce_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """DSpark training loss, SPEC eqs 11–14.
 
@@ -182,6 +183,8 @@ def dspark_loss(
         loss_mask: optional [N, γ] bool; False marks positions past the end
             of a sequence, which contribute nothing (also no gradient).
         ce_weight, tv_weight, conf_weight: α_ce, α_tv, α_conf of eq. 14.
+        ce_mask: optional [N, γ] bool restricting the CE term only (e.g. to labels inside a reduced draft
+            vocabulary, whose draft probability is 0 outside it); TV and confidence still use ``loss_mask``.
 
     Returns:
         dict of float32 scalars:
@@ -237,7 +240,14 @@ def dspark_loss(
     )
     ce_rows = ce_rows.view(n, gamma)
     l1_rows = l1_rows.view(n, gamma)
-    ce = wmean(ce_rows)
+    if ce_mask is None:
+        ce = wmean(ce_rows)
+    else:
+        ce_valid = valid & ce_mask.to(device=device, dtype=torch.bool)
+        w_ce = w * ce_valid
+        ce = torch.where(ce_valid, w_ce * ce_rows, torch.zeros((), device=device)).sum() / w_ce.sum().clamp_min(
+            torch.finfo(torch.float32).tiny
+        )
     tv = wmean(l1_rows)
 
     if confidence_logits is not None:

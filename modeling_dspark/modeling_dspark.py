@@ -94,6 +94,11 @@ class DSparkAttention(nn.Module):
         v = torch.cat([v_ctx, v_blk], dim=2)
         impl = self.config._attn_implementation
         attn = self._eager if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
+        if attention_mask is not None and attention_mask.dtype == torch.bool and attn is self._eager:
+            # eager attention adds the mask to the scores: turn "True = attend" into 0 / -inf-like
+            attention_mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~attention_mask, torch.finfo(q.dtype).min
+            )
         out, _ = attn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, is_causal=False)
         return self.o_proj(out.reshape(bsz, q_len, -1))
 

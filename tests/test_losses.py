@@ -231,3 +231,21 @@ def test_shape_errors():
         dspark_loss(d, t, tok, c, torch.ones(4))
     with pytest.raises(ValueError):
         dspark_loss(d, t, tok, c, w, loss_mask=torch.ones(2, 2, dtype=torch.bool))
+
+
+def test_ce_mask_restricts_only_the_ce_term():
+    import torch
+
+    from modeling_dspark.losses import dspark_loss, position_weights
+
+    torch.manual_seed(0)
+    d, t = torch.randn(3, 2, 5), torch.randn(3, 2, 5)
+    tokens = torch.randint(0, 5, (3, 2))
+    w = position_weights(2)
+    full = dspark_loss(d, t, tokens, None, w)
+    ce_mask = torch.tensor([[True, False], [True, True], [False, True]])
+    part = dspark_loss(d, t, tokens, None, w, ce_mask=ce_mask)
+    assert torch.allclose(part["tv"], full["tv"])
+    logp = torch.log_softmax(d, -1).gather(-1, tokens[..., None])[..., 0]
+    ww = w[None].expand(3, 2) * ce_mask
+    assert torch.allclose(part["ce"], -(ww * logp).sum() / ww.sum(), atol=1e-6)

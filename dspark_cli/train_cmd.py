@@ -1,0 +1,192 @@
+"""`dspark train`: train a DSpark drafter for a frozen target with `DSparkTrainer` (SPEC §5).
+
+Standalone: ``python -m dspark_cli.train_cmd --data data/smollm2 --output-dir runs/dspark --max-steps 2000 --bf16``.
+Runs unchanged on CUDA (bf16) and under ``accelerate launch``. Checkpoints (drafter weights + config + optimizer
+state) go to ``--output-dir/checkpoint-N``; ``--resume`` continues from the latest one. The final drafter is saved
+to ``--output-dir`` with ``training_manifest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _ints(text: str | None):
+    return None if text in (None, "", "last") else [int(x) for x in text.split(",")]
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="directory written by `dspark data build` (or a save_to_disk dir)")
+    p.add_argument("--output-dir", required=True, help="checkpoints and the final drafter")
+    p.add_argument("--target", default=None, help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
+    g = p.add_argument_group("drafter")
+    g.add_argument("--block-size", type=int, default=8, help="γ (default 8)")
+    g.add_argument("--sequential-head", choices=["markov", "rnn", "none"], default="markov")
+    g.add_argument("--markov-rank", type=int, default=64, help="r of the Markov/RNN head (default 64)")
+    g.add_argument("--num-draft-layers", type=int, default=2)
+    g.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft over the N most frequent response tokens of the data (default: full vocabulary)")
+    g.add_argument("--target-layer-ids", default=None, help="comma-separated target layers for the features")
+    g.add_argument("--no-confidence-head", action="store_true", help="drop the confidence head (plain DFlash: "
+                   "combine with --sequential-head none)")
+    g.add_argument("--init-from-target", nargs="?", const="last", default=None, metavar="LAYER_IDS",
+                   help="initialise the draft layers from target layers (default: the last num-draft-layers)")
+    l = p.add_argument_group("loss")
+    l.add_argument("--ce-weight", type=float, default=0.1)
+    l.add_argument("--tv-weight", type=float, default=0.9)
+    l.add_argument("--conf-weight", type=float, default=1.0)
+    l.add_argument("--loss-decay", type=float, default=None, help="position-weight decay (default γ)")
+    t = p.add_argument_group("training")
+    t.add_argument("--anchors-per-seq", type=int, default=8, help="random anchors (blocks) per sequence (default 8)")
+    t.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
+    t.add_argument("--max-steps", type=int, default=1000)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup-steps", type=int, default=None, help="default 3%% of max-steps")
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per device per step")
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--sampling", choices=["group_by_length", "random"], default="group_by_length",
+                   help="batch sampling: group sequences of similar length (less padding; default) or random")
+    t.add_argument("--bf16", action="store_true", help="bf16 target and bf16 autocast (CPU or CUDA)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="resume from CHECKPOINT, or from the latest checkpoint in --output-dir")
+    t.add_argument("--save-steps", type=int, default=500)
+    t.add_argument("--save-total-limit", type=int, default=3)
+    t.add_argument("--logging-steps", type=int, default=10)
+    t.add_argument("--num-workers", type=int, default=0, help="dataloader workers")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (on a busy machine 1 thread can be much faster than oversubscribing)")
+    t.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``train`` on an argparse sub-parser collection."""
+    p = subparsers.add_parser("train", help="train a DSpark drafter for a frozen target",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run(args) -> int:
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from transformers import TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from modeling_dspark import DSparkConfig, DSparkDraftModel
+    from modeling_dspark.data import load_data
+    from modeling_dspark.target import DEFAULT_TARGET, load_target
+    from modeling_dspark.training import DSparkCollator, DSparkTrainer, init_from_target, prepare_dataset
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers.set_seed(args.seed)
+    target, tok = load_target(args.target, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    extra = {}
+    if args.target_layer_ids:
+        extra["target_layer_ids"] = _ints(args.target_layer_ids)
+    cfg = DSparkConfig.from_target_config(
+        target.config,
+        block_size=args.block_size, sequential_head=args.sequential_head, markov_rank=args.markov_rank,
+        num_draft_layers=args.num_draft_layers, use_confidence_head=not args.no_confidence_head,
+        ce_weight=args.ce_weight, tv_weight=args.tv_weight, conf_weight=args.conf_weight,
+        loss_decay=args.loss_decay, draft_vocab_size=args.draft_vocab_size, **extra,
+    )
+    if not cfg.target_name_or_path or args.target is None:
+        cfg.target_name_or_path = str(args.target or DEFAULT_TARGET)
+    drafter = DSparkDraftModel(cfg)
+    init_layers = None
+    if args.init_from_target is not None:
+        init_layers = _ints(args.init_from_target)
+        copied = init_from_target(drafter, target, init_layers)
+        print(f"initialised {len(copied)} drafter tensors from target layers {init_layers or 'last'}")
+
+    data = prepare_dataset(load_data(args.data))
+    if args.draft_vocab_size:
+        from modeling_dspark.training import select_draft_vocab
+
+        eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else 0
+        drafter.draft_vocab_ids.copy_(select_draft_vocab(data, args.draft_vocab_size, always=[eos]))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    collator = DSparkCollator(args.block_size, args.anchors_per_seq, pad, args.seed, args.max_length)
+    warmup = args.warmup_steps if args.warmup_steps is not None else int(0.03 * args.max_steps)
+    targs = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=warmup,
+        weight_decay=args.weight_decay, lr_scheduler_type="cosine", per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, train_sampling_strategy=args.sampling, bf16=args.bf16, seed=args.seed, data_seed=args.seed,
+        save_strategy="steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
+        logging_steps=args.logging_steps, report_to="none", dataloader_num_workers=args.num_workers,
+        remove_unused_columns=False, use_cpu=args.cpu or not torch.cuda.is_available(), max_grad_norm=1.0,
+    )
+    trainer = DSparkTrainer(model=drafter, target=target, args=targs, train_dataset=data, data_collator=collator)
+
+    resume = None
+    if args.resume == "latest":
+        resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        if resume is None:
+            print(f"no checkpoint in {args.output_dir}: starting from scratch")
+    elif args.resume:
+        resume = args.resume
+    t0 = time.time()
+    result = trainer.train(resume_from_checkpoint=resume)
+    wall = time.time() - t0
+    trainer.save_model(args.output_dir)
+
+    if trainer.is_world_process_zero():
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        bps = [h["blocks_per_s"] for h in logs if "blocks_per_s" in h]
+        data_manifest = Path(args.data) / "manifest.json"
+        manifest = {
+            "command": "dspark train " + " ".join(sys.argv[1:]) if sys.argv else None,
+            "args": vars(args) | {"func": None},
+            "target": cfg.target_name_or_path,
+            "resumed_from": resume,
+            "global_step": trainer.state.global_step,
+            "sequences": len(data),
+            "blocks_seen_approx": trainer.state.global_step * args.batch_size * args.grad_accum
+            * args.anchors_per_seq * trainer.args.world_size,
+            "wall_s_this_run": round(wall, 1),
+            "train_metrics": result.metrics,
+            "blocks_per_s_mean": round(sum(bps) / len(bps), 2) if bps else None,
+            "last_log": logs[-1] if logs else None,
+            "init_from_target": args.init_from_target,
+            "machine": _machine(),
+            "data_manifest": json.loads(data_manifest.read_text()) if data_manifest.exists() else None,
+        }
+        manifest["args"].pop("func", None)
+        (Path(args.output_dir) / "training_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        print(json.dumps({k: manifest[k] for k in ("global_step", "wall_s_this_run", "blocks_per_s_mean",
+                                                    "last_log")}, indent=2, default=str))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="dspark train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Tests for modeling_dspark.training and modeling_dspark.data on a tiny random Llama target (CPU, < 60 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainingArguments
+
+import modeling_dspark as md
+from modeling_dspark.common import block_attention_mask
+from modeling_dspark.data import build_dataset, load_data
+from modeling_dspark.training import (
+    DSparkCollator,
+    DSparkTrainer,
+    anchor_range,
+    init_from_target,
+    prepare_dataset,
+)
+
+GAMMA = 4
+
+
+def make_target(seed=0, vocab=64) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)  # sharper, non-uniform distributions
+    return model
+
+
+def make_drafter(target, seed=0, **kw):
+    torch.manual_seed(seed)
+    kw = {"block_size": GAMMA, "target_layer_ids": [0, 2], "num_draft_layers": 1, "markov_rank": 8, **kw}
+    return md.DSparkDraftModel(md.DSparkConfig.from_target_config(target.config, **kw))
+
+
+def make_data(n=24, seed=0, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "prompt_len": []}
+    for _ in range(n):
+        length = int(torch.randint(8, 30, (1,), generator=g))
+        rows["input_ids"].append(torch.randint(3, vocab, (length,), generator=g).tolist())
+        rows["prompt_len"].append(int(torch.randint(1, 6, (1,), generator=g)))
+    rows["input_ids"].append([5, 6, 7])  # response too short: no legal anchor, dropped by prepare_dataset
+    rows["prompt_len"].append(2)
+    return prepare_dataset(Dataset.from_dict(rows))
+
+
+def make_args(out, **kw):
+    base = dict(
+        output_dir=str(out), max_steps=4, learning_rate=1e-2, per_device_train_batch_size=4, logging_steps=2,
+        save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0, warmup_steps=0,
+        dataloader_num_workers=0,
+    )
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def make_trainer(out, target, drafter, data, **kw):
+    return DSparkTrainer(
+        model=drafter, target=target, args=make_args(out, **kw), train_dataset=data,
+        data_collator=DSparkCollator(GAMMA, anchors_per_seq=3, pad_token_id=0, seed=0),
+    )
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_data()
+
+
+# --------------------------------------------------------------------------- collator / mask
+def test_anchors_never_cross_sequence_end_and_are_deterministic():
+    col = DSparkCollator(GAMMA, anchors_per_seq=5, pad_token_id=0, seed=3)
+    feats = [{"input_ids": list(range(3, 3 + L)), "prompt_len": p, "idx": i}
+             for i, (L, p) in enumerate([(20, 4), (6, 3), (3, 1), (2, 1), (9, 0), (7, 6)])]
+    batch = col(feats)
+    for b, f in enumerate(feats):
+        L = len(f["input_ids"])
+        lo, hi = anchor_range(f["prompt_len"], L)
+        a = batch["anchor_positions"][b][batch["anchor_valid"][b]].tolist()
+        assert len(a) == min(5, max(0, hi - lo)) and len(set(a)) == len(a)
+        assert all(max(f["prompt_len"], 1) <= p < L - 1 for p in a)  # response part, never the last token
+        used = int(batch["attention_mask"][b].sum())  # trimmed after the last block's last label
+        assert used <= L and (not a or used == min(L, max(a) + GAMMA + 1))
+        assert batch["input_ids"][b, :used].tolist() == f["input_ids"][:used]
+    # sequences of length 2 / a prompt covering all but one token have no anchor
+    assert not batch["anchor_valid"][3].any() and not batch["anchor_valid"][5].any()
+    # determinism: same seed -> same anchors, independent of batch composition; other seed -> different
+    again = col(feats[:1])
+    assert torch.equal(again["anchor_positions"][0], batch["anchor_positions"][0])
+    other = DSparkCollator(GAMMA, anchors_per_seq=5, pad_token_id=0, seed=4)(feats[:1])
+    assert not torch.equal(other["anchor_positions"][0], batch["anchor_positions"][0])
+
+
+def test_attention_mask_of_packed_batch():
+    col = DSparkCollator(GAMMA, anchors_per_seq=3, pad_token_id=0, seed=0)
+    feats = [{"input_ids": list(range(3, 3 + L)), "prompt_len": 2, "idx": i} for i, L in enumerate([12, 7])]
+    batch = col(feats)
+    anchors, attn = batch["anchor_positions"], batch["attention_mask"]
+    B, S = attn.shape
+    ctx_pos = torch.arange(S).expand(B, S)
+    mask = block_attention_mask(anchors, ctx_pos, GAMMA, attn.bool())
+    n = anchors.shape[1]
+    assert mask.shape == (B, 1, n * GAMMA, S + n * GAMMA)
+    for b in range(B):
+        length = int(attn[b].sum())
+        for q in range(n * GAMMA):
+            blk = q // GAMMA
+            p = int(anchors[b, blk])
+            ctx = mask[b, 0, q, :S]
+            # context strictly before the anchor, never padding
+            assert ctx.tolist() == [s < p and s < length for s in range(S)]
+            own = mask[b, 0, q, S:].view(n, GAMMA)
+            assert own[blk].all() and own.sum() == GAMMA  # bidirectional in its own block, no other block
+
+
+# --------------------------------------------------------------------------- trainer
+def test_target_logits_and_features_are_aligned(target, data, tmp_path):
+    drafter = make_drafter(target)
+    tr = make_trainer(tmp_path, target, drafter, data)
+    batch = tr.data_collator([data[i] for i in range(3)])
+    ids, attn, anchors = batch["input_ids"], batch["attention_mask"], batch["anchor_positions"]
+    feats, t_logits = tr.target_outputs(ids, attn, anchors, drafter.config.target_layer_ids, GAMMA)
+    with torch.no_grad():
+        full = target(ids, attention_mask=attn, output_hidden_states=True)
+    ref = torch.cat([full.hidden_states[1], full.hidden_states[3]], dim=-1)  # layers 0 and 2
+    torch.testing.assert_close(feats, ref)
+    b, j, i = 1, 0, 2
+    p = int(anchors[b, j])
+    torch.testing.assert_close(t_logits[b, j, i], full.logits[b, p + i], rtol=1e-4, atol=1e-4)
+
+
+def test_frozen_target_unchanged_drafter_changed_checkpoint_drafter_only(target, data, tmp_path):
+    drafter = make_drafter(target)
+    before_t = {k: v.clone() for k, v in target.state_dict().items()}
+    before_d = {k: v.clone() for k, v in drafter.state_dict().items()}
+    tr = make_trainer(tmp_path, target, drafter, data, save_strategy="steps", save_steps=4)
+    tr.train()
+    assert not target.training and not any(p.requires_grad for p in target.parameters())
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, before_t[k]), k
+    assert drafter.target_embeddings.weight is target.get_input_embeddings().weight
+    changed = [k for k, v in drafter.state_dict().items() if not torch.equal(v, before_d[k])]
+    for name in ("fc.weight", "mask_embedding", "layers.0.self_attn.q_proj.weight", "sequential_head.out.weight",
+                 "confidence_head.proj.weight"):
+        assert name in changed
+    # the optimizer only holds drafter parameters
+    opt_params = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
+    assert opt_params <= {id(p) for p in drafter.parameters()}
+    assert not opt_params & {id(p) for p in target.parameters()}
+    ckpt = tmp_path / "checkpoint-4"
+    keys = set(load_file(ckpt / "model.safetensors"))
+    assert keys == set(drafter.state_dict())
+    assert json.loads((ckpt / "config.json").read_text())["model_type"] == "dspark"
+    # each loss term is logged
+    logged = tr.state.log_history[0]
+    assert {"loss", "ce", "tv", "conf", "blocks_per_s"} <= set(logged)
+    metrics = tr.evaluate(eval_dataset=data.select(range(4)))
+    assert {"eval_loss", "eval_ce", "eval_tv", "eval_conf"} <= set(metrics)
+    loaded = md.DSparkDraftModel.from_pretrained(ckpt)
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, drafter.state_dict()[k])
+
+
+def test_training_lowers_loss(target, data, tmp_path):
+    drafter = make_drafter(target)
+    tr = make_trainer(tmp_path, target, drafter, data, max_steps=12, logging_steps=12)
+    batch = tr.data_collator([data[i] for i in range(8)])
+
+    def loss_now():
+        drafter.eval()
+        with torch.no_grad():
+            return float(tr.compute_loss(drafter, batch))
+
+    before = loss_now()
+    tr.train()
+    after = loss_now()
+    assert after < 0.9 * before, (before, after)
+
+
+def test_resume_continues_step_count(target, data, tmp_path):
+    full = make_trainer(tmp_path / "full", target, make_drafter(target), data, max_steps=4)
+    full.train()
+    part = make_trainer(tmp_path / "part", target, make_drafter(target), data, max_steps=4,
+                        save_strategy="steps", save_steps=2)
+    part.train()
+    assert part.state.global_step == 4
+    # a fresh run resumed from step 2 ends at step 4 with the same weights as the uninterrupted run
+    resumed_drafter = make_drafter(target, seed=123)
+    resumed = make_trainer(tmp_path / "part", target, resumed_drafter, data, max_steps=4,
+                           save_strategy="steps", save_steps=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    losses = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h}
+    assert sorted(losses) == [2, 4]  # history restored from the checkpoint, then continued
+    full_losses = {h["step"]: h["loss"] for h in full.state.log_history if "loss" in h}
+    assert losses[4] == pytest.approx(full_losses[4], rel=1e-4)
+    ref = full.model.state_dict()
+    for k, v in resumed_drafter.state_dict().items():
+        torch.testing.assert_close(v, ref[k], rtol=1e-4, atol=1e-5)
+
+
+def test_init_from_target(target):
+    drafter = make_drafter(target, num_draft_layers=2)
+    copied = init_from_target(drafter, target)  # last two target layers: 2, 3
+    assert "layers.0.self_attn.q_proj.weight" in copied and "norm.weight" in copied
+    torch.testing.assert_close(drafter.layers[1].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+    torch.testing.assert_close(drafter.layers[0].self_attn.k_proj.weight, target.model.layers[2].self_attn.k_proj.weight)
+    with pytest.raises(ValueError):
+        init_from_target(drafter, target, [0])
+
+
+# --------------------------------------------------------------------------- data build
+def char_tokenizer():
+    from tokenizers import Tokenizer, models, normalizers
+
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 .,?!")
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<u>", "<a>"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.normalizer = normalizers.Lowercase()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                  unk_token="<unk>", additional_special_tokens=["<u>", "<a>"])
+    tok.chat_template = (
+        "{% for m in messages %}<u>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    return tok
+
+
+def test_data_build_deterministic_resumable_and_drops_eval_overlap(tmp_path):
+    tok = char_tokenizer()
+    tgt = make_target(seed=1)
+    tgt.generation_config.eos_token_id = tok.eos_token_id
+    tgt.generation_config.pad_token_id = tok.pad_token_id
+    prompts = ["Hello there, how are you?", "Add 2 and 3.", "What is two plus two?", "Name a colour!"]
+    evals = {"toy": ["what is TWO plus two"]}
+    kw = dict(max_new_tokens=6, batch_size=2, seed=7, prompts=prompts, eval_sets=evals, shard_size=2, progress=False)
+    m1 = build_dataset(tgt, tok, tmp_path / "a", **kw)
+    # a "killed" run: one shard, then resume
+    m2 = build_dataset(tgt, tok, tmp_path / "b", **kw, max_shards=1)
+    assert not m2["generation"]["complete"]
+    m2 = build_dataset(tgt, tok, tmp_path / "b", **kw)
+    assert m1["generation"]["complete"] and m2["generation"]["complete"]
+    assert m1["eval_overlap_dropped_total"] == 1 and m1["prompts"]["custom"]["kept"] == 3
+    a, b = load_data(tmp_path / "a"), load_data(tmp_path / "b")
+    assert len(a) == 3 and a["input_ids"] == b["input_ids"] and a["id"] == b["id"]
+    assert set(a.column_names) >= {"input_ids", "prompt_len", "source"}
+    for ids, pl in zip(a["input_ids"], a["prompt_len"]):
+        assert ids[pl - 1] == tok.convert_tokens_to_ids("<a>") and 1 <= len(ids) - pl <= 6
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["num_prompts"] == 3
+    # the response is the target's own greedy continuation
+    ids0, pl0 = a["input_ids"][0], a["prompt_len"][0]
+    with torch.no_grad():
+        ref = tgt.generate(torch.tensor([ids0[:pl0]]), max_new_tokens=6, do_sample=False,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, pl0:].tolist()
+    assert ids0[pl0:] == ref[: len(ids0) - pl0]
+    # different arguments in the same directory are refused
+    with pytest.raises(ValueError):
+        build_dataset(tgt, tok, tmp_path / "a", **{**kw, "seed": 8})
+    assert os.path.isdir(tmp_path / "a" / "shards" / "shard-00001")
+
+
+def test_select_draft_vocab_counts_response_tokens_only():
+    from modeling_dspark.training import select_draft_vocab
+
+    rows = [{"input_ids": [1, 2, 3, 3, 3, 5, 5], "prompt_len": 2}, {"input_ids": [9, 9, 7, 7], "prompt_len": 1}]
+    # response tokens: 3×3, 5×2, 7×2, 9×1 (the prompt tokens 1, 2, 9 are not counted); EOS 0 always kept
+    assert select_draft_vocab(rows, 3, always=[0]).tolist() == [0, 3, 5]
+    assert select_draft_vocab(rows, 5, always=[0]).tolist() == [0, 3, 5, 7, 9]
