@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "dspark_cli.eval_cmd",
     "dspark_cli.profile_cmd",
     "dspark_cli.bench_cmd",
+    "dspark_cli.adapt_cmd",
 ]
 
 

@@ -1,0 +1,248 @@
+"""`dspark adapt`: LoRA-adapt an existing DSpark drafter to a new domain through `DSparkTrainer` (peft).
+
+Build the new domain's data with the target first (e.g. ``dspark data build --out data/math --sources gsm_symbolic
+--per-source 2000``), then::
+
+    dspark adapt --drafter hub_cards/... --data data/math --output-dir runs/adapt-math --max-steps 300 --merge
+
+Only the LoRA adapters (rank ``--lora-r`` on the draft layers' q/k/v/o and gate/up/down projections; optionally
+full copies of the heads with ``--train-heads``) are trained, with the same loss, online target features and
+checkpointing as ``dspark train``. ``--eval-prompts N`` rows of the domain data (or of ``--eval-data``) are held out
+of training and used to measure greedy τ (``target.generate(assistant_model=…)``, full-block verification) before
+and after adaptation. Outputs in ``--output-dir``: ``adapter_model.safetensors`` + ``adapter_config.json`` (the
+adapter; load it with :func:`modeling_dspark.peft_adapt.load_adapter`), ``dspark_adapter.json``,
+``adapt_manifest.json`` (τ before/after, steps, wall time, trainable parameters, command) and, with ``--merge``,
+``merged/``: a plain drafter with the LoRA folded in (``DSparkDraftModel.from_pretrained``). The STS temperatures
+are copied unchanged; re-run ``dspark calibrate`` on the merged drafter for calibrated confidences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", required=True, help="directory of the trained drafter to adapt")
+    p.add_argument("--data", required=True, help="new-domain data: a directory written by `dspark data build`")
+    p.add_argument("--output-dir", required=True, help="checkpoints, the adapter, the manifest (and merged/)")
+    p.add_argument("--target", default=None,
+                   help="local target directory (default: the drafter's target if it is a local directory, "
+                        "else SmolLM2-135M-Instruct)")
+    lo = p.add_argument_group("LoRA")
+    lo.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
+    lo.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 × rank)")
+    lo.add_argument("--lora-dropout", type=float, default=0.0)
+    lo.add_argument("--target-modules", default=DEFAULT_MODULES,
+                    help=f"comma-separated module names to adapt (default {DEFAULT_MODULES}; add fc for W_c)")
+    lo.add_argument("--train-heads", action="store_true",
+                    help="also train full copies of the sequential and confidence heads (saved with the adapter)")
+    lo.add_argument("--merge", action="store_true", help="also save the merged drafter to OUTPUT_DIR/merged")
+    t = p.add_argument_group("training")
+    t.add_argument("--max-steps", type=int, default=300)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--warmup-steps", type=int, default=None, help="default 3%% of max-steps")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per device per step")
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--anchors-per-seq", type=int, default=8)
+    t.add_argument("--max-length", type=int, default=2048)
+    t.add_argument("--bf16", action="store_true", help="bf16 target and bf16 autocast (CPU or CUDA)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="resume from CHECKPOINT, or from the latest checkpoint in --output-dir")
+    t.add_argument("--save-steps", type=int, default=100)
+    t.add_argument("--save-total-limit", type=int, default=2)
+    t.add_argument("--logging-steps", type=int, default=10)
+    t.add_argument("--num-workers", type=int, default=0)
+    t.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present")
+    e = p.add_argument_group("τ before / after")
+    e.add_argument("--eval-prompts", type=int, default=16,
+                   help="held-out domain prompts for greedy τ before and after (0 = skip; default 16)")
+    e.add_argument("--eval-data", default=None,
+                   help="take the τ prompts from this data directory instead of holding them out of --data")
+    e.add_argument("--eval-max-new-tokens", type=int, default=64)
+    e.add_argument("--eval-block-size", type=int, default=None, help="γ' for the τ measurement (default: drafter's)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``adapt`` on an argparse sub-parser collection."""
+    p = subparsers.add_parser("adapt", help="LoRA-adapt a trained drafter to a new domain (peft)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _resolve_target(args, drafter_dir: str):
+    """``--target``, else the drafter's ``target_name_or_path`` when that is a local directory, else the default."""
+    import os
+
+    from modeling_dspark import DSparkConfig
+
+    if args.target:
+        return args.target
+    name = DSparkConfig.from_pretrained(drafter_dir).target_name_or_path
+    return name if name and os.path.isdir(name) else None
+
+
+def split_eval(data, n: int, seed: int, eval_data=None):
+    """(train rows, held-out eval rows): ``n`` rows of ``eval_data`` if given, else ``n`` rows held out of ``data``.
+
+    The held-out rows are chosen by a seeded permutation and removed from the training set.
+    """
+    import numpy as np
+
+    if n <= 0:
+        return data, None
+    if eval_data is not None:
+        order = np.random.default_rng(seed).permutation(len(eval_data))[:n]
+        return data, eval_data.select(sorted(order.tolist()))
+    if n >= len(data):
+        raise SystemExit(f"--eval-prompts {n} leaves no training rows (data has {len(data)} rows)")
+    order = np.random.default_rng(seed).permutation(len(data))
+    held = sorted(order[:n].tolist())
+    keep = sorted(order[n:].tolist())
+    return data.select(keep), data.select(held)
+
+
+def run(args) -> int:
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from transformers import TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from modeling_dspark import DSparkDraftModel
+    from modeling_dspark.data import load_data
+    from modeling_dspark.peft_adapt import (
+        add_lora,
+        greedy_tau,
+        merge_lora,
+        trainable_parameter_summary,
+        write_adapter_info,
+    )
+    from modeling_dspark.target import load_target
+    from modeling_dspark.training import DSparkCollator, DSparkTrainer, prepare_dataset
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers.set_seed(args.seed)
+    use_cpu = args.cpu or not torch.cuda.is_available()
+    device = "cpu" if use_cpu else "cuda"
+    target, tok = load_target(_resolve_target(args, args.drafter),
+                              dtype=torch.bfloat16 if args.bf16 else torch.float32, device=device)
+    drafter = DSparkDraftModel.from_pretrained(args.drafter, target=target)
+    saved_dtype = drafter.dtype
+    drafter.to(torch.float32)  # LoRA weights and optimizer state in fp32; bf16 via autocast (--bf16)
+    gamma = drafter.config.block_size
+
+    data = prepare_dataset(load_data(args.data))
+    eval_src = prepare_dataset(load_data(args.eval_data)) if args.eval_data else None
+    train_rows, eval_rows = split_eval(data, args.eval_prompts, args.seed, eval_src)
+    prompts = [] if eval_rows is None else [r["input_ids"][: r["prompt_len"]] for r in eval_rows]
+
+    def tau(model):
+        if not prompts:
+            return None
+        t0 = time.time()
+        res = greedy_tau(target, model, prompts, max_new_tokens=args.eval_max_new_tokens,
+                         block_size=args.eval_block_size)
+        res["wall_s"] = round(time.time() - t0, 1)
+        return res
+
+    tau_before = tau(drafter)
+    if tau_before is not None:
+        print(f"τ before adaptation: {tau_before['tau']:.3f} on {len(prompts)} held-out domain prompts")
+
+    model = add_lora(drafter, r=args.lora_r, alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
+                     dropout=args.lora_dropout, target_modules=args.target_modules, train_heads=args.train_heads)
+    params = trainable_parameter_summary(model)
+    print(f"LoRA: {params['trainable']:,} trainable of {params['total']:,} drafter parameters "
+          f"({100 * params['fraction']:.2f}%)")
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    collator = DSparkCollator(gamma, args.anchors_per_seq, pad, args.seed, args.max_length)
+    warmup = args.warmup_steps if args.warmup_steps is not None else int(0.03 * args.max_steps)
+    targs = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=warmup,
+        lr_scheduler_type="cosine", per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, bf16=args.bf16, seed=args.seed, data_seed=args.seed,
+        save_strategy="steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
+        logging_steps=args.logging_steps, report_to="none", dataloader_num_workers=args.num_workers,
+        remove_unused_columns=False, use_cpu=use_cpu, max_grad_norm=1.0,
+    )
+    trainer = DSparkTrainer(model=model, target=target, args=targs, train_dataset=train_rows, data_collator=collator)
+    resume = None
+    if args.resume == "latest":
+        resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        if resume is None:
+            print(f"no checkpoint in {args.output_dir}: starting from scratch")
+    elif args.resume:
+        resume = args.resume
+    t0 = time.time()
+    result = trainer.train(resume_from_checkpoint=resume)
+    wall = time.time() - t0
+    trainer.save_model(args.output_dir)  # a PeftModel: adapter_model.safetensors + adapter_config.json only
+
+    tau_after = tau(model)
+    if tau_after is not None:
+        print(f"τ after adaptation:  {tau_after['tau']:.3f}")
+
+    merged_dir = None
+    if args.merge and trainer.is_world_process_zero():
+        merged = merge_lora(model)
+        merged.to(saved_dtype)
+        merged_dir = Path(args.output_dir) / "merged"
+        merged.save_pretrained(merged_dir)
+        print(f"merged drafter saved to {merged_dir}")
+
+    if trainer.is_world_process_zero():
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        manifest = {
+            "command": "dspark adapt " + " ".join(sys.argv[1:]) if sys.argv else None,
+            "args": {k: v for k, v in vars(args).items() if not callable(v)},
+            "base_drafter": str(args.drafter),
+            "target": drafter.config.target_name_or_path,
+            "data": str(args.data),
+            "train_sequences": len(train_rows),
+            "eval_source": str(args.eval_data or args.data),
+            "eval_ids": None if eval_rows is None or "id" not in eval_rows.column_names else list(eval_rows["id"]),
+            "lora": {"r": args.lora_r, "alpha": args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
+                     "dropout": args.lora_dropout, "target_modules": args.target_modules,
+                     "train_heads": args.train_heads, "trainable_params": params["trainable"],
+                     "total_params": params["total"]},
+            "resumed_from": resume,
+            "global_step": trainer.state.global_step,
+            "wall_s_this_run": round(wall, 1),
+            "train_metrics": result.metrics,
+            "first_log": logs[0] if logs else None,
+            "last_log": logs[-1] if logs else None,
+            "tau_before": tau_before,
+            "tau_after": tau_after,
+            "merged": str(merged_dir) if merged_dir else None,
+        }
+        write_adapter_info(args.output_dir, drafter, str(args.drafter),
+                           tau_before=tau_before and tau_before["tau"], tau_after=tau_after and tau_after["tau"])
+        (Path(args.output_dir) / "adapt_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        print(json.dumps({k: manifest[k] for k in ("global_step", "wall_s_this_run", "last_log")}
+                         | {"tau_before": tau_before and tau_before["tau"], "tau_after": tau_after and tau_after["tau"]},
+                         indent=2, default=str))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="dspark adapt", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
