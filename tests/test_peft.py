@@ -25,7 +25,7 @@ from modeling_dspark.peft_adapt import (  # noqa: E402
 from modeling_dspark.training import DSparkCollator, DSparkTrainer, prepare_dataset  # noqa: E402
 from tests.test_training import GAMMA, char_tokenizer, make_args, make_data, make_drafter, make_target  # noqa: E402
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # restored after this module
 
 
 @torch.no_grad()
