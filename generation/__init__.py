@@ -7,6 +7,8 @@ from .candidate_generator import DSparkCandidateGenerator
 from .integration import dspark_options, enable_dspark
 from .policies import ConfidenceThreshold, FixedLength, FullBlock, PrefixScheduler, VerifyPolicy, make_policy
 from .stats import GenerationStats, RoundStats, collect_stats
+from .engine import DSparkEngine, RequestOutput, generate_batch
+from .profiling import SPSCurve, SPSProfile, ensure_profile, load_profile, load_sps
 
 __all__ = [
     "DSparkCandidateGenerator",
@@ -21,4 +23,12 @@ __all__ = [
     "GenerationStats",
     "RoundStats",
     "collect_stats",
+    "DSparkEngine",
+    "RequestOutput",
+    "generate_batch",
+    "SPSCurve",
+    "SPSProfile",
+    "ensure_profile",
+    "load_profile",
+    "load_sps",
 ]

@@ -37,9 +37,14 @@ def dspark_options(policy=None, block_size: int | None = None, sps=None):
         _options.reset(token)
 
 
-def default_policy(drafter: DSparkDraftModel, sps=None):
+def default_policy(drafter: DSparkDraftModel, sps=None, *, target=None, context_len=None, block_size=None):
     """The policy used when none is given: the DSpark scheduler when the drafter has a confidence head and an
-    SPS(B) table is known, else the full block."""
+    SPS(B) table is given or cached for ``target`` (its name, dtype and torch's thread count; see
+    :func:`generation.profiling.sps_for_generate`), else the full block."""
+    if sps is None and target is not None:
+        from .profiling import sps_for_generate
+
+        sps = sps_for_generate(target, drafter, context_len, block_size=block_size)
     if sps is not None and drafter.confidence_head is not None:
         return make_policy("scheduler", sps)
     return make_policy("full")
@@ -59,9 +64,18 @@ def enable_dspark(target):
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
         if isinstance(assistant_model, DSparkDraftModel):
             opts = _options.get()
-            sps = opts.get("sps")
-            policy = opts.get("policy")
-            policy = make_policy(policy, sps) if policy is not None else default_policy(assistant_model, sps)
+            sps, policy, block_size = opts.get("sps"), opts.get("policy"), opts.get("block_size")
+            context_len = input_ids.shape[1]
+            if policy == "scheduler" and sps is None:  # asked for the scheduler: profile on first use, cache it
+                from .profiling import sps_for_generate
+
+                sps = sps_for_generate(self, assistant_model, context_len, block_size=block_size,
+                                       profile_if_missing=True)
+            if policy is not None:
+                policy = make_policy(policy, sps)
+            else:
+                policy = default_policy(assistant_model, sps, target=self, context_len=context_len,
+                                        block_size=block_size)
             return DSparkCandidateGenerator(
                 assistant_model,
                 self,

@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# tests never read or write the user's SPS(B) profiles: a cached profile would turn the scheduler on by default
+import tempfile  # noqa: E402
+
+os.environ["DSPARK_PROFILE_DIR"] = tempfile.mkdtemp(prefix="dspark-test-profiles-")
 
 import pytest
 import torch

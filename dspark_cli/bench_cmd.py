@@ -1,0 +1,316 @@
+"""`dspark bench serve`: serving benchmark of batched speculative decoding (:class:`generation.engine.DSparkEngine`).
+
+    dspark bench serve                                   # R = 1 2 4 8 16, six policies, bf16, mtbench + gsm8k
+    dspark bench serve --requests 1 4 --max-new-tokens 32 --limit 4 --out bench.json --plot bench.png
+
+For every concurrency R and verify policy it serves the same held-out prompts (``load_eval_prompts``: MT-Bench first
+turns and GSM8K, chat template applied) with at most R requests in flight (continuous batching; at least
+``--min-requests`` requests per R), greedy, and reports total throughput (generated tokens / wall second) and
+per-user speed (mean over requests of tokens / seconds from admission to finish). Policies: no speculation;
+static verify length 1 (the MTP-1 analogue); static full block; DeepSpec-style confidence threshold; the DSpark
+scheduler (Algorithm 1 over all running requests); the two-round-lag budget variant. The scheduler's SPS(B) table
+is profiled on first use for this target / dtype / thread count and cached (see ``dspark profile``).
+
+Writes JSON and a Pareto plot (throughput vs per-user speed) and prints a markdown table.
+Exit codes: 0 success, 2 usage or input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
+DEFAULT_POLICIES = ["none", "fixed:1", "full", "threshold:0.5", "scheduler", "lagged:2"]
+STATIC_POLICIES = ("none", "fixed", "full", "threshold")
+POLICY_LABELS = {
+    "none": "no speculation",
+    "fixed:1": "static ℓ=1 (MTP-1)",
+    "full": "static full block",
+    "scheduler": "DSpark scheduler",
+    "lagged:2": "DSpark, 2-round lag",
+}
+
+
+class CLIError(Exception):
+    pass
+
+
+def policy_label(policy: str) -> str:
+    """Human-readable name of an engine policy for tables and plots."""
+    if policy in POLICY_LABELS:
+        return POLICY_LABELS[policy]
+    name, _, arg = policy.partition(":")
+    if name == "fixed":
+        return f"static ℓ={arg}"
+    if name == "threshold":
+        return f"confidence threshold {arg or 0.5}"
+    if name == "lagged":
+        return f"DSpark, {arg}-round lag"
+    return policy
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="benchmarks (serve: batched speculative decoding throughput)",
+                              description="Benchmarks.")
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    s = sub.add_parser(
+        "serve",
+        help="throughput vs per-user speed of batched speculative decoding for several R and policies",
+        description=(
+            "For each concurrency R and verify policy, serve held-out prompts with DSparkEngine (greedy, continuous "
+            "batching) and report total throughput and per-user tokens/s; JSON + Pareto plot + markdown table."
+        ),
+    )
+    s.add_argument("--target", default=None, metavar="PATH",
+                   help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--drafter", default=None, metavar="PATH|random",
+                   help=f"DSpark drafter directory (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
+                        "else a random drafter, with a warning)")
+    s.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
+    s.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="R",
+                   help="concurrency levels (default: 1 2 4 8 16)")
+    s.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, metavar="POLICY",
+                   help="engine policies: none, fixed:N, full, threshold:P, scheduler, lagged[:LAG] "
+                        f"(default: {' '.join(DEFAULT_POLICIES)})")
+    s.add_argument("--datasets", nargs="+", default=["mtbench", "gsm8k"],
+                   help="eval prompt sets (default: mtbench gsm8k)")
+    s.add_argument("--limit", type=int, default=8, help="prompts per dataset (default: 8)")
+    s.add_argument("--min-requests", type=int, default=4,
+                   help="requests served per R: max(R, this) (default: 4)")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
+    s.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current setting)")
+    s.add_argument("--out", default="bench_serve.json", metavar="FILE.json", help="(default: bench_serve.json)")
+    s.add_argument("--plot", default=None, metavar="FILE.png", help="Pareto plot (default: next to --out)")
+    s.add_argument("--profile", default=None, metavar="FILE.json", help="SPS profile file (default: the profile cache)")
+    s.set_defaults(func=run)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _load(args):
+    import torch
+
+    from modeling_dspark import DSparkConfig, DSparkDraftModel
+    from modeling_dspark.target import load_target
+
+    try:
+        target, tok = load_target(args.target, dtype=getattr(torch, args.dtype))
+    except (FileNotFoundError, OSError) as err:
+        raise CLIError(f"could not load target: {err}") from None
+    spec = args.drafter
+    if spec is None:
+        spec = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
+    if spec == "random":
+        print("dspark bench serve: WARNING: using a random (untrained) drafter: outputs are exact but few drafts are "
+              "accepted, so speculation cannot pay off; pass --drafter PATH for meaningful numbers", file=sys.stderr)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            drafter = DSparkDraftModel(DSparkConfig.from_target_config(target.config, block_size=8))
+        drafter = drafter.to(dtype=target.dtype).eval().bind_target(target)
+    else:
+        if not (Path(spec) / "config.json").is_file():
+            raise CLIError(f"drafter {spec!r} is not a drafter directory (no config.json)")
+        try:
+            drafter = DSparkDraftModel.from_pretrained(spec, target=target, dtype=target.dtype).eval()
+        except (OSError, ValueError) as err:
+            raise CLIError(f"could not load drafter: {err}") from None
+    return target, tok, drafter, spec
+
+
+def _prompts(args, tok) -> list[dict]:
+    from modeling_dspark.prompts import load_eval_prompts
+    from modeling_dspark.target import apply_chat_template
+
+    per_set = []
+    for name in args.datasets:
+        try:
+            recs = load_eval_prompts(name, args.limit)
+        except Exception as err:  # missing data package, unknown name
+            raise CLIError(f"could not load eval prompts {name!r}: {err}") from None
+        per_set.append([{"id": r["id"], "ids": apply_chat_template(tok, r["prompt"])} for r in recs])
+    pool = [rec for group in zip(*per_set) for rec in group]  # interleave the sets
+    for group in per_set:
+        pool += group[min(len(g) for g in per_set):]
+    if not pool:
+        raise CLIError("no prompts (check --datasets / --limit)")
+    return pool
+
+
+def _serve(target, drafter, policy, prompts, num_requests, concurrency, max_new, block_size, sps):
+    from generation.engine import DSparkEngine
+
+    engine = DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps,
+                          max_batch_size=concurrency)
+    for i in range(num_requests):
+        engine.add_request(prompts[i % len(prompts)]["ids"], max_new)
+    t0 = time.perf_counter()
+    outs = engine.run()
+    wall = time.perf_counter() - t0
+    tokens = sum(o.num_tokens for o in outs)
+    summ = engine.stats.summary()
+    return {
+        "throughput_tok_s": tokens / wall,
+        "per_user_tok_s": statistics.fmean(o.tokens_per_s for o in outs),
+        "tokens": tokens,
+        "wall_s": wall,
+        "rounds": summ["rounds"],
+        "tau": summ["tau"],
+        "mean_verified": summ["mean_verified"],
+        "mean_accepted": summ["mean_accepted"],
+        "mean_batch_tokens": summ["mean_batch_tokens"],
+        "t_draft_ms": summ["t_draft_ms"],
+        "t_verify_ms": summ["t_verify_ms"],
+    }, [o.output_ids for o in outs]
+
+
+def markdown_table(results: list[dict], policies: list[str], levels: list[int]) -> str:
+    """Rows: policies; columns: R; cells: ``throughput / per-user`` tok/s; plus a scheduler-vs-best-static row."""
+    cell = {(r["policy"], r["R"]): r for r in results}
+    lines = ["| policy | " + " | ".join(f"R={R} (total / per-user tok/s)" for R in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for pol in policies:
+        vals = []
+        for R in levels:
+            r = cell.get((pol, R))
+            vals.append("–" if r is None else f"{r['throughput_tok_s']:.1f} / {r['per_user_tok_s']:.1f}")
+        lines.append(f"| {policy_label(pol)} | " + " | ".join(vals) + " |")
+    statics = [p for p in policies if p.partition(":")[0] in STATIC_POLICIES]
+    for dyn in [p for p in policies if p.partition(":")[0] in ("scheduler", "lagged")]:
+        vals = []
+        for R in levels:
+            best = max((cell[(p, R)] for p in statics if (p, R) in cell), key=lambda r: r["throughput_tok_s"],
+                       default=None)
+            mine = cell.get((dyn, R))
+            if best is None or mine is None:
+                vals.append("–")
+            else:
+                vals.append(f"{mine['throughput_tok_s'] / best['throughput_tok_s']:.2f}x vs {best['policy']}")
+        lines.append(f"| {policy_label(dyn)} / best static | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def pareto_plot(results: list[dict], policies: list[str], out_png: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for pol in policies:
+        pts = sorted((r for r in results if r["policy"] == pol), key=lambda r: r["R"])
+        if not pts:
+            continue
+        xs = [r["per_user_tok_s"] for r in pts]
+        ys = [r["throughput_tok_s"] for r in pts]
+        ax.plot(xs, ys, marker="o", label=policy_label(pol))
+        for r, x, y in zip(pts, xs, ys):
+            ax.annotate(f"R={r['R']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("per-user speed (tokens/s)")
+    ax.set_ylabel("total throughput (tokens/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+# ---------------------------------------------------------------------------------------------- main
+def run(args) -> int:
+    if getattr(args, "bench_command", None) != "serve":
+        print("dspark bench: error: choose a benchmark: `dspark bench serve`", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except CLIError as err:
+        print(f"dspark bench serve: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from generation.engine import parse_engine_policy
+
+    if min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1:
+        raise CLIError("--requests, --limit, --min-requests and --max-new-tokens must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError("--threads must be >= 1")
+    for pol in args.policies:
+        try:
+            parse_engine_policy(pol)
+        except ValueError as err:
+            raise CLIError(str(err)) from None
+
+    import torch
+
+    from generation import profiling
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    target, tok, drafter, drafter_spec = _load(args)
+    gamma = args.block_size or drafter.config.block_size
+    if not 1 <= gamma <= drafter.config.block_size:
+        raise CLIError(f"--block-size must be in [1, {drafter.config.block_size}]")
+    prompts = _prompts(args, tok)
+    levels = sorted(set(args.requests))
+    mean_prompt = statistics.fmean(len(p["ids"]) for p in prompts)
+    context = 2 ** max(4, round(math.log2(mean_prompt + args.max_new_tokens / 2)))  # power-of-2 bucket
+    needs_sps = any(parse_engine_policy(p).kind in ("scheduler", "lagged") for p in args.policies)
+    sps = None
+    if needs_sps:
+        tokens = tuple(sorted(set(profiling.BATCHED_TOKENS) | {gamma + 1}))
+        tokens = tuple(q for q in tokens if q <= gamma + 1)
+        print(f"SPS profile for context {context}, R {levels} (cached after the first run) ...", file=sys.stderr)
+        sps = profiling.ensure_profile(
+            target, contexts=[context], requests=levels, tokens=tokens, threads=threads, path=args.profile,
+            progress=lambda s: print("  " + s, file=sys.stderr),
+        )
+
+    # warm-up (first forwards of new shapes are slow), not timed
+    _serve(target, drafter, "full", prompts, 2, 2, 4, gamma, sps)
+
+    results, outputs = [], {}
+    for R in levels:
+        n = max(R, args.min_requests)
+        for pol in args.policies:
+            res, outs = _serve(target, drafter, pol, prompts, n, R, args.max_new_tokens, gamma, sps)
+            base = outputs.get((R, "none"))
+            res["agreement_with_none"] = (sum(a == b for a, b in zip(outs, base)) / len(outs)) if base else None
+            outputs[(R, pol)] = outs
+            results.append({"R": R, "policy": pol, "requests": n, **res})
+            print(f"R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total  {res['per_user_tok_s']:6.1f} "
+                  f"tok/s/user  tau {res['tau']:.2f}  verified {res['mean_verified']:.2f}  "
+                  f"B {res['mean_batch_tokens']:.1f}", file=sys.stderr)
+
+    table = markdown_table(results, args.policies, levels)
+    out = Path(args.out)
+    report = {
+        "config": {
+            "target": profiling.target_name(target), "dtype": args.dtype, "threads": threads,
+            "drafter": drafter_spec, "block_size": gamma, "datasets": args.datasets, "limit": args.limit,
+            "num_prompts": len(prompts), "min_requests": args.min_requests, "max_new_tokens": args.max_new_tokens,
+            "requests": levels, "policies": args.policies, "sps_context": context,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
+        },
+        "sps_profile": sps.to_dict() if sps is not None else None,
+        "results": results,
+        "markdown": table,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+    pareto_plot(results, args.policies, png,
+                f"{report['config']['target']} {args.dtype}, {threads} threads, drafter {Path(drafter_spec).name}")
+    print(table)
+    print(f"\nJSON: {out}\nplot: {png}", file=sys.stderr)
+    return 0

@@ -1,0 +1,121 @@
+"""`dspark profile`: measure the target's verify step rate SPS(B) on this machine and cache it for the scheduler.
+
+    dspark profile                                   # quick: R=1, B=1..17, context 256, current threads (~20 s)
+    dspark profile --dtype bfloat16 --requests 1 2 4 8 16 --contexts 256 1024
+    dspark profile --show                            # print the cached tables
+
+The table lands in the profile cache (``$DSPARK_PROFILE_DIR`` or ``$DSPARK_CACHE/profiles`` or
+``~/.cache/dspark/profiles``, file ``sps.json``) keyed by model, dtype, threads, context bucket and R, where
+``generate()`` and ``dspark bench serve`` find it; a PNG of the curves is written next to it.
+
+Exit codes: 0 success, 2 usage or input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "profile",
+        help="measure the target's verify step rate SPS(B) (for the DSpark scheduler)",
+        description=(
+            "Time the target's verify forward for B = R x q tokens (R requests, q new tokens each, on KV caches "
+            "of the given context length), with warm-up and medians, and cache the table for the scheduler."
+        ),
+    )
+    p.add_argument("--target", default=None, metavar="PATH",
+                   help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current setting)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[256], metavar="N",
+                   help="context lengths in the KV cache (default: 256)")
+    p.add_argument("--requests", type=int, nargs="+", default=[1], metavar="R",
+                   help="concurrent requests R (default: 1)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, metavar="Q",
+                   help="new tokens per request q (default: 1..17 for R=1, 1 2 3 5 9 17 for R>1)")
+    p.add_argument("--warmup", type=int, default=1, help="discarded passes (default: 1)")
+    p.add_argument("--repeats", type=int, default=5, help="timed passes; the median is kept (default: 5)")
+    p.add_argument("--out", default=None, metavar="FILE.json",
+                   help="profile file to merge into (default: the profile cache)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="plot of the curves (default: next to the profile file)")
+    p.add_argument("--no-plot", action="store_true", help="do not write a plot")
+    p.add_argument("--show", action="store_true",
+                   help="print the cached tables for this target / dtype / threads; measure nothing")
+    p.add_argument("--json", action="store_true", help="print the tables as JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"dspark profile: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _print_tables(prof, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"model": prof.model, "dtype": prof.dtype, "threads": prof.threads,
+                          "tables": prof.to_dict()}, indent=1))
+        return
+    print(f"SPS(B) for {prof.model}, {prof.dtype}, {prof.threads} threads (target verify steps per second)")
+    for ctx in prof.contexts:
+        for r in prof.requests(ctx):
+            row = "  ".join(f"B={b}:{s:.1f}" for b, s in sorted(prof.tables[ctx][r].items()))
+            print(f"  context {ctx:>5}  R={r:<3} {row}")
+
+
+def run(args) -> int:
+    for name in ("threads", "warmup"):
+        v = getattr(args, name)
+        if v is not None and v < (1 if name == "threads" else 0):
+            return _fail(f"--{name} must be >= {1 if name == 'threads' else 0}")
+    if args.repeats < 1:
+        return _fail("--repeats must be >= 1")
+    if min(args.contexts) < 0 or min(args.requests) < 1 or (args.tokens and min(args.tokens) < 1):
+        return _fail("--contexts must be >= 0, --requests and --tokens >= 1")
+
+    import torch
+
+    from generation import profiling
+    from modeling_dspark.target import load_target
+
+    threads = args.threads or torch.get_num_threads()
+    try:
+        target, _ = load_target(args.target, dtype=getattr(torch, args.dtype))
+    except (FileNotFoundError, OSError) as err:
+        return _fail(f"could not load target: {err}")
+    name = profiling.target_name(target)
+    path = Path(args.out) if args.out else profiling.default_profile_path()
+    if args.show:
+        try:
+            prof = profiling.load_profile(name, args.dtype, threads, path)
+        except (FileNotFoundError, ValueError) as err:
+            return _fail(str(err))
+        _print_tables(prof, args.json)
+        return 0
+
+    print(f"profiling {name} ({args.dtype}, {threads} threads): contexts {args.contexts}, R {args.requests}",
+          file=sys.stderr)
+    try:
+        result = profiling.profile_target(
+            target, contexts=args.contexts, requests=args.requests, tokens=args.tokens, threads=threads,
+            warmup=args.warmup, repeats=args.repeats, progress=lambda s: print("  " + s, file=sys.stderr),
+        )
+        profiling.save_profile(result, path)
+        prof = profiling.load_profile(name, args.dtype, threads, path)
+    except ValueError as err:
+        return _fail(str(err))
+    print(f"saved to {path} ({result['meta']['seconds']} s)", file=sys.stderr)
+    if not args.no_plot:
+        png = Path(args.plot) if args.plot else path.with_name(f"{name}-{args.dtype}-t{threads}.png")
+        profiling.plot_profile(prof, png)
+        print(f"plot: {png}", file=sys.stderr)
+    _print_tables(prof, args.json)
+    return 0

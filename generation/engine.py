@@ -1,0 +1,898 @@
+"""Batched speculative decoding with continuous batching: :class:`DSparkEngine` (greedy only).
+
+transformers' assisted decoding is batch size 1. This engine serves R concurrent requests with a DSpark drafter:
+every round it drafts for all running requests, chooses a verify length ℓ_r per request (a static policy, a
+confidence threshold, DSpark's Algorithm 1 over all R requests, or the two-round-lag budget variant; SPEC §4),
+verifies all requests in ONE packed target forward, and accepts a different number of tokens per request.
+
+Design (correctness first):
+
+* **Packed verify forward with per-request KV caches.** Each request owns a :class:`RequestKV` (one preallocated
+  K/V buffer per target layer). A round concatenates the new tokens of all requests into one sequence of
+  B = Σ_r (1 + ℓ_r) tokens (``[1, B]``, per-token position ids), so every linear layer and the LM head run once
+  over B tokens, exactly the batch the scheduler's SPS(B) table describes (no padding to the longest request).
+  Attention is the only per-request part: a small attention function (registered with transformers'
+  ``AttentionInterface`` and switched on only for the duration of the engine's forward) writes each request's new
+  K/V into its own cache and runs SDPA over that cache alone, causal inside the new tokens. Rejected draft
+  tokens are dropped by cropping the cache length; nothing else needs masking.
+* **Per-request drafter context caches.** The drafter ingests, per request, the target features of the tokens
+  committed since its last round (as :class:`~generation.candidate_generator.DSparkCandidateGenerator` does),
+  then runs one block forward; the sequential part (confidence c_k, correction B_k, argmax) is batched over the
+  requests still drafting at slot k.
+* **Lazy drafting, non-anticipating decisions.** Slot k of request r is drafted only if the policy, looking at
+  the calibrated confidences known so far (c_{r,k} included, x_{r,k} not yet sampled), would verify it. For
+  Algorithm 1 this is the same left-to-right evaluation as the R = 1 :class:`~generation.policies.PrefixScheduler`.
+* **Continuous batching.** :meth:`DSparkEngine.add_request` may be called at any time; waiting requests join at
+  the next :meth:`~DSparkEngine.step` (their prompts are prefilled in one packed forward) while at most
+  ``max_batch_size`` requests run. Requests finish independently (EOS or ``max_new_tokens``).
+
+Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
+for token in float32; no logits processors). Not thread-safe: while :meth:`DSparkEngine.step` runs, the target
+must not be used from another thread (its attention implementation is switched for the duration of the call).
+Full-attention decoder families only (Llama, Qwen2, … as the drafter supports); sliding-window layers are refused.
+
+Policies (``policy=``): ``"none"`` (no speculation: one token per request per round), ``"fixed:N"`` (verify N
+drafted tokens, ``"fixed:1"`` is the MTP-1 analogue), ``"full"`` (the whole block), ``"threshold:P"`` (DeepSpec
+style: verify while the survival Π c_k ≥ P), ``"scheduler"`` (DSpark Algorithm 1 over all running requests,
+:func:`generation.scheduler.prefix_schedule`), ``"lagged"`` / ``"lagged:LAG"`` (the production variant: the verify
+budget comes from the confidences of LAG = 2 rounds earlier, filled by the current ranking).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from modeling_dspark.target import context_features
+
+from .scheduler import budget_from_confidences, fill_budget, prefix_schedule
+from .stats import GenerationStats, RoundStats
+
+__all__ = [
+    "DSparkEngine",
+    "EngineRound",
+    "EngineStats",
+    "PackedTarget",
+    "RequestKV",
+    "RequestOutput",
+    "generate_batch",
+    "parse_engine_policy",
+    "ENGINE_POLICIES",
+]
+
+ENGINE_POLICIES = ("none", "fixed:N", "full", "threshold:P", "scheduler", "lagged[:LAG]")
+
+# ---------------------------------------------------------------------------------------------- packed target
+_ATTN_NAME = "dspark_packed"
+_registered = False
+_swap_lock = threading.RLock()
+
+
+class RequestKV:
+    """Target K/V cache of one request: per layer a ``[1, kv_heads, capacity, head_dim]`` buffer.
+
+    ``length`` positions are valid. Buffers are allocated at the first write (dtype/device of the keys) with
+    ``capacity`` slots and grow by doubling if a write goes beyond it.
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 256):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+
+    def write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor):
+        """Store ``key/value [1, kvh, q, d]`` at positions ``start..start+q-1``; return the K/V of ``[0, start+q)``."""
+        end = start + key.shape[2]
+        buf = self.keys[layer]
+        if buf is None or end > buf.shape[2]:
+            cap = max(end, self.capacity if buf is None else 2 * buf.shape[2])
+            new_k = key.new_empty(key.shape[0], key.shape[1], cap, key.shape[3])
+            new_v = value.new_empty(value.shape[0], value.shape[1], cap, value.shape[3])
+            if buf is not None:
+                new_k[:, :, :start] = buf[:, :, :start]
+                new_v[:, :, :start] = self.values[layer][:, :, :start]
+            self.keys[layer], self.values[layer] = new_k, new_v
+            self.capacity = cap
+        self.keys[layer][:, :, start:end] = key
+        self.values[layer][:, :, start:end] = value
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (drop rejected draft tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+
+class _Layout:
+    """Per-forward description of the packed sequence: (cache, start position, number of tokens, mask) per request."""
+
+    __slots__ = ("segments",)
+
+    def __init__(self, segments):
+        self.segments = segments
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention over per-request caches for a packed ``[1, B]`` query (see the module doc).
+
+    Without a layout (a plain call while the engine's implementation is switched on) it is ordinary SDPA.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layout = kwargs.get("dspark_layout")
+    if layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+    outs, off = [], 0
+    for kv, start, q, mask in layout.segments:
+        k_all, v_all = kv.write(module.layer_idx, start, key[:, :, off : off + q], value[:, :, off : off + q])
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, off : off + q], k_all, v_all, mask, dropout=0.0, scaling=scaling, is_causal=True
+        )
+        outs.append(out)
+        off += q
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _register_attention() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_ATTN_NAME, _packed_attention)
+        _registered = True
+
+
+@contextlib.contextmanager
+def _packed_attention_mode(model):
+    """Switch ``model`` to the packed attention for the duration of one forward, then restore it."""
+    _register_attention()
+    cfg = model.config
+    with _swap_lock:
+        old = cfg._attn_implementation
+        cfg._attn_implementation = _ATTN_NAME
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = old
+
+
+class _BatchedDraftContext:
+    """Duck-typed cache for ONE batched drafter forward over A requests with per-request context caches.
+
+    The drafter's attention calls ``update(k_new [A, kvh, S_max, d], v_new, layer)`` with the K/V of the new context
+    rows (right-padded to S_max); this writes each request's ``counts[a]`` valid rows into its own
+    :class:`RequestKV` and returns the full contexts right-padded to the longest (``[A, kvh, L_max, d]``); the
+    attention mask built by the engine hides the padding.
+    """
+
+    def __init__(self, caches: list[RequestKV], counts: list[int]):
+        self.caches, self.counts = caches, counts
+        self.starts = [kv.length for kv in caches]
+        self.ends = [st + n for st, n in zip(self.starts, counts)]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        l_max = max(self.ends)
+        shape = (len(self.caches), key.shape[1], l_max, key.shape[3])
+        k_out, v_out = key.new_zeros(shape), value.new_zeros(shape)
+        for a, (kv, st, n) in enumerate(zip(self.caches, self.starts, self.counts)):
+            k_all, v_all = kv.write(layer_idx, st, key[a : a + 1, :, :n], value[a : a + 1, :, :n])
+            k_out[a, :, : st + n] = k_all[0]
+            v_out[a, :, : st + n] = v_all[0]
+        return k_out, v_out
+
+    def commit(self) -> None:
+        for kv, end in zip(self.caches, self.ends):
+            kv.length = end
+
+
+class PackedTarget:
+    """Runs a causal-LM target over the new tokens of several requests in one forward (per-request KV caches).
+
+    Args:
+        target: a transformers ``*ForCausalLM`` with full attention in every layer.
+
+    Raises:
+        ValueError: the model has sliding-window / non-full attention layers.
+    """
+
+    def __init__(self, target):
+        cfg = target.config.get_text_config()
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"PackedTarget supports full-attention layers only; this target has {set(layer_types)}")
+        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+            raise ValueError("PackedTarget does not support sliding-window attention")
+        self.target = target
+        self.num_layers = cfg.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def new_cache(self, capacity: int = 256) -> RequestKV:
+        return RequestKV(self.num_layers, capacity)
+
+    @torch.no_grad()
+    def forward(self, segments: Sequence[tuple[RequestKV, torch.Tensor]], output_hidden_states: bool = False):
+        """One packed forward.
+
+        Args:
+            segments: per request ``(cache, new_ids [q])``; the new tokens take positions
+                ``cache.length .. cache.length + q - 1``. Afterwards ``cache.length`` has grown by q (crop it to drop
+                rejected tokens).
+            output_hidden_states: also return the hidden states tuple (index 0 = embeddings), each ``[1, B, H]``.
+
+        Returns:
+            ``(logits [B, V], hidden_states | None)`` with the segments' tokens in order.
+        """
+        if not segments:
+            raise ValueError("PackedTarget.forward needs at least one segment")
+        device = self.device
+        ids, pos, layout = [], [], []
+        for kv, new_ids in segments:
+            new_ids = torch.as_tensor(new_ids, dtype=torch.long, device=device).reshape(-1)
+            q, start = new_ids.numel(), kv.length
+            if q == 0:
+                raise ValueError("every segment needs at least one token")
+            if q > 1 and start > 0:  # causal inside the new tokens, everything before them visible
+                mask = torch.ones(q, start + q, dtype=torch.bool, device=device).tril(diagonal=start)[None, None]
+            else:  # q == 1: sees all; prefill of an empty cache: is_causal
+                mask = None
+            ids.append(new_ids)
+            pos.append(torch.arange(start, start + q, device=device))
+            layout.append((kv, start, q, mask))
+        with _packed_attention_mode(self.target):
+            out = self.target(
+                input_ids=torch.cat(ids)[None],
+                position_ids=torch.cat(pos)[None],
+                use_cache=False,
+                output_hidden_states=output_hidden_states,
+                dspark_layout=_Layout(layout),
+            )
+        for kv, _, q, _ in layout:
+            kv.length += q
+        return out.logits[0], (out.hidden_states if output_hidden_states else None)
+
+
+# ---------------------------------------------------------------------------------------------- policies
+@dataclass(frozen=True)
+class _PolicySpec:
+    kind: str  # none | fixed | full | threshold | scheduler | lagged
+    value: float = 0.0
+
+    @property
+    def name(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{int(self.value)}"
+        if self.kind == "threshold":
+            return f"threshold:{self.value:g}"
+        if self.kind == "lagged":
+            return f"lagged:{int(self.value)}"
+        return self.kind
+
+
+def parse_engine_policy(spec: str) -> _PolicySpec:
+    """Parse ``none``, ``fixed:N``, ``full``, ``threshold:P``, ``scheduler`` or ``lagged[:LAG]``.
+
+    Raises:
+        ValueError: unknown name or bad argument.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"engine policy must be a string (one of {', '.join(ENGINE_POLICIES)}); got {spec!r}")
+    name, _, arg = spec.strip().partition(":")
+    try:
+        if name in ("none", "full", "scheduler") and not arg:
+            return _PolicySpec(name)
+        if name == "fixed":
+            n = int(arg or 1)
+            if n < 0:
+                raise ValueError
+            return _PolicySpec("fixed", n)
+        if name == "threshold":
+            p = float(arg or 0.5)
+            if not 0.0 <= p <= 1.0:
+                raise ValueError
+            return _PolicySpec("threshold", p)
+        if name == "lagged":
+            lag = int(arg or 2)
+            if lag < 1:
+                raise ValueError
+            return _PolicySpec("lagged", lag)
+    except ValueError:
+        raise ValueError(f"bad argument in engine policy {spec!r}") from None
+    raise ValueError(f"unknown engine policy {spec!r}; use one of {', '.join(ENGINE_POLICIES)}")
+
+
+def _sps_value(sps, batch_tokens: int) -> float:
+    """SPS(B) from a mapping or a callable, with the scheduler's error for a missing table entry."""
+    if isinstance(sps, Mapping):
+        if batch_tokens not in sps:
+            raise ValueError(f"SPS table has no entry for verify batch size B = {batch_tokens}")
+        return float(sps[batch_tokens])
+    return float(sps(batch_tokens))
+
+
+def _survival_row(conf: list[float]) -> list[float]:
+    out, prod = [], 1.0
+    for c in conf:
+        prod *= c
+        out.append(prod)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- records
+@dataclass
+class RequestOutput:
+    """A finished request.
+
+    Attributes:
+        request_id: as returned by :meth:`DSparkEngine.add_request`.
+        prompt_ids: the prompt token ids.
+        output_ids: the generated token ids (EOS included when it ended the request).
+        finish_reason: ``"eos"`` or ``"length"``.
+        stats: per-round statistics of this request (drafted / verified ℓ / accepted / committed, confidences).
+        t_added, t_admitted, t_first_token, t_finished: ``time.perf_counter()`` stamps.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    t_added: float
+    t_admitted: float
+    t_first_token: float
+    t_finished: float
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Per-user speed: generated tokens / (finish − admission) seconds."""
+        return self.num_tokens / max(1e-9, self.t_finished - self.t_admitted)
+
+    @property
+    def full_ids(self) -> list[int]:
+        """Prompt + output, as ``generate()`` returns it."""
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class EngineRound:
+    """One engine round (prefill-only steps are not rounds).
+
+    Attributes:
+        requests: R, requests verified this round.
+        batch_tokens: B = Σ_r (1 + ℓ_r), tokens in the verify forward.
+        lengths: ℓ_r per request.
+        drafted: draft tokens sampled per request (≥ ℓ_r).
+        accepted: accepted draft tokens per request.
+        committed: tokens appended per request.
+        t_draft_ms, t_verify_ms: drafter time (all requests) and verify forward + acceptance time.
+    """
+
+    requests: int
+    batch_tokens: int
+    lengths: list[int]
+    drafted: list[int]
+    accepted: list[int]
+    committed: list[int]
+    t_draft_ms: float
+    t_verify_ms: float
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide statistics: rounds, prefills, wall time of the steps, tokens."""
+
+    rounds: list[EngineRound] = field(default_factory=list)
+    prefill_tokens: int = 0
+    prefill_ms: float = 0.0
+    step_time_s: float = 0.0
+
+    def summary(self) -> dict:
+        n = max(1, len(self.rounds))
+        committed = sum(sum(r.committed) for r in self.rounds)
+        req_rounds = max(1, sum(r.requests for r in self.rounds))
+        return {
+            "rounds": len(self.rounds),
+            "mean_requests": sum(r.requests for r in self.rounds) / n,
+            "mean_batch_tokens": sum(r.batch_tokens for r in self.rounds) / n,
+            "mean_verified": sum(sum(r.lengths) for r in self.rounds) / req_rounds,
+            "mean_accepted": sum(sum(r.accepted) for r in self.rounds) / req_rounds,
+            "tau": committed / req_rounds,
+            "t_draft_ms": sum(r.t_draft_ms for r in self.rounds) / n,
+            "t_verify_ms": sum(r.t_verify_ms for r in self.rounds) / n,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_ms": self.prefill_ms,
+            "step_time_s": self.step_time_s,
+        }
+
+
+class _Request:
+    """Engine-internal state of one request."""
+
+    def __init__(self, rid: int, prompt: list[int], max_new: int, kv: RequestKV):
+        self.id = rid
+        self.prompt = prompt
+        self.max_new = max_new
+        self.output: list[int] = []
+        self.kv = kv
+        self.pending_feats: torch.Tensor | None = None  # [1, n, m·H] features of committed positions not yet ingested
+        self.draft_cache: RequestKV | None = None  # the drafter's context K/V (its length = positions ingested)
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats()
+        self.t_added = time.perf_counter()
+        self.t_admitted = self.t_first = self.t_finished = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.output)
+
+    def commit(self, tokens: Iterable[int], eos: frozenset[int]) -> int:
+        """Append tokens until EOS or max_new_tokens; return how many were appended."""
+        n = 0
+        for tok in tokens:
+            self.output.append(int(tok))
+            n += 1
+            if int(tok) in eos:
+                self.finish_reason = "eos"
+                break
+            if len(self.output) >= self.max_new:
+                self.finish_reason = "length"
+                break
+        return n
+
+
+# ---------------------------------------------------------------------------------------------- engine
+class DSparkEngine:
+    """Batched greedy speculative decoding of R concurrent requests with continuous batching (see module doc).
+
+    Usage::
+
+        engine = DSparkEngine(target, drafter, policy="scheduler", sps=load_profile(...))
+        a = engine.add_request(prompt_ids_a, max_new_tokens=64)
+        b = engine.add_request(prompt_ids_b, max_new_tokens=32)
+        engine.step()                                  # one round (new requests are prefilled first)
+        c = engine.add_request(prompt_ids_c, 16)       # joins at the next step
+        outputs = engine.run()                         # until every request is finished; sorted by id
+
+    Args:
+        target: the target causal LM (eval mode; float32 for exact greedy equality with ``generate()``).
+        drafter: a :class:`~modeling_dspark.DSparkDraftModel` (bound to ``target`` here if it is not yet); may be
+            None only with ``policy="none"``.
+        policy: ``"none"``, ``"fixed:N"``, ``"full"``, ``"threshold:P"``, ``"scheduler"`` or ``"lagged[:LAG]"``.
+        block_size: γ' ≤ the drafter's γ slots per round (default γ).
+        sps: SPS(B) for ``scheduler`` / ``lagged``: a mapping ``{B: steps/s}``, a callable ``B -> steps/s``, or a
+            :class:`generation.profiling.SPSProfile` (then the curve for the round's R and mean context is used).
+        max_batch_size: at most this many requests run at once; more wait in a queue (FIFO).
+        eos_token_id: int or list; default the target's ``generation_config.eos_token_id``.
+        lag_default_budget: budget K of the lagged policy for its first LAG rounds (default: R).
+
+    Raises:
+        ValueError: unknown policy, a policy that needs a drafter / confidence head / SPS table without one,
+            block_size out of range, a drafter that does not match the target.
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        policy: str = "full",
+        *,
+        block_size: int | None = None,
+        sps=None,
+        max_batch_size: int = 16,
+        eos_token_id: int | Sequence[int] | None = None,
+        lag_default_budget: int | None = None,
+    ):
+        self.policy = parse_engine_policy(policy)
+        kind = self.policy.kind
+        if kind != "none" and drafter is None:
+            raise ValueError(f"policy {self.policy.name!r} needs a drafter (use policy='none' without one)")
+        if drafter is not None:
+            if drafter._target.get("model") is not target:
+                drafter.bind_target(target)
+            gamma = block_size or drafter.config.block_size
+            if not 1 <= gamma <= drafter.config.block_size:
+                raise ValueError(f"block_size must be in [1, {drafter.config.block_size}], got {gamma}")
+            if kind in ("threshold", "scheduler", "lagged") and drafter.confidence_head is None:
+                raise ValueError(f"policy {self.policy.name!r} needs a drafter with a confidence head")
+        else:
+            gamma = 0
+        if kind in ("scheduler", "lagged") and sps is None:
+            raise ValueError(
+                f"policy {self.policy.name!r} needs an SPS(B) table: pass sps= "
+                "(see generation.profiling / `dspark profile`)"
+            )
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.target = target
+        self.drafter = drafter if kind != "none" else None
+        self.block_size = gamma
+        self.sps = sps
+        self.max_batch_size = int(max_batch_size)
+        self.packed = PackedTarget(target)
+        if eos_token_id is None:
+            eos_token_id = target.generation_config.eos_token_id
+        if eos_token_id is None:
+            eos = frozenset()
+        elif isinstance(eos_token_id, int):
+            eos = frozenset([eos_token_id])
+        else:
+            eos = frozenset(int(e) for e in eos_token_id)
+        self.eos = eos
+        self.layer_ids = list(drafter.config.target_layer_ids) if self.drafter is not None else []
+        self.lag_default_budget = lag_default_budget
+        self.eager_logits_rows = 64  # see _draft: below this many rows, all draft slots' base logits in one matmul
+        self._lag_pending: deque[int] = deque()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._finished: dict[int, RequestOutput] = {}
+        self._next_id = 0
+        self._curves: dict = {}
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ public API
+    def add_request(self, prompt_ids, max_new_tokens: int = 128) -> int:
+        """Queue a request; it joins the batch at the next :meth:`step`. Returns its id.
+
+        Args:
+            prompt_ids: token ids (list, 1-D tensor or ``[1, P]`` tensor), unpadded, P ≥ 1.
+            max_new_tokens: ≥ 1.
+
+        Raises:
+            ValueError: empty / 2-D batched prompt, max_new_tokens < 1.
+        """
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() == 2:
+                if prompt_ids.shape[0] != 1:
+                    raise ValueError("add_request takes one prompt; call it once per request")
+                prompt_ids = prompt_ids[0]
+            prompt = [int(t) for t in prompt_ids.tolist()]
+        else:
+            prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        if int(max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        rid = self._next_id
+        self._next_id += 1
+        capacity = len(prompt) + int(max_new_tokens) + self.block_size + 2
+        self._waiting.append(_Request(rid, prompt, int(max_new_tokens), self.packed.new_cache(capacity)))
+        return rid
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def result(self, request_id: int) -> RequestOutput | None:
+        """The output of a finished request (None while it runs)."""
+        return self._finished.get(request_id)
+
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests (prefill), then run one speculative round over all running requests.
+
+        Returns:
+            the requests that finished during this step.
+        """
+        t0 = time.perf_counter()
+        done: list[RequestOutput] = []
+        new = []
+        while self._waiting and len(self._running) + len(new) < self.max_batch_size:
+            req = self._waiting.popleft()
+            req.t_admitted = time.perf_counter()
+            new.append(req)
+        if new:
+            self._prefill(new)
+            self._running.extend(new)
+            done += self._retire()
+        if self._running:
+            self._round(self._running)
+            done += self._retire()
+        self.stats.step_time_s += time.perf_counter() - t0
+        return done
+
+    def run(self) -> list[RequestOutput]:
+        """Step until no request is running or waiting; return the outputs finished meanwhile, sorted by id."""
+        done: list[RequestOutput] = []
+        while self.has_unfinished():
+            done += self.step()
+        return sorted(done, key=lambda o: o.request_id)
+
+    # ------------------------------------------------------------------ internals
+    def _retire(self) -> list[RequestOutput]:
+        out, keep = [], []
+        now = time.perf_counter()
+        for req in self._running:
+            if req.finish_reason is None:
+                keep.append(req)
+                continue
+            req.t_finished = now
+            res = RequestOutput(
+                req.id, req.prompt, list(req.output), req.finish_reason, req.stats,
+                req.t_added, req.t_admitted, req.t_first, req.t_finished,
+            )
+            self._finished[req.id] = res
+            out.append(res)
+            req.kv = None  # free the caches
+            req.draft_cache = None
+            req.pending_feats = None
+        self._running = keep
+        return out
+
+    def _features(self, hidden_states, start: int, end: int) -> torch.Tensor:
+        return context_features(hidden_states, self.layer_ids, start, end)
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        t0 = time.perf_counter()
+        segments = [(r.kv, torch.tensor(r.prompt)) for r in reqs]
+        logits, hidden = self.packed.forward(segments, output_hidden_states=self.drafter is not None)
+        off = 0
+        now = time.perf_counter()
+        for r in reqs:
+            p = len(r.prompt)
+            if self.drafter is not None:
+                r.pending_feats = self._features(hidden, off, off + p)
+                r.draft_cache = RequestKV(self.drafter.config.num_draft_layers, p + r.max_new + 2)
+            r.commit([int(logits[off + p - 1].argmax())], self.eos)
+            r.t_first = now
+            off += p
+        self.stats.prefill_tokens += off
+        self.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+
+    def _sps_curve(self, reqs: list[_Request]):
+        """SPS(B) callable for this round: a fixed table/callable, or the profile's curve for (R, mean context)."""
+        sps = self.sps
+        if hasattr(sps, "curve"):  # an SPSProfile
+            ctx = sum(r.kv.length for r in reqs) / len(reqs)
+            key = (len(reqs), sps.context_bucket(ctx) if hasattr(sps, "context_bucket") else None)
+            if key not in self._curves:
+                self._curves[key] = sps.curve(requests=len(reqs), context_len=ctx)
+            return self._curves[key]
+        return sps
+
+    def _no_draft_can_pay(self, reqs: list[_Request]) -> bool:
+        """Scheduler only: even a draft token certain to be accepted (a = 1) would not raise Θ above R·SPS(R), so
+        Algorithm 1 verifies nothing this round whatever the confidences: skip drafting (the drafter ingests the
+        committed positions later). Depends on the SPS table alone, so it is non-anticipating."""
+        if self.policy.kind != "scheduler":
+            return False
+        sps = self._sps_curve(reqs)
+        num = len(reqs)
+        return (num + 1) * _sps_value(sps, num + 1) <= num * _sps_value(sps, num)
+
+    def _policy_lengths(self, conf: list[list[float]], budgets: list[int], sps, lag_budget: int | None) -> list[int]:
+        """ℓ per request from the confidences known so far (unknown / beyond budget = 0)."""
+        kind, value = self.policy.kind, self.policy.value
+        if kind == "none":
+            return [0] * len(budgets)
+        if kind == "full":
+            return list(budgets)
+        if kind == "fixed":
+            return [min(int(value), b) for b in budgets]
+        masked = [[c if k < b else 0.0 for k, c in enumerate(row)] for row, b in zip(conf, budgets)]
+        if kind == "threshold":
+            out = []
+            for row, b in zip(masked, budgets):
+                a = _survival_row(row)
+                n = 0
+                while n < b and a[n] >= value:
+                    n += 1
+                out.append(n)
+            return out
+        if kind == "scheduler":
+            lengths = prefix_schedule(masked, sps)
+        else:  # lagged
+            lengths = fill_budget(masked, lag_budget)
+        return [min(ell, b) for ell, b in zip(lengths, budgets)]
+
+    def _draft(self, reqs: list[_Request], budgets: list[int]):
+        """Draft for every request; returns (tokens per request, confidences per request, ℓ per request)."""
+        d = self.drafter
+        gamma = self.block_size
+        num = len(reqs)
+        device = d.device
+        sps = self._sps_curve(reqs) if self.policy.kind in ("scheduler", "lagged") else None
+        lag_budget = None
+        if self.policy.kind == "lagged":
+            lag = int(self.policy.value)
+            if len(self._lag_pending) >= lag:
+                lag_budget = self._lag_pending.popleft()
+            else:
+                lag_budget = num if self.lag_default_budget is None else self.lag_default_budget
+
+        # 1. one block forward for all drafting requests; each ingests its newly committed positions into its own
+        #    context cache (right-padded batch, padding masked out)
+        active = [i for i in range(num) if budgets[i] > 0]
+        if active:
+            feats = [reqs[i].pending_feats for i in active]
+            counts = [f.shape[1] for f in feats]
+            caches = [reqs[i].draft_cache for i in active]
+            ctx = feats[0].new_zeros(len(active), max(counts), feats[0].shape[-1])
+            ctx_pos = torch.zeros(len(active), max(counts), dtype=torch.long, device=device)
+            for a, (f, kv) in enumerate(zip(feats, caches)):
+                ctx[a, : f.shape[1]] = f[0]
+                ctx_pos[a, : f.shape[1]] = torch.arange(kv.length, kv.length + f.shape[1], device=device)
+            batch_ctx = _BatchedDraftContext(caches, counts)
+            l_max = max(batch_ctx.ends)
+            mask = torch.ones(len(active), 1, gamma, l_max + gamma, dtype=torch.bool, device=device)
+            for a, end in enumerate(batch_ctx.ends):
+                mask[a, :, :, end:l_max] = False
+            if d.config._attn_implementation in (None, "eager"):  # eager attention adds the mask
+                additive = torch.zeros(mask.shape, dtype=d.dtype, device=device)
+                mask = additive.masked_fill(~mask, torch.finfo(d.dtype).min)
+            anchors = torch.tensor([[reqs[i].output[-1]] for i in active], device=device)
+            anchor_pos = torch.tensor([[reqs[i].kv.length] for i in active], device=device)
+            out = d(anchors, anchor_pos, ctx.to(device), ctx_pos, attention_mask=mask, cache=batch_ctx,
+                    num_slots=gamma, return_logits=False)
+            batch_ctx.commit()
+            for i in active:
+                reqs[i].pending_feats = None
+            h_all = out.hidden_states[:, 0]  # [A, γ', H]
+
+        # 2. left to right, batched over the requests still drafting
+        conf = [[0.0] * gamma for _ in range(num)]
+        tokens: list[list[int]] = [[] for _ in range(num)]
+        needs_conf = self.policy.kind in ("threshold", "scheduler", "lagged")
+        alive = list(active)
+        if alive:
+            row_of = {i: n for n, i in enumerate(active)}
+            prev = torch.tensor([reqs[i].output[-1] for i in active], device=device)
+            state = None
+            # Base logits U_k through the (large) LM head: while few rows are needed the matmul is bound by reading
+            # the head's weights, so compute every slot that may be needed in ONE pass; otherwise slot by slot,
+            # only for the requests still drafting.
+            max_slots = min(gamma, max(budgets[i] for i in active))
+            if self.policy.kind == "fixed":
+                max_slots = min(max_slots, int(self.policy.value))
+            base = None
+            if len(active) * max_slots <= self.eager_logits_rows:
+                flat = h_all[:, :max_slots].reshape(-1, h_all.shape[-1])  # 2-D with canonical strides: a strided
+                base = d.lm_logits(flat).view(len(active), max_slots, -1)  # 3-D input can hit a slow CPU GEMM path
+            for k in range(gamma):
+                if not alive:
+                    break
+                rows = torch.tensor([row_of[i] for i in alive], device=device)
+                h_k = h_all[rows, k]
+                p_k = prev[rows]
+                if needs_conf:
+                    c = d.calibrated_confidence(d.confidence_logits(p_k, h_k), k).tolist()
+                    for i, ci in zip(alive, c):
+                        conf[i][k] = float(ci)
+                lengths = self._policy_lengths(conf, budgets, sps, lag_budget)
+                admit = [n for n, i in enumerate(alive) if lengths[i] > k]
+                if not admit:
+                    break
+                sel = torch.tensor(admit, device=device)
+                rows_a = rows[sel]
+                logits = base[rows_a, k] if base is not None else d.lm_logits(h_k[sel])
+                st = None if state is None else state[rows_a]
+                bias, st = d.correction_step(p_k[sel], h_k[sel], st)
+                if bias is not None:
+                    logits = logits + bias
+                if getattr(d, "draft_vocab_ids", None) is not None:  # draft vocabulary: back to target token ids
+                    logits = d.expand_draft_logits(logits)
+                if st is not None:
+                    if state is None:
+                        state = st.new_zeros(len(active), *st.shape[1:])
+                    state[rows_a] = st
+                new_tok = logits.argmax(dim=-1)
+                prev[rows_a] = new_tok
+                alive_next = []
+                for n, tok in zip(admit, new_tok.tolist()):
+                    i = alive[n]
+                    tokens[i].append(int(tok))
+                    if k + 1 < budgets[i]:
+                        alive_next.append(i)
+                alive = alive_next
+        lengths = self._policy_lengths(conf, budgets, sps, lag_budget)
+        lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
+        if self.policy.kind == "lagged":
+            # budget for LAG rounds ahead, from this round's known confidences (never from the current draft tokens)
+            masked = [[c if k < b else 0.0 for k, c in enumerate(row)] for row, b in zip(conf, budgets)]
+            self._lag_pending.append(budget_from_confidences(masked, sps))
+        return tokens, conf, lengths
+
+    def _round(self, reqs: list[_Request]) -> None:
+        num = len(reqs)
+        t0 = time.perf_counter()
+        budgets = [max(0, min(self.block_size, r.remaining - 1)) for r in reqs]
+        if self.drafter is not None and any(budgets) and not self._no_draft_can_pay(reqs):
+            tokens, conf, lengths = self._draft(reqs, budgets)
+        else:
+            tokens, conf, lengths = [[] for _ in reqs], [[] for _ in reqs], [0] * num
+        t1 = time.perf_counter()
+
+        segments = [(r.kv, torch.tensor([r.output[-1]] + tokens[i][: lengths[i]])) for i, r in enumerate(reqs)]
+        starts = [r.kv.length for r in reqs]
+        need_hidden = self.drafter is not None
+        logits, hidden = self.packed.forward(segments, output_hidden_states=need_hidden)
+        predicted = logits.argmax(dim=-1).tolist()
+
+        accepted_all, committed_all = [], []
+        off = 0
+        for i, r in enumerate(reqs):
+            ell = lengths[i]
+            pred = predicted[off : off + ell + 1]
+            drafts = tokens[i][:ell]
+            n = 0
+            while n < ell and drafts[n] == pred[n]:
+                n += 1
+            committed = r.commit(drafts[:n] + [pred[n]], self.eos)
+            r.kv.crop(starts[i] + 1 + n)  # anchor + accepted drafts are now context; the rest is dropped
+            if need_hidden and r.finish_reason is None:
+                feats = self._features(hidden, off, off + 1 + n)
+                # rows not yet ingested (a request that did not draft this round keeps its older rows)
+                r.pending_feats = feats if r.pending_feats is None else torch.cat([r.pending_feats, feats], dim=1)
+            accepted_all.append(n)
+            committed_all.append(committed)
+            ell_conf = conf[i][:ell] if conf[i] else []
+            r.stats.rounds.append(
+                RoundStats(
+                    drafted=len(tokens[i]),
+                    verified=ell,
+                    accepted=n,
+                    committed=committed,
+                    confidences=list(ell_conf) if self.policy.kind in ("threshold", "scheduler", "lagged") else [],
+                    draft_tokens=list(tokens[i]),
+                    t_draft_ms=(t1 - t0) * 1e3 / num,
+                )
+            )
+            off += ell + 1
+        t2 = time.perf_counter()
+        for r in reqs:
+            r.stats.rounds[-1].t_verify_ms = (t2 - t1) * 1e3
+        self.stats.rounds.append(
+            EngineRound(
+                requests=num,
+                batch_tokens=off,
+                lengths=list(lengths),
+                drafted=[len(t) for t in tokens],
+                accepted=accepted_all,
+                committed=committed_all,
+                t_draft_ms=(t1 - t0) * 1e3,
+                t_verify_ms=(t2 - t1) * 1e3,
+            )
+        )
+
+
+def generate_batch(
+    target,
+    prompts: Sequence,
+    drafter=None,
+    policy: str = "full",
+    max_new_tokens: int | Sequence[int] = 128,
+    **engine_kwargs,
+) -> list[RequestOutput]:
+    """Convenience wrapper: run all ``prompts`` (token-id lists / tensors) through one :class:`DSparkEngine`.
+
+    ``max_new_tokens`` is one int or one per prompt; other keyword arguments go to :class:`DSparkEngine`.
+    Returns the outputs in prompt order.
+    """
+    engine = DSparkEngine(target, drafter, policy, **engine_kwargs)
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    if len(max_new_tokens) != len(prompts):
+        raise ValueError(f"{len(max_new_tokens)} max_new_tokens values for {len(prompts)} prompts")
+    for p, n in zip(prompts, max_new_tokens):
+        engine.add_request(p, n)
+    return engine.run()

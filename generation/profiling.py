@@ -1,0 +1,560 @@
+"""SPS(B) profiling: how many verify forwards per second the target runs when the verify batch holds B tokens.
+
+DSpark's scheduler (SPEC §4) weighs the expected committed tokens of a verify batch against its cost, read from a
+step-rate table SPS(B) measured once on the real hardware. :func:`profile_target` times the target's verify
+forward exactly as :class:`generation.engine.DSparkEngine` runs it (R requests × q new tokens each, packed into one
+forward of B = R·q tokens, on top of per-request KV caches holding ``context`` tokens), with warm-up, interleaved
+repeats and medians, for given context lengths, requests counts, dtype and thread count.
+
+Tables are stored in one JSON file (default ``$DSPARK_PROFILE_DIR/sps.json``, else
+``$DSPARK_CACHE/profiles/sps.json``, else ``~/.cache/dspark/profiles/sps.json``)::
+
+    {"format": "dspark-sps-profile/1",
+     "profiles": {MODEL: {DTYPE: {THREADS: {CONTEXT: {R: {B: steps_per_s}}}}}},
+     "meta":     {"MODEL|DTYPE|THREADS|CONTEXT|R": {"raw_sps": {B: ...}, "warmup": ..., "repeats": ..., ...}}}
+
+(all keys are strings in JSON). The stored curve is the medians made non-increasing in B (isotonic regression of
+the step time): a bigger verify batch is never faster, and Algorithm 1's early stop relies on a unimodal Θ(B);
+the raw medians are kept under ``meta``.
+
+Loading: :func:`load_sps` gives a callable B -> steps/s for one (model, dtype, threads, context, R); between
+measured B it interpolates the step time linearly; a B outside the measured range raises a ValueError naming the
+range. Context lengths snap to the nearest measured bucket; R between measured values is interpolated (at the same
+tokens per request q = B / R). :func:`ensure_profile` profiles on first use and caches the table;
+:func:`sps_for_generate` is what ``generate()`` uses to turn the scheduler on by default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "QUICK_TOKENS",
+    "BATCHED_TOKENS",
+    "DEFAULT_CONTEXTS",
+    "SPSCurve",
+    "SPSProfile",
+    "profile_dir",
+    "default_profile_path",
+    "target_name",
+    "dtype_name",
+    "measure_verify",
+    "profile_target",
+    "save_profile",
+    "load_profile",
+    "load_sps",
+    "ensure_profile",
+    "sps_for_generate",
+    "plot_profile",
+]
+
+PROFILE_FORMAT = "dspark-sps-profile/1"
+QUICK_TOKENS = tuple(range(1, 18))
+"""q values of the default R = 1 profile: B = 1..17 (block size 16 + the anchor)."""
+BATCHED_TOKENS = (1, 2, 3, 5, 9, 17)
+"""q values measured for R > 1 (B = R·q); the loader interpolates in between."""
+DEFAULT_CONTEXTS = (256,)
+"""Context lengths (tokens already in each request's KV cache) of the default quick profile."""
+
+
+# ---------------------------------------------------------------------------------------------- names, paths
+def profile_dir() -> Path:
+    """``$DSPARK_PROFILE_DIR``, else ``$DSPARK_CACHE/profiles``, else ``~/.cache/dspark/profiles``."""
+    if os.environ.get("DSPARK_PROFILE_DIR"):
+        return Path(os.environ["DSPARK_PROFILE_DIR"])
+    base = os.environ.get("DSPARK_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "dspark") / "profiles"
+
+
+def default_profile_path() -> Path:
+    """The JSON file holding every profile of this machine (see the module doc)."""
+    return profile_dir() / "sps.json"
+
+
+def target_name(target) -> str:
+    """A stable name for a target: the checkpoint directory's name, else ``family-h…-l…-v…``."""
+    cfg = target.config
+    name = str(getattr(cfg, "_name_or_path", "") or getattr(cfg, "name_or_path", "") or "")
+    if name:
+        return Path(name.rstrip("/")).name or name
+    tc = cfg.get_text_config()
+    return f"{tc.model_type}-h{tc.hidden_size}-l{tc.num_hidden_layers}-v{tc.vocab_size}"
+
+
+def dtype_name(dtype) -> str:
+    """``torch.float32`` / ``"float32"`` -> ``"float32"``."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------- curves
+def _isotonic_non_decreasing(values: Sequence[float]) -> list[float]:
+    """Pool-adjacent-violators: the closest (least squares) non-decreasing sequence."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out += [s / c] * int(c)
+    return out
+
+
+def monotone_sps(raw: Mapping[int, float]) -> dict[int, float]:
+    """Make a measured {B: steps/s} table non-increasing in B (isotonic regression of the step time 1/SPS)."""
+    bs = sorted(int(b) for b in raw)
+    times = _isotonic_non_decreasing([1.0 / float(raw[b]) for b in bs])
+    return {b: 1.0 / t for b, t in zip(bs, times)}
+
+
+class SPSCurve:
+    """SPS(B) for one (model, dtype, threads, context, R): a callable ``B -> steps/s``.
+
+    Between measured B the step time 1/SPS is interpolated linearly; a B outside ``[min_batch, max_batch]``
+    raises a ValueError that names the range. Also usable as the ``sps`` of
+    :func:`generation.scheduler.prefix_schedule` and :class:`generation.policies.PrefixScheduler`.
+    """
+
+    def __init__(self, points: Mapping[int, float], description: str = ""):
+        if not points:
+            raise ValueError("an SPS curve needs at least one measured point")
+        pts = sorted((int(b), float(s)) for b, s in points.items())
+        for b, s in pts:
+            if b < 1 or not math.isfinite(s) or s <= 0:
+                raise ValueError(f"bad SPS point B={b}: {s!r} steps/s")
+        self.points = dict(pts)
+        self._bs = [b for b, _ in pts]
+        self._t = [1.0 / s for _, s in pts]
+        self.description = description
+
+    @property
+    def min_batch(self) -> int:
+        return self._bs[0]
+
+    @property
+    def max_batch(self) -> int:
+        return self._bs[-1]
+
+    def __call__(self, batch_tokens: int) -> float:
+        b = float(batch_tokens)
+        if not self._bs[0] <= b <= self._bs[-1]:
+            where = f" ({self.description})" if self.description else ""
+            raise ValueError(
+                f"verify batch size B = {batch_tokens} is outside the profiled range "
+                f"{self._bs[0]}..{self._bs[-1]}{where}; profile larger batches (`dspark profile --tokens ...`)"
+            )
+        import bisect
+
+        j = bisect.bisect_left(self._bs, b)
+        if self._bs[j] == b:
+            return 1.0 / self._t[j]
+        b0, b1, t0, t1 = self._bs[j - 1], self._bs[j], self._t[j - 1], self._t[j]
+        return 1.0 / (t0 + (t1 - t0) * (b - b0) / (b1 - b0))
+
+    def __getitem__(self, batch_tokens: int) -> float:  # Mapping-style access
+        return self(batch_tokens)
+
+    def __repr__(self) -> str:
+        return f"SPSCurve({self.description or 'B=' + str(self.min_batch) + '..' + str(self.max_batch)})"
+
+
+class SPSProfile:
+    """Every measured curve of one (model, dtype, threads): ``tables[context][R] = {B: steps/s}``."""
+
+    def __init__(self, model: str, dtype: str, threads: int, tables: Mapping[int, Mapping[int, Mapping[int, float]]]):
+        if not tables:
+            raise ValueError(f"empty SPS profile for {model} / {dtype} / {threads} threads")
+        self.model, self.dtype, self.threads = model, dtype, int(threads)
+        self.tables = {int(c): {int(r): {int(b): float(s) for b, s in t.items()} for r, t in rs.items()}
+                       for c, rs in tables.items()}
+
+    @property
+    def contexts(self) -> list[int]:
+        return sorted(self.tables)
+
+    def requests(self, context: int) -> list[int]:
+        return sorted(self.tables[context])
+
+    def context_bucket(self, context_len: float | None) -> int:
+        """The measured context length nearest to ``context_len`` (log distance); the smallest for None."""
+        cs = self.contexts
+        if context_len is None:
+            return cs[0]
+        x = math.log(max(1.0, float(context_len)))
+        return min(cs, key=lambda c: (abs(math.log(max(1, c)) - x), c))
+
+    def covers(self, requests: int, max_batch: int, context_len: float | None = None) -> bool:
+        """Whether :meth:`curve` for ``requests`` exists and reaches ``max_batch``."""
+        try:
+            return self.curve(requests, context_len).max_batch >= max_batch
+        except ValueError:
+            return False
+
+    def curve(self, requests: int = 1, context_len: float | None = None) -> SPSCurve:
+        """SPS(B) for R = ``requests`` at the context bucket nearest ``context_len``.
+
+        Raises:
+            ValueError: R outside the measured R range of that bucket.
+        """
+        ctx = self.context_bucket(context_len)
+        per_r = self.tables[ctx]
+        desc = f"{self.model} {self.dtype} {self.threads} threads, context {ctx}, R={requests}"
+        if requests in per_r:
+            return SPSCurve(per_r[requests], desc)
+        rs = sorted(per_r)
+        lo = [r for r in rs if r < requests]
+        hi = [r for r in rs if r > requests]
+        if not lo or not hi:
+            raise ValueError(
+                f"no SPS profile for R = {requests} requests ({self.model}, {self.dtype}, {self.threads} threads, "
+                f"context {ctx}); measured R = {rs}; run `dspark profile --requests {requests}`"
+            )
+        r0, r1 = lo[-1], hi[0]
+        q0 = {b / r0: 1.0 / s for b, s in per_r[r0].items()}
+        q1 = {b / r1: 1.0 / s for b, s in per_r[r1].items()}
+        w = (requests - r0) / (r1 - r0)
+        points = {}
+        for q in sorted(set(q0) & set(q1)):
+            b = q * requests
+            if abs(b - round(b)) < 1e-9:
+                points[int(round(b))] = 1.0 / ((1 - w) * q0[q] + w * q1[q])
+        if not points:
+            raise ValueError(f"R = {r0} and R = {r1} profiles share no tokens-per-request value to interpolate")
+        return SPSCurve(points, desc + f" (interpolated from R={r0},{r1})")
+
+    def to_dict(self) -> dict:
+        return {str(c): {str(r): {str(b): s for b, s in sorted(t.items())} for r, t in sorted(rs.items())}
+                for c, rs in sorted(self.tables.items())}
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_verify(
+    target,
+    requests: int,
+    tokens: Sequence[int],
+    context_len: int,
+    warmup: int = 1,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict[int, list[float]]:
+    """Time verify forwards of R = ``requests`` × q tokens on caches of ``context_len`` tokens, each q in ``tokens``.
+
+    Measurements are interleaved (one pass over all q per repeat) so slow drifts of the machine spread over every
+    B; ``warmup`` passes are discarded. Returns ``{q: [seconds per forward, …]}``.
+    """
+    from .engine import PackedTarget
+
+    packed = PackedTarget(target)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.get_text_config().vocab_size
+    device = target.device
+    max_q = max(tokens)
+    caches = [packed.new_cache(context_len + max_q + 1) for _ in range(requests)]
+    if context_len > 0:
+        for kv in caches:  # prefill one request at a time (not timed)
+            packed.forward([(kv, torch.randint(0, vocab, (context_len,), generator=gen))])
+    new_ids = {q: [torch.randint(0, vocab, (q,), generator=gen) for _ in range(requests)] for q in tokens}
+    times: dict[int, list[float]] = {q: [] for q in tokens}
+    for rep in range(warmup + repeats):
+        for q in tokens:
+            segs = [(kv, ids) for kv, ids in zip(caches, new_ids[q])]
+            _sync(device)
+            t0 = time.perf_counter()
+            packed.forward(segs)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            for kv in caches:
+                kv.crop(context_len)
+            if rep >= warmup:
+                times[q].append(dt)
+    return times
+
+
+def profile_target(
+    target,
+    *,
+    contexts: Iterable[int] = DEFAULT_CONTEXTS,
+    requests: Iterable[int] = (1,),
+    tokens: Sequence[int] | None = None,
+    threads: int | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Measure SPS(B) tables of ``target`` on this machine.
+
+    Args:
+        target: the target causal LM (its dtype and device are profiled as they are).
+        contexts: context lengths (tokens in each request's KV cache).
+        requests: R values; B = R·q.
+        tokens: q values (new tokens per request); default 1..17 for R = 1 and (1, 2, 3, 5, 9, 17) for R > 1.
+        threads: torch CPU threads during the measurement (default: the current setting); restored afterwards.
+        warmup, repeats: discarded passes and timed passes (the median is kept).
+        progress: optional callback receiving one line per (context, R).
+
+    Returns:
+        ``{"model", "dtype", "threads", "tables": {context: {R: {B: sps}}}, "raw": {context: {R: {B: sps}}},
+        "meta": {...}}`` — pass it to :func:`save_profile`.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    contexts = sorted({int(c) for c in contexts})
+    requests = sorted({int(r) for r in requests})
+    if not contexts or not requests or min(requests) < 1 or min(contexts) < 0:
+        raise ValueError(f"need contexts >= 0 and requests >= 1; got contexts={contexts}, requests={requests}")
+    old_threads = torch.get_num_threads()
+    threads = int(threads or old_threads)
+    torch.set_num_threads(threads)
+    tables: dict[int, dict[int, dict[int, float]]] = {}
+    raw: dict[int, dict[int, dict[int, float]]] = {}
+    t_start = time.perf_counter()
+    try:
+        for ctx in contexts:
+            for r in requests:
+                qs = sorted({int(q) for q in (tokens or (QUICK_TOKENS if r == 1 else BATCHED_TOKENS))})
+                if min(qs) < 1:
+                    raise ValueError(f"tokens per request must be >= 1, got {qs}")
+                times = measure_verify(target, r, qs, ctx, warmup=warmup, repeats=repeats)
+                medians = {r * q: 1.0 / statistics.median(ts) for q, ts in times.items()}
+                raw.setdefault(ctx, {})[r] = medians
+                tables.setdefault(ctx, {})[r] = monotone_sps(medians)
+                if progress is not None:
+                    lo, hi = min(medians), max(medians)
+                    progress(f"context {ctx}, R={r}: B={lo}..{hi}, SPS {medians[lo]:.1f} -> {medians[hi]:.1f} steps/s")
+    finally:
+        torch.set_num_threads(old_threads)
+    return {
+        "model": target_name(target),
+        "dtype": dtype_name(target.dtype),
+        "threads": threads,
+        "tables": tables,
+        "raw": raw,
+        "meta": {
+            "warmup": warmup,
+            "repeats": repeats,
+            "device": str(target.device),
+            "host": platform.node(),
+            "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "seconds": round(time.perf_counter() - t_start, 2),
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------- storage
+def _read(path: Path) -> dict:
+    if not path.exists():
+        return {"format": PROFILE_FORMAT, "profiles": {}, "meta": {}}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"unreadable SPS profile file {str(path)!r}: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a {PROFILE_FORMAT} file")
+    data.setdefault("profiles", {})
+    data.setdefault("meta", {})
+    return data
+
+
+def save_profile(result: Mapping, path: str | os.PathLike | None = None) -> Path:
+    """Merge a :func:`profile_target` result into the JSON file (default :func:`default_profile_path`).
+
+    Existing entries for other models / dtypes / threads / contexts / R are kept; measured ones are replaced.
+    Written atomically. Returns the path.
+    """
+    path = Path(path) if path is not None else default_profile_path()
+    data = _read(path)
+    model, dtype, threads = result["model"], result["dtype"], str(result["threads"])
+    node = data["profiles"].setdefault(model, {}).setdefault(dtype, {}).setdefault(threads, {})
+    for ctx, per_r in result["tables"].items():
+        for r, table in per_r.items():
+            node.setdefault(str(ctx), {})[str(r)] = {str(b): round(float(s), 6) for b, s in sorted(table.items())}
+            raw = result.get("raw", {}).get(ctx, {}).get(r, {})
+            data["meta"][f"{model}|{dtype}|{threads}|{ctx}|{r}"] = {
+                **result.get("meta", {}),
+                "raw_sps": {str(b): round(float(s), 6) for b, s in sorted(raw.items())},
+            }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(
+    target_name: str, dtype, threads: int, path: str | os.PathLike | None = None
+) -> SPSProfile:
+    """The stored :class:`SPSProfile` of (model, dtype, threads).
+
+    Raises:
+        FileNotFoundError: no profile file, or none for this (model, dtype, threads) — the message says how to
+            make one.
+        ValueError: a corrupt file.
+    """
+    path = Path(path) if path is not None else default_profile_path()
+    dtype = dtype_name(dtype)
+    hint = f"run `dspark profile --dtype {dtype} --threads {threads}`"
+    if not path.exists():
+        raise FileNotFoundError(f"no SPS profile file at {str(path)!r}; {hint}")
+    data = _read(path)
+    try:
+        node = data["profiles"][target_name][dtype][str(int(threads))]
+    except KeyError:
+        raise FileNotFoundError(
+            f"no SPS profile for {target_name!r} / {dtype} / {threads} threads in {str(path)!r}; {hint}"
+        ) from None
+    tables = {int(c): {int(r): t for r, t in rs.items()} for c, rs in node.items()}
+    return SPSProfile(target_name, dtype, threads, tables)
+
+
+def load_sps(
+    target_name: str,
+    dtype,
+    threads: int,
+    context_len: float | None = None,
+    requests: int = 1,
+    path: str | os.PathLike | None = None,
+) -> SPSCurve:
+    """SPS(B) callable (steps/s) for one target / dtype / thread count at the nearest context bucket and R.
+
+    Raises:
+        FileNotFoundError: nothing profiled for (model, dtype, threads).
+        ValueError: R outside the measured range; later, B outside the profiled range when called.
+    """
+    return load_profile(target_name, dtype, threads, path).curve(requests, context_len)
+
+
+def ensure_profile(
+    target,
+    *,
+    contexts: Iterable[int] | None = None,
+    requests: Iterable[int] = (1,),
+    tokens: Sequence[int] | None = None,
+    threads: int | None = None,
+    path: str | os.PathLike | None = None,
+    force: bool = False,
+    warmup: int = 1,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> SPSProfile:
+    """Profile on first use: return the cached profile of ``target`` (its name, dtype; ``threads`` default the
+    current torch setting), measuring and saving the (context, R) entries that are missing (all with ``force``).
+    ``contexts`` default :data:`DEFAULT_CONTEXTS`."""
+    if contexts is None:
+        contexts = DEFAULT_CONTEXTS
+    threads = int(threads or torch.get_num_threads())
+    name, dtype = target_name(target), dtype_name(target.dtype)
+    contexts = sorted({int(c) for c in contexts})
+    requests = sorted({int(r) for r in requests})
+    need_q = max(tokens) if tokens else None
+    try:
+        prof = load_profile(name, dtype, threads, path)
+    except FileNotFoundError:
+        prof = None
+    missing_ctx: dict[int, list[int]] = {}
+    for c in contexts:
+        for r in requests:
+            have = prof.tables.get(c, {}).get(r) if prof is not None else None
+            top = max(QUICK_TOKENS if r == 1 else BATCHED_TOKENS) if need_q is None else need_q
+            if force or not have or max(have) < r * top:
+                missing_ctx.setdefault(c, []).append(r)
+    for c, rs in missing_ctx.items():
+        result = profile_target(
+            target, contexts=[c], requests=rs, tokens=tokens, threads=threads, warmup=warmup, repeats=repeats,
+            progress=progress,
+        )
+        save_profile(result, path)
+    return load_profile(name, dtype, threads, path)
+
+
+def sps_for_generate(
+    target,
+    drafter,
+    context_len: int | None = None,
+    *,
+    block_size: int | None = None,
+    threads: int | None = None,
+    path: str | os.PathLike | None = None,
+    profile_if_missing: bool = False,
+) -> SPSCurve | None:
+    """The SPS(B) curve ``generate(assistant_model=drafter)`` should schedule with (R = 1), or None.
+
+    None when the drafter has no confidence head, when ``$DSPARK_SCHEDULER`` is ``0``/``off``, or when no cached
+    profile for this target (name, dtype, thread count) covers B = 1 + block size — unless ``profile_if_missing``,
+    which runs the quick profile (R = 1, B = 1..max(17, γ+1), one context) and caches it ("profile on first use").
+    Never raises for a missing or unreadable profile (returns None).
+    """
+    if getattr(drafter, "confidence_head", None) is None:
+        return None
+    if os.environ.get("DSPARK_SCHEDULER", "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    gamma = block_size or drafter.config.block_size
+    threads = int(threads or torch.get_num_threads())
+    name, dtype = target_name(target), dtype_name(target.dtype)
+    try:
+        prof = load_profile(name, dtype, threads, path)
+    except (FileNotFoundError, ValueError):
+        prof = None
+    if prof is not None and not prof.covers(1, gamma + 1, context_len):
+        prof = None
+    if prof is None and profile_if_missing:
+        tokens = tuple(range(1, max(max(QUICK_TOKENS), gamma + 1) + 1))
+        prof = ensure_profile(target, requests=(1,), tokens=tokens, threads=threads, path=path)
+    if prof is None:
+        return None
+    return prof.curve(1, context_len)
+
+
+# ---------------------------------------------------------------------------------------------- plotting
+def plot_profile(profile: SPSProfile, out_png: str | os.PathLike, title: str | None = None) -> Path:
+    """Plot SPS(B) and the step time for every (context, R) curve of ``profile`` into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ctx in profile.contexts:
+        for r in profile.requests(ctx):
+            pts = sorted(profile.tables[ctx][r].items())
+            bs = [b for b, _ in pts]
+            ax1.plot(bs, [s for _, s in pts], marker="o", ms=3, label=f"ctx {ctx}, R={r}")
+            ax2.plot(bs, [1e3 / s for _, s in pts], marker="o", ms=3, label=f"ctx {ctx}, R={r}")
+    ax1.set_xlabel("verify batch B (tokens)")
+    ax1.set_ylabel("SPS(B)  (target steps / s)")
+    ax2.set_xlabel("verify batch B (tokens)")
+    ax2.set_ylabel("step time (ms)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title or f"{profile.model}  {profile.dtype}  {profile.threads} threads")
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

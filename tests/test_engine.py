@@ -1,0 +1,343 @@
+"""Batched speculative decoding (`generation.engine.DSparkEngine`): every row's greedy output equals that prompt's
+plain `target.generate()` output (float32), whatever the policy, batch composition, acceptance pattern, finishing
+order or join time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from generation.engine import DSparkEngine, PackedTarget, generate_batch, parse_engine_policy
+
+from .conftest import make_drafter
+
+POLICIES = ["none", "fixed:1", "fixed:3", "full", "threshold:0.3", "scheduler", "lagged"]
+SPS = {b: 100.0 / (1.0 + 0.08 * b) for b in range(1, 400)}  # synthetic, decreasing: Θ(B) unimodal
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny forwards are dominated by thread synchronisation on a busy machine: run this module on one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def varied_target(seed=0, vocab_size=64) -> LlamaForCausalLM:
+    """A tiny random Llama whose greedy continuations vary (untied head, larger init), fp32, eval."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+        tie_word_embeddings=False, initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = varied_target()
+    drafter = make_drafter(target, block_size=6)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (3, 9, 1, 16)]
+    max_new = [7, 25, 13, 30]
+    refs = [_reference(target, p, n) for p, n in zip(prompts, max_new)]
+    return target, drafter, prompts, max_new, refs
+
+
+def _reference(target, prompt, max_new, **kw):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def _run_with_join(engine, prompts, max_new, join_after=2):
+    """Add all but the last prompt, step `join_after` times, add the last one (joins mid-way), run to the end."""
+    ids = [engine.add_request(p, n) for p, n in zip(prompts[:-1], max_new[:-1])]
+    for _ in range(join_after):
+        engine.step()
+    ids.append(engine.add_request(prompts[-1], max_new[-1]))
+    engine.run()
+    return [engine.result(i) for i in ids]
+
+
+# ---------------------------------------------------------------------------------------------- tiny target
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("max_batch", [1, 2, 4])
+def test_tiny_rows_identical_every_policy(tiny, policy, max_batch):
+    target, drafter, prompts, max_new, refs = tiny
+    engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=max_batch)
+    outs = _run_with_join(engine, prompts, max_new)
+    for i, (o, ref) in enumerate(zip(outs, refs)):
+        assert o.output_ids == ref, f"request {i} differs under {policy}, R<={max_batch}"
+        assert o.finish_reason == "length"
+    assert max(r.requests for r in engine.stats.rounds) <= max_batch
+    assert not engine.has_unfinished()
+
+
+class ScriptedEngine(DSparkEngine):
+    """Drafts the reference continuation, corrupted at a per-request position: request r's k-th round gets its
+    first `pattern[(r + k) % len(pattern)]` drafts right, then a wrong token. Verify lengths come from the real
+    policy code with synthetic confidences."""
+
+    pattern = [0, 3, 6, 1, 2, 5, 4]
+
+    def __init__(self, *a, references, **kw):
+        super().__init__(*a, **kw)
+        self.references = references  # request id -> full greedy continuation
+        self.expected_accepts: dict[int, list[int]] = {}
+
+    def _draft(self, reqs, budgets):
+        tokens, conf = [], []
+        for r, budget in zip(reqs, budgets):
+            ref = self.references[r.id]
+            cur = len(r.output)
+            k = len(r.stats.rounds)
+            good = self.pattern[(r.id + k) % len(self.pattern)]
+            toks = []
+            for j in range(budget):
+                true = ref[cur + j] if cur + j < len(ref) else 0
+                toks.append(true if j < good else (true + 1) % self.target.config.vocab_size)
+            tokens.append(toks)
+            conf.append([0.9 if j < good else 0.2 for j in range(self.block_size)])
+        sps = self._sps_curve(reqs) if self.policy.kind in ("scheduler", "lagged") else None
+        lengths = self._policy_lengths(conf, budgets, sps, sum(budgets) // 2)
+        lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
+        for r, ell, toks in zip(reqs, lengths, tokens):
+            good = self.pattern[(r.id + len(r.stats.rounds)) % len(self.pattern)]
+            self.expected_accepts.setdefault(r.id, []).append(min(good, ell))
+        return tokens, conf, lengths
+
+
+@pytest.mark.parametrize("policy", ["full", "fixed:4", "threshold:0.5", "scheduler"])
+def test_tiny_ragged_acceptance(tiny, policy):
+    """Different requests accept different numbers of drafts in the same round; outputs stay identical."""
+    target, drafter, prompts, max_new, refs = tiny
+    engine = ScriptedEngine(target, drafter, policy, sps={b: 100.0 for b in range(1, 400)}, max_batch_size=4,
+                            references=dict(enumerate(refs)))
+    outs = _run_with_join(engine, prompts, max_new, join_after=1)
+    for o, ref in zip(outs, refs):
+        assert o.output_ids == ref
+        accepted = [r.accepted for r in o.stats.rounds]
+        expected = engine.expected_accepts[o.request_id]
+        assert accepted == expected + [0] * (len(accepted) - len(expected))  # rounds without drafting accept 0
+    ragged = [r for r in engine.stats.rounds if r.requests > 1 and len(set(r.accepted)) > 1]
+    assert ragged, "no round had different acceptance counts across requests"
+    assert max(max(r.accepted) for r in engine.stats.rounds) >= 3
+
+
+def test_tiny_eos_stops_each_request(tiny):
+    """With an EOS id, each request stops exactly where plain generate() stops (inside accepted blocks too)."""
+    target, drafter, prompts, max_new, refs = tiny
+    eos = refs[3][4]  # a token the longest request produces early
+    eos_refs = [_reference(target, p, n, eos_token_id=eos) for p, n in zip(prompts, max_new)]
+    assert any(len(r) < n for r, n in zip(eos_refs, max_new))
+    engine = ScriptedEngine(target, drafter, "full", max_batch_size=4, eos_token_id=eos,
+                            references=dict(enumerate(refs)))
+    outs = _run_with_join(engine, prompts, max_new, join_after=1)
+    for o, ref, n in zip(outs, eos_refs, max_new):
+        assert o.output_ids == ref
+        assert o.finish_reason == ("eos" if len(ref) < n or ref[-1] == eos else "length")
+
+
+def test_continuous_batching_queue(tiny):
+    """More requests than slots: they wait, join as others finish, and all match."""
+    target, drafter, prompts, max_new, refs = tiny
+    engine = DSparkEngine(target, drafter, "full", max_batch_size=2)
+    ids = [engine.add_request(p, n) for p, n in zip(prompts, max_new)]
+    assert engine.num_waiting == 4
+    first = engine.step()
+    assert engine.num_running + len(first) == 2 and engine.num_waiting == 2
+    outs = engine.run()
+    assert [o.request_id for o in outs] == sorted(set(ids) - {o.request_id for o in first})
+    for i, ref in zip(ids, refs):
+        assert engine.result(i).output_ids == ref
+    assert max(r.requests for r in engine.stats.rounds) <= 2
+    res = [engine.result(i) for i in ids]
+    assert all(r.t_admitted >= r.t_added and r.t_finished >= r.t_first_token >= r.t_admitted for r in res)
+
+
+def test_scheduler_lengths_follow_sps(tiny):
+    """A flat SPS makes verifying everything worth it; a steep one verifies nothing (Algorithm 1 over R)."""
+    target, drafter, prompts, max_new, refs = tiny
+    flat = {b: 100.0 for b in range(1, 400)}
+    steep = {b: 100.0 / b**3 for b in range(1, 400)}
+    e1 = ScriptedEngine(target, drafter, "scheduler", sps=flat, references=dict(enumerate(refs)))
+    e2 = ScriptedEngine(target, drafter, "scheduler", sps=steep, references=dict(enumerate(refs)))
+    for e in (e1, e2):
+        for p, n in zip(prompts, max_new):
+            e.add_request(p, n)
+        outs = e.run()
+        assert [o.output_ids for o in outs] == refs
+    assert sum(sum(r.lengths) for r in e1.stats.rounds) > 0
+    assert all(sum(r.lengths) == 0 for r in e2.stats.rounds)
+
+
+def test_packed_forward_matches_separate_forwards(tiny):
+    target, _, prompts, _, _ = tiny
+    packed = PackedTarget(target)
+    caches = [packed.new_cache(4) for _ in prompts]  # small capacity: exercises buffer growth
+    logits, _ = packed.forward([(kv, torch.tensor(p)) for kv, p in zip(caches, prompts)])
+    off = 0
+    with torch.no_grad():
+        for p in prompts:
+            ref = target(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(logits[off : off + len(p)], ref, rtol=1e-4, atol=1e-5)
+            off += len(p)
+        # verify-shaped step: different numbers of new tokens on caches of different lengths
+        new = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+        segments = [(kv, torch.tensor(n)) for kv, n in zip(caches, new)]
+        logits, hidden = packed.forward(segments, output_hidden_states=True)
+        assert len(hidden) == target.config.num_hidden_layers + 1 and hidden[0].shape[1] == sum(map(len, new))
+        off = 0
+        for p, n, kv in zip(prompts, new, caches):
+            ref = target(torch.tensor([p + n])).logits[0, len(p):]
+            torch.testing.assert_close(logits[off : off + len(n)], ref, rtol=1e-4, atol=1e-5)
+            assert kv.length == len(p) + len(n)
+            off += len(n)
+    assert target.config._attn_implementation != "dspark_packed"  # restored after the forward
+
+
+def test_engine_argument_errors(tiny):
+    target, drafter, *_ = tiny
+    with pytest.raises(ValueError, match="unknown engine policy"):
+        DSparkEngine(target, drafter, "sometimes")
+    with pytest.raises(ValueError, match="bad argument"):
+        DSparkEngine(target, drafter, "threshold:1.5")
+    with pytest.raises(ValueError, match="SPS"):
+        DSparkEngine(target, drafter, "scheduler")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        DSparkEngine(target, None, "full")
+    no_conf = make_drafter(target, block_size=4, use_confidence_head=False)
+    with pytest.raises(ValueError, match="confidence head"):
+        DSparkEngine(target, no_conf, "threshold:0.5")
+    with pytest.raises(ValueError, match="block_size"):
+        DSparkEngine(target, drafter, "full", block_size=99)
+    engine = DSparkEngine(target, None, "none")
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add_request([1, 2], 0)
+    with pytest.raises(ValueError, match="one prompt"):
+        engine.add_request(torch.ones(2, 3, dtype=torch.long), 4)
+    assert parse_engine_policy("lagged").name == "lagged:2"
+
+
+def test_sps_table_too_small_is_a_clear_error(tiny):
+    target, drafter, prompts, max_new, _ = tiny
+    engine = DSparkEngine(target, drafter, "lagged", sps={b: 10.0 for b in range(1, 5)})
+    for p, n in zip(prompts, max_new):
+        engine.add_request(p, n)
+    with pytest.raises(ValueError, match="B = 5"):
+        engine.run()
+
+
+# ---------------------------------------------------------------------------------------------- real target
+@pytest.fixture(scope="module")
+def smollm_refs(smollm, prompt_ids):
+    target, _ = smollm
+    prompts = [prompt_ids[i][0].tolist() for i in (0, 2, 4, 3)]  # 4 different lengths, incl. a 1-token prompt
+    max_new = [12, 20, 9, 16]
+    refs = [_reference(target, p, n) for p, n in zip(prompts, max_new)]
+    return prompts, max_new, refs
+
+
+@pytest.mark.parametrize("policy", ["full", "scheduler"])
+def test_smollm_batched_rows_identical(smollm, random_drafter, smollm_refs, policy):
+    """Real SmolLM2 target, fp32: R up to 3 with a 4th request joining mid-way, different max_new_tokens."""
+    target, _ = smollm
+    prompts, max_new, refs = smollm_refs
+    engine = DSparkEngine(target, random_drafter, policy, block_size=8, sps=SPS, max_batch_size=3)
+    outs = _run_with_join(engine, prompts, max_new, join_after=3)
+    for i, (o, ref) in enumerate(zip(outs, refs)):
+        assert o.output_ids == ref, f"request {i} differs ({policy})"
+    assert max(r.requests for r in engine.stats.rounds) == 3
+
+
+def test_smollm_scripted_long_acceptance(smollm, random_drafter, smollm_refs):
+    """Real target with drafts that are often right (ragged, multi-token acceptance), generate_batch wrapper."""
+    target, _ = smollm
+    prompts, max_new, refs = smollm_refs
+    engine = ScriptedEngine(target, random_drafter, "full", block_size=8, max_batch_size=4,
+                            references=dict(enumerate(refs)))
+    for p, n in zip(prompts, max_new):
+        engine.add_request(p, n)
+    outs = engine.run()
+    assert [o.output_ids for o in outs] == refs
+    assert sum(sum(r.accepted) for r in engine.stats.rounds) > 10
+    outs = generate_batch(target, prompts[:2], None, "none", max_new_tokens=max_new[:2])
+    assert [o.output_ids for o in outs] == refs[:2]
+
+
+@pytest.mark.parametrize("head, draft_vocab", [("markov", None), ("rnn", None), ("markov", 24)])
+def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
+    """In a batch of 4 (one joining late), each request drafts the same tokens with the same calibrated confidences
+    as the batch-size-1 candidate generator in generate(): the batched drafter forward reads exactly the request's
+    own context."""
+    from generation import collect_stats, dspark_options, enable_dspark
+
+    target, _, prompts, max_new, _ = tiny
+    enable_dspark(target)
+    drafter = make_drafter(target, block_size=6, sequential_head=head, seed=3, draft_vocab_size=draft_vocab)
+    if draft_vocab:  # a reduced draft vocabulary: drafted ids must come back as target ids
+        drafter.draft_vocab_ids.copy_(torch.randperm(64, generator=torch.Generator().manual_seed(0))[:draft_vocab])
+    expected = []
+    for p, n in zip(prompts, max_new):
+        with dspark_options(policy="threshold:0.0"), collect_stats() as runs:
+            target.generate(torch.tensor([p]), assistant_model=drafter, max_new_tokens=n, do_sample=False)
+        expected.append(runs[-1].rounds)
+    engine = DSparkEngine(target, drafter, "threshold:0.0", max_batch_size=4)
+    outs = _run_with_join(engine, prompts, max_new, join_after=2)
+    for o, exp in zip(outs, expected):
+        got = [r for r in o.stats.rounds if r.drafted]  # generate() records no round when nothing can be drafted
+        assert len(got) == len(exp)
+        for g, e in zip(got, exp):
+            assert g.draft_tokens == e.draft_tokens
+            if draft_vocab:
+                assert set(g.draft_tokens) <= set(drafter.draft_vocab_ids.tolist())
+            assert g.confidences == pytest.approx(e.confidences, abs=1e-5)
+
+
+def test_scheduler_skips_drafting_when_no_token_can_pay(tiny):
+    """A table where one more token always costs more than it can bring: no drafter call at all, output exact."""
+    target, drafter, prompts, max_new, refs = tiny
+    calls = []
+    hook = drafter.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        steep = {b: 100.0 / b**2 for b in range(1, 400)}
+        outs = generate_batch(target, prompts, drafter, "scheduler", max_new_tokens=max_new, sps=steep)
+    finally:
+        hook.remove()
+    assert [o.output_ids for o in outs] == refs and not calls
+
+
+def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
+    """`dspark bench serve` end to end at a toy size (no scheduler policy, so no profiling), plus its helpers."""
+    from dspark_cli import bench_cmd
+    from dspark_cli.main import main
+
+    monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--requests", "1", "2", "--policies", "none", "fixed:1", "--datasets", "gsm8k",
+               "--limit", "1", "--min-requests", "2", "--max-new-tokens", "3", "--dtype", "float32",
+               "--drafter", "random", "--out", str(out)])
+    assert rc == 0
+    import json
+
+    report = json.loads(out.read_text())
+    assert [(r["R"], r["policy"]) for r in report["results"]] == [(1, "none"), (1, "fixed:1"), (2, "none"),
+                                                                    (2, "fixed:1")]
+    assert all(r["tokens"] == 6 and r["throughput_tok_s"] > 0 for r in report["results"])
+    assert report["results"][1]["agreement_with_none"] == 1.0  # fp32: speculation changes nothing
+    assert out.with_suffix(".png").exists()
+    assert "| no speculation |" in capsys.readouterr().out
+    rows = [{"R": 1, "policy": p, "throughput_tok_s": t, "per_user_tok_s": t} for p, t in
+            [("none", 10.0), ("full", 5.0), ("scheduler", 12.0)]]
+    table = bench_cmd.markdown_table(rows, ["none", "full", "scheduler"], [1])
+    assert "1.20x vs none" in table
+    assert main(["bench", "serve", "--policies", "bogus"]) == 2
+    assert main(["bench"]) == 2

@@ -1,0 +1,255 @@
+"""SPS(B) profiling (`generation.profiling`, `dspark profile`): table structure, storage, loader interpolation and
+errors, profile-on-first-use, the generate() hook, plots. Uses a tiny random target where the model does not
+matter."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from generation import profiling
+from generation.profiling import SPSCurve, SPSProfile, load_sps, monotone_sps
+from generation.scheduler import prefix_schedule
+
+from .conftest import make_drafter, tiny_target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def _profile_dir(tmp_path, monkeypatch):
+    """Every test gets its own empty profile cache."""
+    monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
+    monkeypatch.delenv("DSPARK_SCHEDULER", raising=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target(vocab_size=32)
+
+
+@pytest.fixture(scope="module")
+def measured(tiny):
+    return profiling.profile_target(
+        tiny, contexts=[8, 64], requests=[1, 2, 4], tokens=[1, 2, 3, 5], threads=1, warmup=1, repeats=3
+    )
+
+
+def test_profile_table_structure(tiny, measured):
+    assert measured["model"] == profiling.target_name(tiny) == "llama-h32-l4-v32"
+    assert measured["dtype"] == "float32" and measured["threads"] == 1
+    assert set(measured["tables"]) == {8, 64}
+    for ctx, per_r in measured["tables"].items():
+        assert set(per_r) == {1, 2, 4}
+        for r, table in per_r.items():
+            assert sorted(table) == [r * q for q in (1, 2, 3, 5)]  # B = R x q
+            rates = [table[b] for b in sorted(table)]
+            assert all(math.isfinite(s) and s > 0 for s in rates)
+            assert all(a >= b for a, b in zip(rates, rates[1:])), "stored curve must be non-increasing in B"
+            assert set(measured["raw"][ctx][r]) == set(table)
+    assert measured["meta"]["repeats"] == 3 and measured["meta"]["seconds"] >= 0
+    assert torch.get_num_threads() == 1  # restored
+
+
+def test_measure_verify_returns_repeats(tiny):
+    times = profiling.measure_verify(tiny, requests=2, tokens=[1, 4], context_len=5, warmup=0, repeats=2)
+    assert set(times) == {1, 4} and all(len(v) == 2 and min(v) > 0 for v in times.values())
+
+
+def test_monotone_sps_is_isotonic():
+    raw = {1: 10.0, 2: 12.0, 3: 8.0, 4: 9.0, 5: 5.0}  # two violations
+    mono = monotone_sps(raw)
+    vals = [mono[b] for b in sorted(mono)]
+    assert all(a >= b for a, b in zip(vals, vals[1:]))
+    assert mono[5] == pytest.approx(5.0)
+    # pooled step times are means of the violating blocks
+    assert 1 / mono[1] == pytest.approx((1 / 10 + 1 / 12) / 2)
+    assert monotone_sps({1: 5.0, 2: 4.0}) == {1: 5.0, 2: 4.0}
+
+
+def test_curve_interpolates_and_raises():
+    curve = SPSCurve({1: 100.0, 3: 50.0, 5: 25.0}, "test")
+    assert curve(1) == 100.0 and curve(3) == 50.0 and curve[5] == 25.0
+    assert curve(2) == pytest.approx(1 / ((0.01 + 0.02) / 2))  # linear in step time
+    assert curve(4) == pytest.approx(1 / ((0.02 + 0.04) / 2))
+    with pytest.raises(ValueError, match=r"B = 6 is outside the profiled range 1\.\.5"):
+        curve(6)
+    with pytest.raises(ValueError, match="outside"):
+        curve(0)
+    with pytest.raises(ValueError):
+        SPSCurve({})
+    with pytest.raises(ValueError):
+        SPSCurve({1: -3.0})
+    # usable by the scheduler as a callable
+    assert prefix_schedule([[0.99, 0.99]], curve) == [2]  # Θ = 100, 1.99·66.7, 2.97·50: increasing
+
+
+def test_save_load_roundtrip_and_loader(tiny, measured, tmp_path):
+    path = profiling.save_profile(measured)
+    assert path == profiling.default_profile_path() and path.exists()
+    data = json.loads(path.read_text())
+    node = data["profiles"]["llama-h32-l4-v32"]["float32"]["1"]
+    assert set(node) == {"8", "64"} and set(node["8"]) == {"1", "2", "4"}
+    assert set(node["8"]["2"]) == {"2", "4", "6", "10"}
+    assert "raw_sps" in data["meta"]["llama-h32-l4-v32|float32|1|8|2"]
+
+    sps = load_sps("llama-h32-l4-v32", torch.float32, 1, context_len=10)  # nearest bucket: 8
+    table = measured["tables"][8][1]
+    assert sps(1) == pytest.approx(table[1]) and sps(5) == pytest.approx(table[5])
+    t3, t5 = 1 / table[3], 1 / table[5]
+    assert sps(4) == pytest.approx(1 / ((t3 + t5) / 2))
+    with pytest.raises(ValueError, match="outside the profiled range"):
+        sps(6)
+    far = load_sps("llama-h32-l4-v32", "float32", 1, context_len=1000)  # nearest bucket: 64
+    assert far(2) == pytest.approx(measured["tables"][64][1][2])
+    # R = 3 lies between measured R = 2 and 4: interpolated at equal tokens per request
+    r3 = load_sps("llama-h32-l4-v32", "float32", 1, context_len=8, requests=3)
+    assert sorted(r3.points) == [3, 6, 9, 15]
+    lo, hi = measured["tables"][8][2][4], measured["tables"][8][4][8]
+    assert r3(6) == pytest.approx(1 / ((1 / lo + 1 / hi) / 2))
+    with pytest.raises(ValueError, match="no SPS profile for R = 8"):
+        load_sps("llama-h32-l4-v32", "float32", 1, requests=8)
+    with pytest.raises(FileNotFoundError, match="dspark profile"):
+        load_sps("other-model", "float32", 1, 8)
+    with pytest.raises(FileNotFoundError, match="bfloat16"):
+        load_sps("llama-h32-l4-v32", "bfloat16", 1, 8)
+    with pytest.raises(FileNotFoundError):
+        load_sps("llama-h32-l4-v32", "float32", 1, 8, path=tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        load_sps("llama-h32-l4-v32", "float32", 1, 8, path=bad)
+
+    # merging keeps other entries
+    extra = dict(measured, threads=2, tables={8: {1: {1: 5.0, 2: 4.0}}}, raw={})
+    profiling.save_profile(extra)
+    assert load_sps("llama-h32-l4-v32", "float32", 2, 8)(2) == pytest.approx(4.0)
+    assert load_sps("llama-h32-l4-v32", "float32", 1, 8)(1) == pytest.approx(table[1])
+
+
+def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch):
+    calls = []
+    real = profiling.profile_target
+
+    def counting(*a, **kw):
+        calls.append(kw)
+        return real(*a, **{**kw, "warmup": 0, "repeats": 1})
+
+    monkeypatch.setattr(profiling, "profile_target", counting)
+    prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
+    assert len(calls) == 1 and isinstance(prof, SPSProfile)
+    assert sorted(prof.tables[4][1]) == [1, 2, 3]
+    again = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
+    assert len(calls) == 1 and again.tables == prof.tables
+    profiling.ensure_profile(tiny, contexts=[4], requests=[1, 2], tokens=[1, 2, 3], threads=1)  # only R=2 is new
+    assert len(calls) == 2 and calls[-1]["requests"] == [2]
+    profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1, force=True)
+    assert len(calls) == 3
+
+
+def test_sps_for_generate(tiny, monkeypatch):
+    drafter = make_drafter(tiny, block_size=4)
+    assert profiling.sps_for_generate(tiny, drafter, 10, threads=1) is None  # nothing cached: off, no profiling
+    profiling.save_profile(
+        {"model": profiling.target_name(tiny), "dtype": "float32", "threads": 1,
+         "tables": {16: {1: {b: 100.0 / b for b in range(1, 6)}}}}
+    )
+    curve = profiling.sps_for_generate(tiny, drafter, 10, threads=1)
+    assert curve is not None and curve(5) == pytest.approx(20.0)
+    assert profiling.sps_for_generate(tiny, drafter, 10, threads=2) is None  # other thread count
+    big = make_drafter(tiny, block_size=8)
+    assert profiling.sps_for_generate(tiny, big, 10, threads=1) is None  # table does not reach B = 9
+    no_conf = make_drafter(tiny, block_size=4, use_confidence_head=False)
+    assert profiling.sps_for_generate(tiny, no_conf, 10, threads=1) is None
+    monkeypatch.setenv("DSPARK_SCHEDULER", "off")
+    assert profiling.sps_for_generate(tiny, drafter, 10, threads=1) is None
+
+
+def test_sps_for_generate_profiles_when_asked(tiny, monkeypatch):
+    monkeypatch.setattr(profiling, "QUICK_TOKENS", (1, 2))
+    monkeypatch.setattr(profiling, "DEFAULT_CONTEXTS", (4,))
+    drafter = make_drafter(tiny, block_size=2)
+    real = profiling.profile_target
+    monkeypatch.setattr(profiling, "profile_target", lambda *a, **kw: real(*a, **{**kw, "warmup": 0, "repeats": 1}))
+    curve = profiling.sps_for_generate(tiny, drafter, threads=1, profile_if_missing=True)
+    assert curve is not None and curve.max_batch >= 3
+    assert profiling.default_profile_path().exists()
+
+
+def test_scheduler_generate_greedy_identical_with_profiled_curve(tiny, measured):
+    """The R = 1 scheduler in generate(), driven by a measured curve, keeps greedy output identical."""
+    from generation import dspark_options, enable_dspark
+    from generation.stats import collect_stats
+
+    enable_dspark(tiny)
+    drafter = make_drafter(tiny, block_size=4)
+    curve = SPSCurve({b: 100.0 / (1 + 0.3 * b) for b in range(1, 6)})
+    ids = torch.tensor([[3, 5, 7, 1]])
+    ref = tiny.generate(ids, max_new_tokens=20, do_sample=False)
+    with dspark_options(policy="scheduler", sps=curve), collect_stats() as runs:
+        out = tiny.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
+    assert all(r.verified <= 4 for r in runs[-1].rounds)
+
+
+def test_plot(measured, tmp_path):
+    profiling.save_profile(measured)
+    prof = profiling.load_profile("llama-h32-l4-v32", "float32", 1)
+    png = profiling.plot_profile(prof, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_cli(tmp_path, capsys):
+    """`dspark profile` on the default target with a tiny measurement, then `--show`."""
+    from dspark_cli.main import main
+
+    out = tmp_path / "sps.json"
+    rc = main(["profile", "--contexts", "4", "--tokens", "1", "2", "--repeats", "1", "--warmup", "0",
+               "--threads", "1", "--out", str(out), "--json"])
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"] == "SmolLM2-135M-Instruct" and set(printed["tables"]["4"]["1"]) == {"1", "2"}
+    assert (tmp_path / "SmolLM2-135M-Instruct-float32-t1.png").exists()
+    assert main(["profile", "--show", "--threads", "1", "--out", str(out)]) == 0
+    assert "R=1" in capsys.readouterr().out
+    assert main(["profile", "--repeats", "0"]) == 2
+    assert main(["profile", "--show", "--threads", "3", "--out", str(out)]) == 2
+
+
+def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
+    """generate(assistant_model=drafter) with no policy: the DSpark scheduler when a profile for this target is
+    cached, the full block otherwise (or with DSPARK_SCHEDULER=off). Greedy output identical either way."""
+    import inspect
+
+    from generation import enable_dspark, integration
+    from generation.stats import collect_stats
+
+    if "target" not in inspect.signature(integration.default_policy).parameters:
+        pytest.skip("generation.integration.default_policy does not consult cached SPS profiles yet")
+    enable_dspark(tiny)
+    drafter = make_drafter(tiny, block_size=4)
+    ids = torch.tensor([[3, 5, 7, 1]])
+    ref = tiny.generate(ids, max_new_tokens=12, do_sample=False)
+
+    def verified():
+        with collect_stats() as runs:
+            out = tiny.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, ref)
+        return [r.verified for r in runs[-1].rounds]
+
+    assert max(verified()) == 4  # no profile: full block
+    steep = {b: (100.0 if b == 1 else 1.0) for b in range(1, 18)}  # nothing is ever worth verifying
+    profiling.save_profile({"model": profiling.target_name(tiny), "dtype": "float32",
+                            "threads": torch.get_num_threads(), "tables": {8: {1: steep}}})
+    assert max(verified()) == 0  # the scheduler, driven by the cached table
+    monkeypatch.setenv("DSPARK_SCHEDULER", "off")
+    assert max(verified()) == 4
