@@ -206,7 +206,7 @@ def run(args) -> int:
     if trainer.is_world_process_zero():
         logs = [h for h in trainer.state.log_history if "loss" in h]
         manifest = {
-            "command": "dspark adapt " + " ".join(sys.argv[1:]) if sys.argv else None,
+            "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
             "args": {k: v for k, v in vars(args).items() if not callable(v)},
             "base_drafter": str(args.drafter),
             "target": drafter.config.target_name_or_path,

@@ -158,7 +158,7 @@ def run(args) -> int:
         bps = [h["blocks_per_s"] for h in logs if "blocks_per_s" in h]
         data_manifest = Path(args.data) / "manifest.json"
         manifest = {
-            "command": "dspark train " + " ".join(sys.argv[1:]) if sys.argv else None,
+            "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
             "args": vars(args) | {"func": None},
             "target": cfg.target_name_or_path,
             "resumed_from": resume,

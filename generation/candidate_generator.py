@@ -26,6 +26,44 @@ from .policies import FullBlock, VerifyPolicy
 from .stats import GenerationStats, RoundStats, register
 
 
+def validate_request(drafter, target, generation_config, input_ids=None, model_kwargs=None, block_size=None,
+                     policy=None) -> int:
+    """Check one `generate()` request before any compute; return the block size γ' to use.
+
+    Raises:
+        ValueError: batch size > 1, an empty or padded prompt, block_size out of [1, γ], a policy that needs a
+            confidence head the drafter lacks, `assistant_ensemble_weight` (not lossless), or a drafter bound to
+            a different target instance (re-binding would change it for every other user of the drafter).
+    """
+    if input_ids is not None:
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DSpark through generate() supports batch size 1 (got {input_ids.shape[0]}), like all "
+                "transformers assisted decoding; use generation.engine.DSparkEngine for batched speculative decoding"
+            )
+        if input_ids.shape[1] == 0:
+            raise ValueError("empty prompt: input_ids has no tokens")
+    mask = (model_kwargs or {}).get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("padded prompts are not supported with batch size 1; pass the unpadded input_ids")
+    if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
+        raise ValueError("assistant_ensemble_weight relaxes verification (not lossless); DSpark does not support it")
+    bound = drafter._target.get("model")
+    if bound is None:
+        drafter.bind_target(target)  # validates hidden size / vocab / layers / family
+    elif bound is not target:
+        raise ValueError(
+            "this drafter is bound to another target instance; call drafter.bind_target(target) first (binding "
+            "is shared by every user of the drafter, so generate() does not re-bind it silently)"
+        )
+    gamma = drafter.config.block_size if block_size is None else block_size
+    if not 1 <= gamma <= drafter.config.block_size:
+        raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {gamma}")
+    if getattr(policy, "needs_confidence", False) and drafter.confidence_head is None:
+        raise ValueError(f"verify policy {policy.name!r} needs a drafter with a confidence head; this one has none")
+    return gamma
+
+
 class DSparkCandidateGenerator(CandidateGenerator):
     """Candidate generator for `target.generate(ids, assistant_model=drafter)` with a DSpark drafter.
 
@@ -61,22 +99,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         policy: VerifyPolicy | None = None,
         block_size: int | None = None,
     ):
-        if input_ids is not None:
-            if input_ids.shape[0] != 1:
-                raise ValueError(
-                    f"DSpark through generate() supports batch size 1 (got {input_ids.shape[0]}), like all "
-                    "transformers assisted decoding; use generation.engine for batched speculative decoding"
-                )
-            if input_ids.shape[1] == 0:
-                raise ValueError("empty prompt: input_ids has no tokens")
-        mask = (model_kwargs or {}).get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            raise ValueError("padded prompts are not supported with batch size 1; pass the unpadded input_ids")
-        if drafter._target.get("model") is not target:
-            drafter.bind_target(target)  # validates hidden size / vocab / layers / family
-        gamma = block_size or drafter.config.block_size
-        if not 1 <= gamma <= drafter.config.block_size:
-            raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {gamma}")
+        gamma = validate_request(drafter, target, generation_config, input_ids, model_kwargs, block_size, policy)
         self.drafter = drafter
         self.block_size = gamma
         self.layer_ids = list(drafter.config.target_layer_ids)

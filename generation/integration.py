@@ -19,7 +19,7 @@ import types
 
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 
-from .candidate_generator import DSparkCandidateGenerator
+from .candidate_generator import DSparkCandidateGenerator, validate_request
 from .policies import make_policy
 
 _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options", default={})
@@ -65,6 +65,9 @@ def enable_dspark(target):
         if isinstance(assistant_model, DSparkDraftModel):
             opts = _options.get()
             sps, policy, block_size = opts.get("sps"), opts.get("policy"), opts.get("block_size")
+            # bad input fails here, before any profiling or model compute
+            validate_request(assistant_model, self, generation_config, input_ids, model_kwargs, block_size,
+                             make_policy(policy, {}) if isinstance(policy, str) else policy)
             context_len = input_ids.shape[1]
             if policy == "scheduler" and sps is None:  # asked for the scheduler: profile on first use, cache it
                 from .profiling import sps_for_generate

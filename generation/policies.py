@@ -8,6 +8,7 @@ the policy returns. A policy returning False ends the round's drafting (later sl
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 
 
@@ -15,6 +16,7 @@ class VerifyPolicy:
     """Base class. Subclasses implement :meth:`admit`; :meth:`start_round` resets per-round state."""
 
     name = "policy"
+    needs_confidence = False  # True: admit() reads c_k, so the drafter must have a confidence head
 
     def start_round(self, max_tokens: int) -> None:
         """Called once per round with the most tokens this round may draft (block size, length budget)."""
@@ -52,6 +54,7 @@ class ConfidenceThreshold(VerifyPolicy):
     """DeepSpec-style: verify while the survival a_k = Π_{i≤k} c_i stays ≥ ``threshold``."""
 
     name = "threshold"
+    needs_confidence = True
 
     def __init__(self, threshold: float = 0.5):
         if not 0.0 <= threshold <= 1.0:
@@ -82,6 +85,7 @@ class PrefixScheduler(VerifyPolicy):
     """
 
     name = "scheduler"
+    needs_confidence = True
 
     def __init__(self, sps: Mapping[int, float] | Callable[[int], float]):
         self.sps = sps.__getitem__ if isinstance(sps, Mapping) else sps
@@ -89,7 +93,15 @@ class PrefixScheduler(VerifyPolicy):
     def start_round(self, max_tokens: int) -> None:
         super().start_round(max_tokens)
         self.survival, self.tau, self.stopped = 1.0, 1.0, False
-        self.best = float(self.sps(1))
+        self.best = self._rate(1)
+
+    def _rate(self, batch_tokens: int) -> float:
+        try:
+            return float(self.sps(batch_tokens))
+        except KeyError:
+            raise ValueError(
+                f"the SPS(B) table has no entry for B={batch_tokens}; it must cover B = 1..γ+1 (run `dspark profile`)"
+            ) from None
 
     def admit(self, k: int, confidence: float | None) -> bool:
         if confidence is None:
@@ -98,7 +110,7 @@ class PrefixScheduler(VerifyPolicy):
             return False
         self.survival *= confidence
         self.tau += self.survival
-        theta = self.tau * float(self.sps(1 + k))
+        theta = self.tau * self._rate(1 + k)
         if theta > self.best:
             self.best = theta
             return True
@@ -112,8 +124,10 @@ def make_policy(spec: str | VerifyPolicy | None, sps=None) -> VerifyPolicy:
     Raises:
         ValueError: unknown spec, or ``"scheduler"`` without a step-rate table.
     """
-    if spec is None or isinstance(spec, VerifyPolicy):
-        return spec or FullBlock()
+    if spec is None:
+        return FullBlock()
+    if isinstance(spec, VerifyPolicy):
+        return copy.copy(spec)  # per-call state (survival, Θ) is never shared between concurrent generate() calls
     name, _, arg = spec.partition(":")
     if name == "full":
         return FullBlock()

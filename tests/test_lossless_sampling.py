@@ -51,11 +51,11 @@ def exact_joint(target, temperature, top_k, top_p) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def _sample_counts(target, drafter, seed, **gen):
+def _sample_counts(target, drafter, seed, policy=None, sps=None, **gen):
     v = target.config.vocab_size
     counts = torch.zeros(v, v, v, dtype=torch.float64)
     torch.manual_seed(seed)
-    with dspark_options(block_size=4), collect_stats() as runs:
+    with dspark_options(block_size=4, policy=policy, sps=sps), collect_stats() as runs:
         for _ in range(N):
             out = target.generate(
                 PROMPT, max_new_tokens=4, do_sample=True, assistant_model=drafter, pad_token_id=0, **gen
@@ -100,25 +100,31 @@ def tiny():
 
 
 @pytest.mark.parametrize(
-    "gen,drafter_name",
+    "gen,drafter_name,policy",
     [
-        ({"temperature": 0.7, "top_k": 6}, "markov"),
-        ({"temperature": 1.5, "top_p": 0.9}, "markov+draft_vocab"),
-        ({"temperature": 1.0}, "rnn+draft_vocab"),
+        ({"temperature": 0.7, "top_k": 6}, "markov", None),
+        ({"temperature": 1.5, "top_p": 0.9}, "markov+draft_vocab", None),
+        ({"temperature": 1.0}, "rnn+draft_vocab", None),
+        # confidence-scheduled truncation (Algorithm 1, R = 1) under sampling: still the target's distribution
+        ({"temperature": 0.9, "top_k": 8}, "markov", "scheduler"),
     ],
 )
-def test_sampling_distribution_equals_target(tiny, gen, drafter_name):
+def test_sampling_distribution_equals_target(tiny, gen, drafter_name, policy):
     target, drafters = tiny
     drafter = drafters[drafter_name]
+    sps = {1: 1.0, 2: 0.75, 3: 0.6, 4: 0.5, 5: 0.4} if policy == "scheduler" else None
     exact = exact_joint(target, gen.get("temperature", 1.0), gen.get("top_k"), gen.get("top_p"))
     assert math.isclose(exact.sum().item(), 1.0, rel_tol=1e-6)
     kw = {"top_k": gen.get("top_k", 0), "top_p": gen.get("top_p", 1.0), "temperature": gen["temperature"]}
-    emp, runs = _sample_counts(target, drafter, seed=1234, **kw)
+    emp, runs = _sample_counts(target, drafter, seed=1234, policy=policy, sps=sps, **kw)
     rounds = [r for s in runs for r in s.rounds]
     accepted = sum(r.accepted for r in rounds)
     rejected = sum(r.drafted - r.accepted for r in rounds)
     # both branches of rejection sampling were exercised
     assert accepted > 50 and rejected > 50, (accepted, rejected)
+    if policy == "scheduler":  # the scheduler really cut some rounds short (ℓ < budget) and verified others
+        lengths = [r.verified for r in rounds]
+        assert min(lengths) < max(lengths), lengths[:20]
     _assert_matches(emp, exact, f"dspark {gen}")
 
 

@@ -228,13 +228,9 @@ def test_profile_cli(tmp_path, capsys):
 def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
     """generate(assistant_model=drafter) with no policy: the DSpark scheduler when a profile for this target is
     cached, the full block otherwise (or with DSPARK_SCHEDULER=off). Greedy output identical either way."""
-    import inspect
-
-    from generation import enable_dspark, integration
+    from generation import enable_dspark
     from generation.stats import collect_stats
 
-    if "target" not in inspect.signature(integration.default_policy).parameters:
-        pytest.skip("generation.integration.default_policy does not consult cached SPS profiles yet")
     enable_dspark(tiny)
     drafter = make_drafter(tiny, block_size=4)
     ids = torch.tensor([[3, 5, 7, 1]])

@@ -291,6 +291,16 @@ def test_counterexample_early_stop_is_lossless():
     assert abs(p_hat - 0.7) <= band(0.7), p_hat
 
 
+def test_early_stop_lossless_when_it_verifies():
+    """A table where early stop *does* verify x_1 (Θ(2) = 1.8·0.9 = 1.62 > 1): rejection sampling runs on every
+    round and the emitted token still follows p_t (0.7), so the lossless result is not plain target sampling."""
+    sps = {1: 1.0, 2: 0.9, 3: 0.45}
+    assert prefix_schedule([[0.8, 0.9]], sps) == [1]  # Θ(3) = 2.52·0.45 = 1.13 < 1.62: stop at ℓ = 1
+    p_hat, verified = simulate_first_token_rate(lambda c: prefix_schedule(c, sps), ROUNDS, seed=5)
+    assert verified == 1.0
+    assert abs(p_hat - 0.7) <= band(0.7), p_hat
+
+
 def test_counterexample_full_scan_is_biased():
     p_hat, verified = simulate_first_token_rate(lambda c: full_scan_schedule(c, COUNTER_SPS), ROUNDS, seed=2)
     assert abs(p_hat - 0.85) <= band(0.85), p_hat
