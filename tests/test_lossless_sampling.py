@@ -73,12 +73,15 @@ def _assert_matches(emp, exact, label):
         assert worst <= 0, f"{label}: marginal {name} deviates beyond the sampling bound by {worst:.4f}"
 
 
-def _tiny_drafter(target, seed, **kw):
+def _tiny_drafter(target, seed, spread_confidence=False, **kw):
     torch.manual_seed(seed)
     cfg = md.DSparkConfig.from_target_config(target.config, block_size=4, markov_rank=8, target_layer_ids=[0, 2], **kw)
     drafter = md.DSparkDraftModel(cfg).eval().bind_target(target)
     with torch.no_grad():  # a non-zero correction, so eq. 4's sequential path is exercised
         drafter.sequential_head.out.weight.normal_(std=1.0)
+        if spread_confidence:  # c_k spread around 0.4, so the scheduler's ℓ varies from round to round
+            drafter.confidence_head.proj.weight.normal_(std=0.1)
+            drafter.confidence_head.proj.bias.zero_()
         if drafter.draft_vocab_ids is not None:  # a draft vocabulary: q = 0 outside it, p_t is not
             drafter.draft_vocab_ids.copy_(torch.randperm(target.config.vocab_size)[: kw["draft_vocab_size"]])
     return drafter
@@ -91,7 +94,7 @@ def tiny():
     target = tiny_target(vocab_size=16)
     enable_dspark(target)
     drafters = {
-        "markov": _tiny_drafter(target, 1),
+        "markov": _tiny_drafter(target, 1, spread_confidence=True),
         "markov+draft_vocab": _tiny_drafter(target, 2, draft_vocab_size=10),
         "rnn+draft_vocab": _tiny_drafter(target, 3, sequential_head="rnn", draft_vocab_size=12),
     }
