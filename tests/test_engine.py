@@ -16,13 +16,8 @@ POLICIES = ["none", "fixed:1", "fixed:3", "full", "threshold:0.3", "scheduler", 
 SPS = {b: 100.0 / (1.0 + 0.08 * b) for b in range(1, 400)}  # synthetic, decreasing: Θ(B) unimodal
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny forwards are dominated by thread synchronisation on a busy machine: run this module on one thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# tiny forwards are dominated by thread synchronisation on a busy machine: one thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def varied_target(seed=0, vocab_size=64) -> LlamaForCausalLM:

@@ -17,12 +17,8 @@ from generation.scheduler import prefix_schedule
 from .conftest import make_drafter, tiny_target
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# tiny forwards are dominated by thread synchronisation on a busy machine: one thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)
