@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
+from .common import REPO_ROOT, SHIPPED_DRAFTER, CLIError  # noqa: F401
+
 DEFAULT_POLICIES = ["none", "fixed:1", "full", "threshold:0.5", "scheduler", "lagged:2"]
 STATIC_POLICIES = ("none", "fixed", "full", "threshold")
 POLICY_LABELS = {
@@ -36,10 +36,6 @@ POLICY_LABELS = {
     "scheduler": "DSpark scheduler",
     "lagged:2": "DSpark, 2-round lag",
 }
-
-
-class CLIError(Exception):
-    pass
 
 
 def policy_label(policy: str) -> str:

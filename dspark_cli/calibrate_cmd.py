@@ -38,15 +38,12 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .common import DTYPES, CLIError  # noqa: F401
+
 DEFAULT_SOURCES = "sharegpt,gsm_symbolic"
 HELD_OUT_GSM_SEED = 12345  # gsm_symbolic problems for calibration (training data uses --seed, default 0)
 TRAIN_SHUFFLE_SEED = 0  # `dspark data build` takes the head of this shuffle; calibration reads the tail
 OVERLAP_THRESHOLD = 0.5  # near-duplicate Jaccard threshold against the eval sets
-DTYPES = ("float32", "bfloat16")
-
-
-class CLIError(Exception):
-    """A usage or input error: printed on stderr, exit code 2."""
 
 
 # ---------------------------------------------------------------------------------------------- parser

@@ -36,17 +36,10 @@ from pathlib import Path
 
 from .calibrate_cmd import acceptance_matrix, eos_token_ids
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
+from .common import REPO_ROOT, SHIPPED_DRAFTER, RANDOM_DRAFTER_SEED, RANDOM_DRAFTER_BLOCK_SIZE, DTYPES, CLIError  # noqa: F401
+
 DEFAULT_SETS = "gsm8k,humaneval,mtbench"
 MODES = ("greedy", "sample")
-DTYPES = ("float32", "bfloat16")
-RANDOM_DRAFTER_SEED = 0
-RANDOM_DRAFTER_BLOCK_SIZE = 8
-
-
-class CLIError(Exception):
-    """A usage or input error: printed on stderr, exit code 2."""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

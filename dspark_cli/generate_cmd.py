@@ -20,15 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
-RANDOM_DRAFTER_SEED = 0
-RANDOM_DRAFTER_BLOCK_SIZE = 8
-DTYPES = ("float32", "bfloat16")
+from .common import REPO_ROOT, SHIPPED_DRAFTER, RANDOM_DRAFTER_SEED, RANDOM_DRAFTER_BLOCK_SIZE, DTYPES, CLIError  # noqa: F401
 
-
-class CLIError(Exception):
-    """A usage or input error: printed on stderr, exit code 2."""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

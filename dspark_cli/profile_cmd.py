@@ -18,7 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16")
+from .common import DTYPES  # noqa: F401
+
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
