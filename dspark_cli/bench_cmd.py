@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO_ROOT, SHIPPED_DRAFTER, CLIError  # noqa: F401
+from .common import REPO_ROOT, SHIPPED_DRAFTER, CLIError, load_drafter  # noqa: F401
 
 DEFAULT_POLICIES = ["none", "fixed:1", "full", "threshold:0.5", "scheduler", "lagged:2"]
 STATIC_POLICIES = ("none", "fixed", "full", "threshold")
@@ -94,7 +94,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _load(args):
     import torch
 
-    from modeling_dspark import DSparkConfig, DSparkDraftModel
     from modeling_dspark.target import load_target
 
     try:
@@ -107,17 +106,11 @@ def _load(args):
     if spec == "random":
         print("dspark bench serve: WARNING: using a random (untrained) drafter: outputs are exact but few drafts are "
               "accepted, so speculation cannot pay off; pass --drafter PATH for meaningful numbers", file=sys.stderr)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            drafter = DSparkDraftModel(DSparkConfig.from_target_config(target.config, block_size=8))
-        drafter = drafter.to(dtype=target.dtype).eval().bind_target(target)
+        drafter = load_drafter("random", target, target.dtype)
     else:
         if not (Path(spec) / "config.json").is_file():
             raise CLIError(f"drafter {spec!r} is not a drafter directory (no config.json)")
-        try:
-            drafter = DSparkDraftModel.from_pretrained(spec, target=target, dtype=target.dtype).eval()
-        except (OSError, ValueError) as err:
-            raise CLIError(f"could not load drafter: {err}") from None
+        drafter = load_drafter(spec, target, target.dtype)
     return target, tok, drafter, spec
 
 

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .common import DTYPES, CLIError  # noqa: F401
+from .common import DTYPES, CLIError, read_prompts_jsonl  # noqa: F401
 
 DEFAULT_SOURCES = "sharegpt,gsm_symbolic"
 HELD_OUT_GSM_SEED = 12345  # gsm_symbolic problems for calibration (training data uses --seed, default 0)
@@ -101,24 +101,6 @@ def _plan_exclusions(dirs: Iterable[str]) -> tuple[set[str], set[tuple[int, ...]
             if rec.get("prompt_ids"):
                 toks.add(tuple(int(t) for t in rec["prompt_ids"]))
     return ids, toks
-
-
-def _read_prompt_file(path: Path) -> list[dict]:
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CLIError(f"{path}: line {lineno}: invalid JSON ({err.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-                raise CLIError(f"{path}: line {lineno}: expected an object with a non-empty 'prompt' string")
-            out.append({"id": str(obj.get("id", f"file-{lineno}")), "prompt": obj["prompt"], "source": "file"})
-    if not out:
-        raise CLIError(f"{path}: no prompts")
-    return out
 
 
 def _source_candidates(source: str, start: int, count: int) -> list[dict]:
@@ -194,7 +176,7 @@ def calibration_prompts(
         path = Path(sources[0])
         if not path.is_file():
             raise CLIError(f"prompts file not found: {str(path)!r}")
-        picked = accept(_read_prompt_file(path))[:limit]
+        picked = accept(read_prompts_jsonl(path))[:limit]
         info["per_source"]["file"] = len(picked)
         return picked, info
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .calibrate_cmd import acceptance_matrix, eos_token_ids
 
-from .common import REPO_ROOT, SHIPPED_DRAFTER, RANDOM_DRAFTER_SEED, RANDOM_DRAFTER_BLOCK_SIZE, DTYPES, CLIError  # noqa: F401
+from .common import REPO_ROOT, SHIPPED_DRAFTER, DTYPES, CLIError, load_drafter  # noqa: F401
 
 DEFAULT_SETS = "gsm8k,humaneval,mtbench"
 MODES = ("greedy", "sample")
@@ -432,29 +432,13 @@ def run(args) -> int:
 
 
 def _load(args, drafter_spec: str, dtype, device):
-    from generation import enable_dspark
-    from modeling_dspark import DSparkConfig, DSparkDraftModel
     from modeling_dspark.target import load_target
-
-    import torch
 
     try:
         target, tok = load_target(args.target, dtype=dtype, device=device)
     except (FileNotFoundError, OSError) as err:
         raise CLIError(f"could not load target: {err}") from None
-    if drafter_spec == "random":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_DRAFTER_SEED)
-            cfg = DSparkConfig.from_target_config(target.config, block_size=RANDOM_DRAFTER_BLOCK_SIZE)
-            drafter = DSparkDraftModel(cfg)
-        drafter = drafter.to(dtype=dtype, device=target.device).eval().bind_target(target)
-        enable_dspark(target)
-    else:
-        try:
-            drafter = DSparkDraftModel.from_pretrained(drafter_spec, target=target, dtype=dtype).eval()
-        except (OSError, ValueError) as err:
-            raise CLIError(f"could not load drafter: {err}") from None
-    return target, tok, drafter
+    return target, tok, load_drafter(drafter_spec, target, dtype)
 
 
 def _run(args) -> int:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO_ROOT, SHIPPED_DRAFTER, RANDOM_DRAFTER_SEED, RANDOM_DRAFTER_BLOCK_SIZE, DTYPES, CLIError  # noqa: F401
+from .common import REPO_ROOT, SHIPPED_DRAFTER, RANDOM_DRAFTER_SEED, DTYPES, CLIError, load_drafter, read_prompts_jsonl  # noqa: F401
 
 
 
@@ -76,24 +76,7 @@ def _read_prompts(args) -> list[str]:
     path = Path(args.prompts_file)
     if not path.is_file():
         raise CLIError(f"prompts file not found: {str(path)!r}")
-    prompts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CLIError(f"{path}: line {lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(obj, dict) or "prompt" not in obj:
-                raise CLIError(f"{path}: line {lineno}: expected a JSON object with a 'prompt' field")
-            prompt = obj["prompt"]
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise CLIError(f"{path}: line {lineno}: empty prompt ('prompt' must be a non-empty string)")
-            prompts.append(prompt)
-    if not prompts:
-        raise CLIError(f"{path}: no prompts (expected JSON lines with a 'prompt' field)")
-    return prompts
+    return [r["prompt"] for r in read_prompts_jsonl(path)]
 
 
 def _check_args(args) -> None:
@@ -140,8 +123,6 @@ def load_models(target_path, drafter_spec: str | None, dtype_name: str):
     """Load ``(target, tokenizer, drafter | None)``; the drafter is bound to the target and generate() enabled."""
     import torch
 
-    from generation import enable_dspark
-    from modeling_dspark import DSparkConfig, DSparkDraftModel
     from modeling_dspark.target import load_target
 
     dtype = getattr(torch, dtype_name)
@@ -151,20 +132,7 @@ def load_models(target_path, drafter_spec: str | None, dtype_name: str):
         raise CLIError(f"could not load target: {err}") from None
     if drafter_spec is None:
         return target, tok, None
-    if drafter_spec == "random":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_DRAFTER_SEED)
-            config = DSparkConfig.from_target_config(target.config, block_size=RANDOM_DRAFTER_BLOCK_SIZE)
-            drafter = DSparkDraftModel(config)
-        drafter = drafter.to(dtype=dtype, device=target.device).eval()
-        drafter.bind_target(target)
-        enable_dspark(target)
-    else:
-        try:
-            drafter = DSparkDraftModel.from_pretrained(drafter_spec, target=target, dtype=dtype).eval()
-        except (OSError, ValueError) as err:
-            raise CLIError(f"could not load drafter: {err}") from None
-    return target, tok, drafter
+    return target, tok, load_drafter(drafter_spec, target, dtype)
 
 
 def _gen_kwargs(args, tok) -> dict:
