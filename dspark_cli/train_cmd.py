@@ -56,6 +56,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--save-total-limit", type=int, default=3)
     t.add_argument("--logging-steps", type=int, default=10)
     t.add_argument("--num-workers", type=int, default=0, help="dataloader workers")
+    t.add_argument("--feature-cache", default=None, metavar="DIR",
+                   help="run the frozen target once over the data, store its features in DIR (resumable; ~7 KB per "
+                        "token for SmolLM2) and train from them: no target forward per step")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (on a busy machine 1 thread can be much faster than oversubscribing)")
     t.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present")
@@ -130,6 +133,7 @@ def run(args) -> int:
         drafter.draft_vocab_ids.copy_(select_draft_vocab(data, args.draft_vocab_size, always=[eos]))
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     collator = DSparkCollator(args.block_size, args.anchors_per_seq, pad, args.seed, args.max_length)
+    cache_wall = None
     warmup = args.warmup_steps if args.warmup_steps is not None else int(0.03 * args.max_steps)
     targs = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=warmup,
@@ -139,6 +143,19 @@ def run(args) -> int:
         logging_steps=args.logging_steps, report_to="none", dataloader_num_workers=args.num_workers,
         remove_unused_columns=False, use_cpu=args.cpu or not torch.cuda.is_available(), max_grad_norm=1.0,
     )
+    if args.feature_cache:
+        from modeling_dspark.feature_cache import CachedFeatureCollator, FeatureCache, build_feature_cache
+
+        t_cache = time.time()
+        with targs.main_process_first(desc="feature cache"):
+            if targs.process_index == 0:
+                target.to(targs.device)
+                build_feature_cache(data, target, cfg.target_layer_ids, args.feature_cache,
+                                    batch_size=args.batch_size, max_length=args.max_length)
+        cache_wall = round(time.time() - t_cache, 1)
+        cache = FeatureCache(args.feature_cache, cfg.target_layer_ids, target.config.hidden_size)
+        collator = CachedFeatureCollator(args.block_size, args.anchors_per_seq, pad, args.seed, args.max_length,
+                                         cache=cache)
     trainer = DSparkTrainer(model=drafter, target=target, args=targs, train_dataset=data, data_collator=collator)
 
     resume = None
@@ -167,6 +184,8 @@ def run(args) -> int:
             "blocks_seen_approx": trainer.state.global_step * args.batch_size * args.grad_accum
             * args.anchors_per_seq * trainer.args.world_size,
             "wall_s_this_run": round(wall, 1),
+            "feature_cache": args.feature_cache,
+            "feature_cache_wall_s": cache_wall,
             "train_metrics": result.metrics,
             "blocks_per_s_mean": round(sum(bps) / len(bps), 2) if bps else None,
             "last_log": logs[-1] if logs else None,

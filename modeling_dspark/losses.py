@@ -78,18 +78,28 @@ def _l1_distance_no_grad(draft_logits: torch.Tensor, target_logits: torch.Tensor
     return out
 
 
+def _target_probs(target_logits: torch.Tensor, target_lse: torch.Tensor | None) -> torch.Tensor:
+    """q = softmax(t), or exp(t − lse) when t is a column subset of logits whose full logsumexp is ``lse``."""
+    if target_lse is None:
+        return torch.softmax(target_logits.float(), dim=-1)
+    return (target_logits.float() - target_lse[:, None].float()).exp_()
+
+
 class _DraftCeL1(torch.autograd.Function):
     """Fused per-row CE and L1 distance of the draft distribution.
 
-    forward(u [M, V], t [M, V], y [M]) → (ce [M], l1 [M]) float32, where
-    ce = logsumexp(u) − u[y] = −log softmax(u)[y] and
-    l1 = ‖softmax(u) − softmax(t)‖₁. Gradient flows to u only; t is a label.
-    Backward (p = softmax(u), s = sign(p − q)):
-        ∂ce/∂u = p − onehot(y),  ∂l1/∂u = p ⊙ (s − ⟨p, s⟩).
+    forward(u [M, N], t [M, N], y [M], lse [M] | None) → (ce [M], l1 [M]) float32, where
+    ce = logsumexp(u) − u[y] = −log softmax(u)[y] and l1 = ‖p − q‖₁ with p = softmax(u).
+    Without ``lse``, q = softmax(t) over the same N columns. With ``lse`` (a reduced draft vocabulary), t holds the
+    target's logits on the N draft columns only and ``lse`` the logsumexp of its *full* V logits, so
+    q = exp(t − lse) is the target's true probability there; p is 0 on the V − N other tokens, which add their
+    target mass 1 − Σq to the L1 exactly. Gradient flows to u only; t is a label.
+    Backward (s = sign(p − q)):
+        ∂ce/∂u = p − onehot(y),  ∂l1/∂u = p ⊙ (s − ⟨p, s⟩)  (the outside mass does not depend on u).
     """
 
     @staticmethod
-    def forward(ctx, draft_logits, target_logits, tokens):  # type: ignore[override]
+    def forward(ctx, draft_logits, target_logits, tokens, target_lse=None):  # type: ignore[override]
         m, _ = draft_logits.shape
         ce = torch.empty(m, dtype=torch.float32, device=draft_logits.device)
         l1 = torch.empty_like(ce)
@@ -99,16 +109,21 @@ class _DraftCeL1(torch.autograd.Function):
             lse = torch.logsumexp(u, dim=-1)
             ce[s : s + step] = lse - u.gather(-1, tokens[s : s + step, None]).squeeze(-1)
             p = u.sub_(lse[:, None]).exp_()
-            q = torch.softmax(target_logits[s : s + step].float(), dim=-1)
+            q = _target_probs(target_logits[s : s + step], None if target_lse is None else target_lse[s : s + step])
+            outside = None if target_lse is None else (1.0 - q.sum(dim=-1)).clamp_(min=0.0)
             l1[s : s + step] = p.sub_(q).abs_().sum(dim=-1)
+            if outside is not None:
+                l1[s : s + step] += outside
+        ctx.target_lse = target_lse
         ctx.save_for_backward(draft_logits, target_logits, tokens)
         return ce, l1
 
     @staticmethod
     def backward(ctx, grad_ce, grad_l1):  # type: ignore[override]
         draft_logits, target_logits, tokens = ctx.saved_tensors
+        target_lse = ctx.target_lse
         if not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         grad = torch.empty_like(draft_logits)
         m = draft_logits.shape[0]
         step = _row_chunk(draft_logits.shape[-1])
@@ -116,7 +131,7 @@ class _DraftCeL1(torch.autograd.Function):
         g_l1 = grad_l1 if grad_l1 is not None else torch.zeros(m, device=draft_logits.device)
         for s in range(0, m, step):
             p = torch.softmax(draft_logits[s : s + step].float(), dim=-1)
-            q = torch.softmax(target_logits[s : s + step].float(), dim=-1)
+            q = _target_probs(target_logits[s : s + step], None if target_lse is None else target_lse[s : s + step])
             sign = (p - q).sign_()
             del q
             inner = (p * sign).sum(dim=-1, keepdim=True)
@@ -129,7 +144,7 @@ class _DraftCeL1(torch.autograd.Function):
             # logits hold inf/NaN garbage
             live = (g_ce[s : s + step] != 0) | (g_l1[s : s + step] != 0)
             grad[s : s + step] = torch.where(live[:, None], g, 0.0).to(grad.dtype)
-        return grad, None, None
+        return grad, None, None, None
 
 
 def confidence_labels(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -166,6 +181,7 @@ def dspark_loss(
     tv_weight: float = 0.9,
     conf_weight: float = 1.0,
     ce_mask: torch.Tensor | None = None,
+    target_lse: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """DSpark training loss, SPEC eqs 11–14.
 
@@ -185,6 +201,11 @@ def dspark_loss(
         ce_weight, tv_weight, conf_weight: α_ce, α_tv, α_conf of eq. 14.
         ce_mask: optional [N, γ] bool restricting the CE term only (e.g. to labels inside a reduced draft
             vocabulary, whose draft probability is 0 outside it); TV and confidence still use ``loss_mask``.
+        target_lse: optional [N, γ] logsumexp of the target's *full* logits, for a reduced draft vocabulary:
+            then ``draft_logits`` and ``target_logits`` hold only the N ≪ V draft columns, the target
+            probabilities there are exp(t − lse), and the target mass outside the draft vocabulary (where p_d = 0)
+            is added to the L1 term — the same ``tv`` and c* as the expanded [.., V] computation, at N/V of the
+            cost. ``target_tokens`` are then indices into the draft columns.
 
     Returns:
         dict of float32 scalars:
@@ -217,6 +238,8 @@ def dspark_loss(
         raise ValueError(f"weights must be [{gamma}], got {tuple(weights.shape)}")
     if loss_mask is not None and loss_mask.shape != (n, gamma):
         raise ValueError(f"loss_mask must be [{n}, {gamma}], got {tuple(loss_mask.shape)}")
+    if target_lse is not None and target_lse.shape != (n, gamma):
+        raise ValueError(f"target_lse must be [{n}, {gamma}], got {tuple(target_lse.shape)}")
 
     device = draft_logits.device
     valid = (
@@ -237,6 +260,7 @@ def dspark_loss(
         draft_logits.reshape(n * gamma, v),
         target_logits.detach().reshape(n * gamma, v),
         tokens.reshape(n * gamma).long(),
+        None if target_lse is None else target_lse.detach().reshape(n * gamma).float(),
     )
     ce_rows = ce_rows.view(n, gamma)
     l1_rows = l1_rows.view(n, gamma)

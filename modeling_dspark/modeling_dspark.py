@@ -355,6 +355,24 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             self._target["draft_head"] = cached
         return cached[1]
 
+    def draft_vocab_index(self, device=None) -> torch.LongTensor:
+        """``[V]`` long map from a token id to its column in the draft vocabulary, −1 outside it (cached).
+
+        Raises:
+            ValueError: the drafter has no reduced draft vocabulary.
+        """
+        if self.draft_vocab_ids is None:
+            raise ValueError("draft_vocab_index: this drafter drafts over the full vocabulary (draft_vocab_size=None)")
+        ids = self.draft_vocab_ids
+        key = (ids._version, ids.data_ptr(), str(device or ids.device))
+        cached = self._target.get("draft_index")
+        if cached is None or cached[0] != key:
+            index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=device or ids.device)
+            index[ids.to(index.device)] = torch.arange(ids.numel(), device=index.device)
+            cached = (key, index)
+            self._target["draft_index"] = cached
+        return cached[1]
+
     def expand_draft_logits(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
         """Scatter draft-vocabulary logits ``[..., N]`` into the full vocabulary ``[..., V]`` (``fill`` elsewhere).
 

@@ -162,8 +162,8 @@ class DSparkTrainer(Trainer):
 
     # ---------------------------------------------------------------- target side (no grad)
     @torch.no_grad()
-    def target_outputs(self, input_ids, attention_mask, anchor_positions, layer_ids, block_size):
-        """Context features ``[B, L, m·H]`` and target logits at the block slots ``[B, n, γ, V]``."""
+    def _decoder_pass(self, input_ids, attention_mask, layer_ids):
+        """One frozen target forward: context features ``[B, L, m·H]`` and the final (normed) hidden ``[B, L, H]``."""
         target = self.target
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, target.base_model_prefix)
         out = decoder(
@@ -172,14 +172,48 @@ class DSparkTrainer(Trainer):
             output_hidden_states=hidden_state_indices(layer_ids),
             use_cache=False,
         )
-        feats = context_features(out.hidden_states, layer_ids)
-        bsz, length = input_ids.shape
+        return context_features(out.hidden_states, layer_ids), out.last_hidden_state
+
+    @staticmethod
+    def _slots(hidden, anchor_positions, block_size):
+        """``hidden [B, L, X]`` at the block slots p..p+γ−1 of every anchor: ``[B, n, γ, X]``."""
+        bsz, length = hidden.shape[:2]
         n = anchor_positions.shape[1]
         slots = block_positions(anchor_positions, block_size).clamp(max=length - 1).reshape(bsz, n * block_size)
-        last = out.last_hidden_state
-        gathered = last.gather(1, slots[..., None].expand(-1, -1, last.shape[-1]))
-        logits = target.get_output_embeddings()(gathered)
-        return feats, logits.reshape(bsz, n, block_size, -1)
+        if hidden.dim() == 2:
+            return hidden.gather(1, slots).reshape(bsz, n, block_size)
+        return hidden.gather(1, slots[..., None].expand(-1, -1, hidden.shape[-1])).reshape(bsz, n, block_size, -1)
+
+    @torch.no_grad()
+    def target_outputs(self, input_ids, attention_mask, anchor_positions, layer_ids, block_size):
+        """Context features ``[B, L, m·H]`` and the target's full logits at the block slots ``[B, n, γ, V]``."""
+        feats, last = self._decoder_pass(input_ids, attention_mask, layer_ids)
+        logits = self.target.get_output_embeddings()(self._slots(last, anchor_positions, block_size))
+        return feats, logits
+
+    @torch.no_grad()
+    def slot_targets(self, drafter, slot_hidden, slot_lse=None):
+        """The target's distribution at the block slots, in the drafter's vocabulary.
+
+        Args:
+            slot_hidden: ``[B, n, γ, H]`` the target's final normed hidden states at the slots.
+            slot_lse: optional ``[B, n, γ]`` logsumexp of the target's full-vocabulary logits there (from a
+                :class:`~modeling_dspark.feature_cache.FeatureCache`); computed here when None.
+
+        Returns:
+            ``(logits, lse)``: without a draft vocabulary the full ``[B, n, γ, V]`` logits and None; with one the
+            ``[B, n, γ, N]`` logits of the draft columns only and the full-vocabulary ``lse [B, n, γ]`` float32,
+            which :func:`~modeling_dspark.losses.dspark_loss` needs to add the target mass outside them (exact).
+        """
+        head = self.target.get_output_embeddings()
+        if drafter.draft_vocab_ids is None:
+            return head(slot_hidden.to(head.weight.dtype)), None
+        if slot_lse is None:
+            full = head(slot_hidden.to(head.weight.dtype))
+            lse = torch.logsumexp(full.float(), dim=-1)
+            return full[..., drafter.draft_vocab_ids.to(full.device)], lse
+        weight = drafter._draft_head_weight(head)
+        return torch.nn.functional.linear(slot_hidden.to(weight.dtype), weight), slot_lse.float()
 
     # ---------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -194,7 +228,12 @@ class DSparkTrainer(Trainer):
         n = anchors.shape[1]
         lengths = attn.sum(-1)
 
-        feats, t_logits = self.target_outputs(ids, attn, anchors, cfg.target_layer_ids, gamma)
+        if "context_features" in inputs:  # from a FeatureCache (CachedFeatureCollator): no target forward
+            feats = inputs["context_features"]
+            t_logits, t_lse = self.slot_targets(drafter, inputs["slot_hidden"], inputs["slot_lse"])
+        else:
+            feats, last = self._decoder_pass(ids, attn, cfg.target_layer_ids)
+            t_logits, t_lse = self.slot_targets(drafter, self._slots(last, anchors, gamma))
         slot_pos = block_positions(anchors, gamma)  # [B, n, γ]: positions p..p+γ−1
         prev = ids.gather(1, slot_pos.clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, gamma)  # x_0..x_{γ−1}
         labels = ids.gather(1, (slot_pos + 1).clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, gamma)
@@ -217,16 +256,19 @@ class DSparkTrainer(Trainer):
             draft = draft + corr
         conf = drafter.confidence_logits(prev, hidden)
         ce_mask = None
+        target_labels = labels
         if drafter.draft_vocab_ids is not None:
-            # reduced draft vocabulary: p_d = 0 outside it (a large negative logit keeps gradients finite); the
-            # TV term still compares against the target's full distribution, CE skips labels outside the set
-            draft = drafter.expand_draft_logits(draft, fill=-1e4)
-            ce_mask = torch.isin(labels, drafter.draft_vocab_ids.to(labels.device)).reshape(-1, gamma)
+            # reduced draft vocabulary: p_d = 0 outside it. The loss works on the N draft columns only; the target
+            # mass outside them enters the L1 term through t_lse (exact, eq. 12), CE skips labels outside the set
+            index = drafter.draft_vocab_index(labels.device)
+            target_labels = index[labels]
+            ce_mask = (target_labels >= 0).reshape(-1, gamma)
+            target_labels = target_labels.clamp(min=0)
         vocab = draft.shape[-1]
         terms = dspark_loss(
             draft.reshape(-1, gamma, vocab),
             t_logits.reshape(-1, gamma, vocab),
-            labels.reshape(-1, gamma),
+            target_labels.reshape(-1, gamma),
             None if conf is None else conf.reshape(-1, gamma),
             position_weights(gamma, cfg.loss_decay, device=draft.device),
             loss_mask.reshape(-1, gamma),
@@ -234,9 +276,12 @@ class DSparkTrainer(Trainer):
             cfg.tv_weight,
             cfg.conf_weight,
             ce_mask=ce_mask,
+            target_lse=None if t_lse is None else t_lse.reshape(-1, gamma),
         )
         with torch.no_grad():
-            top1 = (draft.argmax(-1) == labels) & loss_mask
+            top1 = (draft.argmax(-1) == target_labels) & loss_mask
+            if ce_mask is not None:
+                top1 &= ce_mask.reshape(top1.shape)
             first = loss_mask[..., 0]
             stats = {
                 "ce": terms["ce"].item(),

@@ -249,3 +249,37 @@ def test_ce_mask_restricts_only_the_ce_term():
     logp = torch.log_softmax(d, -1).gather(-1, tokens[..., None])[..., 0]
     ww = w[None].expand(3, 2) * ce_mask
     assert torch.allclose(part["ce"], -(ww * logp).sum() / ww.sum(), atol=1e-6)
+
+
+def test_reduced_vocab_loss_with_target_lse_equals_expanded_full_vocab():
+    """A draft vocabulary D ⊂ V: the loss on the N draft columns with the target's full logsumexp (target_lse) gives
+    the same ce / tv / conf / loss values and the same gradients as expanding the draft logits to V (p_d = 0
+    outside D) and comparing with the full target distribution."""
+    g = torch.Generator().manual_seed(7)
+    n, gamma, v = 5, 3, 40
+    ids = torch.sort(torch.randperm(v, generator=g)[:12]).values
+    draft_sub = torch.randn(n, gamma, ids.numel(), generator=g, dtype=torch.float64).float()
+    target = 2 * torch.randn(n, gamma, v, generator=g)
+    index = torch.full((v,), -1, dtype=torch.long)
+    index[ids] = torch.arange(ids.numel())
+    tokens_full = ids[torch.randint(0, ids.numel(), (n, gamma), generator=g)]
+    tokens_full[0, 1] = int(torch.nonzero(index < 0)[0])  # one label outside D (CE-masked)
+    conf = torch.randn(n, gamma, generator=g)
+    w = position_weights(gamma)
+    ce_mask = index[tokens_full] >= 0
+
+    d1 = draft_sub.clone().requires_grad_(True)
+    expanded = torch.full((n, gamma, v), -1e4).index_copy(-1, ids, d1)
+    ref = dspark_loss(expanded, target, tokens_full, conf, w, ce_mask=ce_mask)
+    ref["loss"].backward()
+
+    d2 = draft_sub.clone().requires_grad_(True)
+    out = dspark_loss(d2, target[..., ids], index[tokens_full].clamp(min=0), conf, w, ce_mask=ce_mask,
+                      target_lse=torch.logsumexp(target, dim=-1))
+    out["loss"].backward()
+    for k in ("ce", "tv", "conf", "loss"):
+        torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6)
+    assert ref["tv"] > 0.5  # the outside mass is a real part of the term here
+    torch.testing.assert_close(d2.grad, d1.grad, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="target_lse"):
+        dspark_loss(d2, target[..., ids], index[tokens_full].clamp(min=0), conf, w, target_lse=torch.zeros(n))

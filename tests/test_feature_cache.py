@@ -1,0 +1,139 @@
+"""The target feature cache (modeling_dspark.feature_cache) on a tiny random Llama target (CPU, seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from modeling_dspark.feature_cache import (
+    CachedFeatureCollator,
+    FeatureCache,
+    FeatureCacheError,
+    build_feature_cache,
+)
+from modeling_dspark.training import DSparkCollator
+
+from tests.test_training import GAMMA, make_args, make_data, make_drafter, make_target
+
+LAYERS = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_data()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, target, data):
+    return build_feature_cache(data, target, LAYERS, tmp_path_factory.mktemp("cache"), batch_size=5, progress=False)
+
+
+def _trainer(tmp_path, target, drafter, data, collator):
+    from modeling_dspark.training import DSparkTrainer
+
+    return DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data,
+                         data_collator=collator)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 24])
+def test_cached_batch_gives_the_online_loss(tmp_path, target, data, cache_dir, draft_vocab):
+    """Same batch, same drafter: the loss from cached target outputs equals the loss with the target run online
+    (up to the bf16 storage of the features), with the full vocabulary and with a draft vocabulary (exact lse)."""
+    drafter = make_drafter(target, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        drafter.draft_vocab_ids.copy_(torch.randperm(64, generator=torch.Generator().manual_seed(1))[:draft_vocab]
+                                      .sort().values)
+    cache = FeatureCache(cache_dir, LAYERS, target.config.hidden_size)
+    rows = [data[i] for i in range(6)]
+    online = DSparkCollator(GAMMA, anchors_per_seq=3, pad_token_id=0, seed=0)(rows)
+    cached = CachedFeatureCollator(GAMMA, anchors_per_seq=3, pad_token_id=0, seed=0, cache=cache)(rows)
+    for k in online:
+        assert torch.equal(online[k], cached[k]), k
+    tr = _trainer(tmp_path, target, drafter, data, None)
+    drafter.eval()
+    with torch.no_grad():
+        a = float(tr.compute_loss(drafter, online))
+        b = float(tr.compute_loss(drafter, cached))
+    assert a > 0 and b == pytest.approx(a, rel=2e-3)
+    # the cached rows are the target's own outputs (bf16-rounded), position by position
+    feats, _ = tr.target_outputs(online["input_ids"], online["attention_mask"], online["anchor_positions"], LAYERS,
+                                 GAMMA)
+    real = online["attention_mask"].bool()
+    torch.testing.assert_close(cached["context_features"][real].float(), feats[real], rtol=1e-2, atol=1e-2)
+    # and the loss reads them: other target outputs give another loss
+    bad = dict(cached, slot_hidden=cached["slot_hidden"].flip(0))
+    with torch.no_grad():
+        assert float(tr.compute_loss(drafter, bad)) != pytest.approx(a, rel=2e-2)
+
+
+def test_training_from_the_cache_never_runs_the_target(tmp_path, target, data, cache_dir):
+    drafter = make_drafter(target)
+    cache = FeatureCache(cache_dir, LAYERS, target.config.hidden_size)
+    tr = _trainer(tmp_path, target, drafter, data,
+                  CachedFeatureCollator(GAMMA, anchors_per_seq=3, pad_token_id=0, seed=0, cache=cache))
+    calls = []
+    handle = target.model.register_forward_hook(lambda *a: calls.append(1))
+    before = drafter.fc.weight.detach().clone()
+    try:
+        tr.train()
+    finally:
+        handle.remove()
+    assert calls == [] and not torch.equal(before, drafter.fc.weight)
+
+
+def test_build_resumes_after_a_kill(tmp_path, target, data, cache_dir):
+    out = tmp_path / "c"
+    build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
+    ref = (out / "features.u16").read_bytes()
+    meta = json.loads((out / "meta.json").read_text())
+    meta.update(rows_done=10, complete=False)  # as if killed after two batches
+    (out / "meta.json").write_text(json.dumps(meta))
+    feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="r+")
+    offset = int(np.load(out / "index.npy")[10, 1]) * feats.shape[0] // meta["num_tokens"]
+    feats[offset:] = 0
+    feats.flush()
+    del feats
+    with pytest.raises(FeatureCacheError, match="incomplete"):
+        FeatureCache(out)
+    build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
+    assert (out / "features.u16").read_bytes() == ref
+    assert (out / "features.u16").read_bytes() == (cache_dir / "features.u16").read_bytes()
+
+
+def test_mismatches_are_named(tmp_path, target, data, cache_dir):
+    with pytest.raises(FeatureCacheError, match="target layers"):
+        FeatureCache(cache_dir, [0, 1], target.config.hidden_size)
+    with pytest.raises(FeatureCacheError, match="hidden size"):
+        FeatureCache(cache_dir, LAYERS, 128)
+    with pytest.raises(FeatureCacheError, match="not a feature cache"):
+        FeatureCache(tmp_path)
+    with pytest.raises(FeatureCacheError, match="other settings or data"):
+        build_feature_cache(data.select(range(5)), target, LAYERS, cache_dir, progress=False)
+    cache = FeatureCache(cache_dir, LAYERS)
+    row = dict(data[0])
+    row["input_ids"] = [3] + list(row["input_ids"][1:]) if row["input_ids"][0] != 3 else [4] + list(row["input_ids"][1:])
+    col = CachedFeatureCollator(GAMMA, anchors_per_seq=3, pad_token_id=0, seed=0, cache=cache)
+    with pytest.raises(FeatureCacheError, match="tokens differ"):
+        col([row])
+    with pytest.raises(FeatureCacheError, match="not in the feature cache"):
+        col([dict(data[0], idx=10_000)])
+
+
+def test_a_grown_data_set_extends_the_cache(tmp_path, target, data, cache_dir):
+    """Rows appended at the end (more data shards) extend an existing cache; the result equals a fresh build."""
+    out = tmp_path / "g"
+    build_feature_cache(data.select(range(10)), target, LAYERS, out, batch_size=5, progress=False)
+    assert FeatureCache(out).meta["num_rows"] == 10
+    build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
+    for name in ("features.u16", "last_hidden.u16", "index.npy"):
+        assert (out / name).read_bytes() == (cache_dir / name).read_bytes(), name
+    with pytest.raises(FeatureCacheError, match="other settings or data"):  # not a prefix: refused
+        build_feature_cache(data.select(range(1, 12)), target, LAYERS, out, progress=False)
