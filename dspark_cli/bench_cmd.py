@@ -1,7 +1,7 @@
 """`dspark bench serve`: serving benchmark of batched speculative decoding (:class:`generation.engine.DSparkEngine`).
 
-    dspark bench serve                                   # R = 1 2 4 8 16, six policies, bf16, mtbench + gsm8k
-    dspark bench serve --requests 1 4 --max-new-tokens 32 --limit 4 --out bench.json --plot bench.png
+    dspark bench serve                                   # R = 1 2 4 8, six policies, 3 repeats, bf16, mtbench + gsm8k
+    dspark bench serve --requests 1 4 --max-new-tokens 16 --limit 2 --repeats 2 --out bench.json --plot bench.png
 
 For every concurrency R and verify policy it serves the same held-out prompts (``load_eval_prompts``: MT-Bench first
 turns and GSM8K, chat template applied) with at most R requests in flight (continuous batching; at least
@@ -10,6 +10,13 @@ per-user speed (mean over requests of tokens / seconds from admission to finish)
 static verify length 1 (the MTP-1 analogue); static full block; DeepSpec-style confidence threshold; the DSpark
 scheduler (Algorithm 1 over all running requests); the two-round-lag budget variant. The scheduler's SPS(B) table
 is profiled on first use for this target / dtype / thread count and cached (see ``dspark profile``).
+
+Noise control: every (R, policy) cell is served ``--repeats`` times, interleaved: repetition after repetition, and
+within one repetition all policies at one R back to back, in an order rotated each repetition, so slow drift of the
+machine (other processes, thermal) hits every policy alike. Each cell reports the median over repetitions and the
+min / max (``throughput_min`` / ``throughput_max``, ``*_reps`` lists) as its noise estimate; the table prints
+``median ±half-range``, and the scheduler-vs-best-static rows the ratio of medians with the combined relative
+half-range of the two cells (a ratio within it is a tie).
 
 Writes JSON and a Pareto plot (throughput vs per-user speed) and prints a markdown table.
 Exit codes: 0 success, 2 usage or input error.
@@ -70,17 +77,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"DSpark drafter directory (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
                         "else a random drafter, with a warning)")
     s.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
-    s.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="R",
-                   help="concurrency levels (default: 1 2 4 8 16)")
+    s.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8], metavar="R",
+                   help="concurrency levels (default: 1 2 4 8)")
     s.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, metavar="POLICY",
                    help="engine policies: none, fixed:N, full, threshold:P, scheduler, lagged[:LAG] "
                         f"(default: {' '.join(DEFAULT_POLICIES)})")
     s.add_argument("--datasets", nargs="+", default=["mtbench", "gsm8k"],
                    help="eval prompt sets (default: mtbench gsm8k)")
     s.add_argument("--limit", type=int, default=8, help="prompts per dataset (default: 8)")
-    s.add_argument("--min-requests", type=int, default=4,
-                   help="requests served per R: max(R, this) (default: 4)")
-    s.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
+    s.add_argument("--min-requests", type=int, default=8,
+                   help="requests served per R: max(R, this) (default: 8)")
+    s.add_argument("--max-new-tokens", type=int, default=40, help="(default: 40)")
+    s.add_argument("--repeats", type=int, default=3,
+                   help="repetitions of every (R, policy) cell, interleaved; medians and min-max reported (default: 3)")
     s.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current setting)")
     s.add_argument("--out", default="bench_serve.json", metavar="FILE.json", help="(default: bench_serve.json)")
@@ -157,11 +166,38 @@ def _serve(target, drafter, policy, prompts, num_requests, concurrency, max_new,
         "mean_batch_tokens": summ["mean_batch_tokens"],
         "t_draft_ms": summ["t_draft_ms"],
         "t_verify_ms": summ["t_verify_ms"],
+        "skipped_draft_rounds": summ["skipped_draft_rounds"],
+        "gated_request_rounds": summ["gated_request_rounds"],
+        "probe_rounds": summ["probe_rounds"],
     }, [o.output_ids for o in outs]
 
 
+def _half_range(r: dict, key: str = "throughput_tok_s") -> float:
+    """Half the min-max spread of a cell over its repetitions (0 without repetitions)."""
+    lo, hi = r.get(key.replace("_tok_s", "_min")), r.get(key.replace("_tok_s", "_max"))
+    return 0.0 if lo is None or hi is None else (hi - lo) / 2
+
+
+def aggregate_reps(reps: list[dict]) -> dict:
+    """One cell from its repetitions: medians of every number, min / max and the per-rep lists of the two speeds."""
+    out = {}
+    for key, value in reps[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in reps)
+        else:
+            out[key] = value
+    for key in ("throughput", "per_user"):
+        vals = [r[f"{key}_tok_s"] for r in reps]
+        out[f"{key}_reps"] = vals
+        out[f"{key}_min"], out[f"{key}_max"] = min(vals), max(vals)
+    out["repeats"] = len(reps)
+    return out
+
+
 def markdown_table(results: list[dict], policies: list[str], levels: list[int]) -> str:
-    """Rows: policies; columns: R; cells: ``throughput / per-user`` tok/s; plus a scheduler-vs-best-static row."""
+    """Rows: policies; columns: R; cells: ``throughput ±half-range / per-user`` tok/s (medians over repetitions);
+    plus, per dynamic policy, its median throughput over the best static policy's, ± their combined relative
+    half-range (the noise)."""
     cell = {(r["policy"], r["R"]): r for r in results}
     lines = ["| policy | " + " | ".join(f"R={R} (total / per-user tok/s)" for R in levels) + " |",
              "|---|" + "---|" * len(levels)]
@@ -169,7 +205,12 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
         vals = []
         for R in levels:
             r = cell.get((pol, R))
-            vals.append("–" if r is None else f"{r['throughput_tok_s']:.1f} / {r['per_user_tok_s']:.1f}")
+            if r is None:
+                vals.append("–")
+            else:
+                noise = _half_range(r)
+                vals.append(f"{r['throughput_tok_s']:.1f}" + (f" ±{noise:.1f}" if noise else "")
+                            + f" / {r['per_user_tok_s']:.1f}")
         lines.append(f"| {policy_label(pol)} | " + " | ".join(vals) + " |")
     statics = [p for p in policies if p.partition(":")[0] in STATIC_POLICIES]
     for dyn in [p for p in policies if p.partition(":")[0] in ("scheduler", "lagged")]:
@@ -181,7 +222,9 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
             if best is None or mine is None:
                 vals.append("–")
             else:
-                vals.append(f"{mine['throughput_tok_s'] / best['throughput_tok_s']:.2f}x vs {best['policy']}")
+                ratio = mine["throughput_tok_s"] / best["throughput_tok_s"]
+                noise = _half_range(mine) / mine["throughput_tok_s"] + _half_range(best) / best["throughput_tok_s"]
+                vals.append(f"{ratio:.2f}x vs {best['policy']}" + (f" (±{noise:.0%})" if noise else ""))
         lines.append(f"| {policy_label(dyn)} / best static | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
@@ -229,8 +272,9 @@ def run(args) -> int:
 def _run(args) -> int:
     from generation.engine import parse_engine_policy
 
-    if min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1:
-        raise CLIError("--requests, --limit, --min-requests and --max-new-tokens must be >= 1")
+    if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
+            or args.repeats < 1):
+        raise CLIError("--requests, --limit, --min-requests, --max-new-tokens and --repeats must be >= 1")
     if args.threads is not None and args.threads < 1:
         raise CLIError("--threads must be >= 1")
     for pol in args.policies:
@@ -268,18 +312,28 @@ def _run(args) -> int:
     # warm-up (first forwards of new shapes are slow), not timed
     _serve(target, drafter, "full", prompts, 2, 2, 4, gamma, sps)
 
-    results, outputs = [], {}
+    # interleaved: repetition by repetition; within one, each R's policies back to back in a rotated order
+    reps: dict[tuple[int, str], list[dict]] = {}
+    outputs = {}
+    for rep in range(args.repeats):
+        for li, R in enumerate(levels):
+            n = max(R, args.min_requests)
+            shift = (rep + li) % len(args.policies)
+            for pol in args.policies[shift:] + args.policies[:shift]:
+                res, outs = _serve(target, drafter, pol, prompts, n, R, args.max_new_tokens, gamma, sps)
+                outputs.setdefault((R, pol), outs)
+                reps.setdefault((R, pol), []).append(res)
+                print(f"rep {rep + 1}/{args.repeats} R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total  "
+                      f"{res['per_user_tok_s']:6.1f} tok/s/user  tau {res['tau']:.2f}  verified "
+                      f"{res['mean_verified']:.2f}  B {res['mean_batch_tokens']:.1f}  skipped-draft rounds "
+                      f"{res['skipped_draft_rounds']}/{res['rounds']}", file=sys.stderr)
+    results = []
     for R in levels:
-        n = max(R, args.min_requests)
         for pol in args.policies:
-            res, outs = _serve(target, drafter, pol, prompts, n, R, args.max_new_tokens, gamma, sps)
-            base = outputs.get((R, "none"))
+            res = aggregate_reps(reps[(R, pol)])
+            base, outs = outputs.get((R, "none")), outputs[(R, pol)]
             res["agreement_with_none"] = (sum(a == b for a, b in zip(outs, base)) / len(outs)) if base else None
-            outputs[(R, pol)] = outs
-            results.append({"R": R, "policy": pol, "requests": n, **res})
-            print(f"R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total  {res['per_user_tok_s']:6.1f} "
-                  f"tok/s/user  tau {res['tau']:.2f}  verified {res['mean_verified']:.2f}  "
-                  f"B {res['mean_batch_tokens']:.1f}", file=sys.stderr)
+            results.append({"R": R, "policy": pol, "requests": max(R, args.min_requests), **res})
 
     table = markdown_table(results, args.policies, levels)
     out = Path(args.out)
@@ -288,6 +342,7 @@ def _run(args) -> int:
             "target": profiling.target_name(target), "dtype": args.dtype, "threads": threads,
             "drafter": drafter_spec, "block_size": gamma, "datasets": args.datasets, "limit": args.limit,
             "num_prompts": len(prompts), "min_requests": args.min_requests, "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats, "order": "interleaved: repeat > R > policies (rotated per repeat)",
             "requests": levels, "policies": args.policies, "sps_context": context,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
         },

@@ -26,6 +26,29 @@ Design (correctness first):
   the next :meth:`~DSparkEngine.step` (their prompts are prefilled in one packed forward) while at most
   ``max_batch_size`` requests run. Requests finish independently (EOS or ``max_new_tokens``).
 
+Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which prices the verify batch only):
+
+* **Draft cost.** A round that drafts lasts T_verify(B) + t_draft(n), n = requests drafting. The policies are fed
+  SPS_eff(B) = 1 / (1/SPS(B) + t_draft(n)) (:func:`generation.scheduler.effective_sps`) instead of SPS(B), so
+  Algorithm 1 (and the lagged budget search) maximise committed tokens per second of the whole round. t_draft(n)
+  comes from ``draft_cost_ms``: by default (``"auto"``) a moving average (weight :attr:`DSparkEngine.DRAFT_TIME_EMA`)
+  of this engine's own measured drafting time per n, linear in between measured n, nearest outside; the first
+  drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour), also work.
+* **Draft gate.** Before drafting, the engine decides from PAST rounds only whether drafting is expected to pay,
+  per request: each request keeps a moving average (:attr:`~DSparkEngine.CONF_EMA`) of the calibrated c_k of its
+  earlier rounds (requests without history use an engine-wide average); :func:`generation.scheduler.draft_gate`
+  scans every prefix of the pooled estimated survivals, Θ_k = τ_k / (1/SPS(R + k) + t_draft(n_k)), against the
+  no-drafting R·SPS(R), and only the requests in the best prefix draft (the others verify their anchor token only,
+  and their drafter context catches up when they next draft). Nothing is drafted when even perfect drafts (all
+  a = 1) could not pay at the current draft cost, or (``scheduler``) when Algorithm 1 would admit nothing even at
+  a = 1. The estimates are scaled by a calibration factor ρ = (accepted + 1) / (Σ predicted c_k + 1) over recent
+  verified draft tokens (decayed by :attr:`~DSparkEngine.CALIB_DECAY` per round; ≈ 1 for a calibrated drafter), so
+  an over-confident drafter gets gated off too. Gated requests are re-probed (drafted anyway, refreshing their
+  averages) after 1, 2, 4, … up to ``probe_max_interval`` consecutive gated rounds; the back-off resets when the
+  gate drafts every request. The gate never looks at this round's confidences or draft tokens, so outputs stay
+  exact; :class:`EngineRound` records ``gated`` and ``probe``, :meth:`EngineStats.summary` the skipped-draft /
+  gated / probe counts. The first rounds (no estimate, draft cost not yet measured) always draft.
+
 Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
 for token in float32; no logits processors). Not thread-safe: while :meth:`DSparkEngine.step` runs, the target
 must not be used from another thread (its attention implementation is switched for the duration of the call).
@@ -51,7 +74,7 @@ import torch
 
 from modeling_dspark.target import context_features
 
-from .scheduler import budget_from_confidences, fill_budget, prefix_schedule
+from .scheduler import budget_from_confidences, draft_gate, effective_sps, fill_budget, prefix_schedule
 from .stats import GenerationStats, RoundStats
 
 __all__ = [
@@ -379,6 +402,9 @@ class EngineRound:
         accepted: accepted draft tokens per request.
         committed: tokens appended per request.
         t_draft_ms, t_verify_ms: drafter time (all requests) and verify forward + acceptance time.
+        gated: per request, True when the draft gate (scheduler / lagged) skipped drafting it this round although
+            it could have drafted (empty for the other policies).
+        probe: the round drafted requests the gate would have skipped (periodic re-probe, see the module doc).
     """
 
     requests: int
@@ -389,6 +415,13 @@ class EngineRound:
     committed: list[int]
     t_draft_ms: float
     t_verify_ms: float
+    gated: list[bool] = field(default_factory=list)
+    probe: bool = False
+
+    @property
+    def drafted_any(self) -> bool:
+        """Whether the drafter ran this round."""
+        return any(self.drafted)
 
 
 @dataclass
@@ -413,6 +446,10 @@ class EngineStats:
             "tau": committed / req_rounds,
             "t_draft_ms": sum(r.t_draft_ms for r in self.rounds) / n,
             "t_verify_ms": sum(r.t_verify_ms for r in self.rounds) / n,
+            "draft_rounds": sum(r.drafted_any for r in self.rounds),
+            "skipped_draft_rounds": sum(not r.drafted_any for r in self.rounds),
+            "gated_request_rounds": sum(sum(r.gated) for r in self.rounds),
+            "probe_rounds": sum(r.probe for r in self.rounds),
             "prefill_tokens": self.prefill_tokens,
             "prefill_ms": self.prefill_ms,
             "step_time_s": self.step_time_s,
@@ -431,6 +468,7 @@ class _Request:
         self.pending_feats: torch.Tensor | None = None  # [1, n, m·H] features of committed positions not yet ingested
         self.draft_cache: RequestKV | None = None  # the drafter's context K/V (its length = positions ingested)
         self.finish_reason: str | None = None
+        self.conf_est: list[float] | None = None  # moving average of past calibrated confidences (draft gate)
         self.stats = GenerationStats()
         self.t_added = time.perf_counter()
         self.t_admitted = self.t_first = self.t_finished = 0.0
@@ -478,11 +516,29 @@ class DSparkEngine:
         max_batch_size: at most this many requests run at once; more wait in a queue (FIFO).
         eos_token_id: int or list; default the target's ``generation_config.eos_token_id``.
         lag_default_budget: budget K of the lagged policy for its first LAG rounds (default: R).
+        draft_cost_ms: the drafter's time per round as ``scheduler`` / ``lagged`` price it (module doc, "Draft
+            cost"): ``"auto"`` (default; a moving average of this engine's own measured drafting time per number of
+            drafting requests), a number of milliseconds ≥ 0 (fixed), or None (not priced: SPS(B) alone, as the
+            paper's Algorithm 1).
+        draft_gating: ``scheduler`` / ``lagged`` only: before each round decide from past rounds whether drafting a
+            request is expected to pay, and skip the drafter for those where it does not (default True).
+        probe_max_interval: longest run of gated rounds before the gate re-probes (drafts anyway) to refresh its
+            estimates; the interval doubles from 1 up to this (default 8).
 
     Raises:
         ValueError: unknown policy, a policy that needs a drafter / confidence head / SPS table without one,
-            block_size out of range, a drafter that does not match the target.
+            block_size out of range, a drafter that does not match the target, a bad draft_cost_ms /
+            draft_gating / probe_max_interval.
     """
+
+    CONF_EMA = 0.5
+    """Weight of the newest round in a request's moving average of calibrated confidences (draft gate)."""
+    PRIOR_EMA = 0.1
+    """Weight of each drafted request-round in the engine-wide confidence prior used for requests without history."""
+    DRAFT_TIME_EMA = 0.3
+    """Weight of the newest measurement in the moving average of drafting time (``draft_cost_ms="auto"``)."""
+    CALIB_DECAY = 0.8
+    """Per-round decay of the accepted-vs-predicted sums behind the gate's calibration factor ρ."""
 
     def __init__(
         self,
@@ -495,8 +551,21 @@ class DSparkEngine:
         max_batch_size: int = 16,
         eos_token_id: int | Sequence[int] | None = None,
         lag_default_budget: int | None = None,
+        draft_cost_ms: str | float | None = "auto",
+        draft_gating: bool = True,
+        probe_max_interval: int = 8,
     ):
         self.policy = parse_engine_policy(policy)
+        if draft_cost_ms is not None and draft_cost_ms != "auto":
+            ok = isinstance(draft_cost_ms, (int, float)) and not isinstance(draft_cost_ms, bool)
+            if not ok or not (0.0 <= float(draft_cost_ms) < float("inf")):
+                raise ValueError(
+                    f"draft_cost_ms must be 'auto', None or a finite number of milliseconds >= 0; got {draft_cost_ms!r}"
+                )
+        if not isinstance(draft_gating, bool):
+            raise ValueError(f"draft_gating must be True or False; got {draft_gating!r}")
+        if isinstance(probe_max_interval, bool) or not isinstance(probe_max_interval, int) or probe_max_interval < 1:
+            raise ValueError(f"probe_max_interval must be an int >= 1; got {probe_max_interval!r}")
         kind = self.policy.kind
         if kind != "none" and drafter is None:
             raise ValueError(f"policy {self.policy.name!r} needs a drafter (use policy='none' without one)")
@@ -541,6 +610,15 @@ class DSparkEngine:
         self._finished: dict[int, RequestOutput] = {}
         self._next_id = 0
         self._curves: dict = {}
+        self.draft_cost_ms = draft_cost_ms
+        self.draft_gating = draft_gating
+        self.probe_max_interval = probe_max_interval
+        self._draft_ms_ema: dict[int, float] = {}  # drafting requests -> moving average of measured ms ("auto")
+        self._conf_prior: list[float] | None = None  # engine-wide moving average of c_k (requests without history)
+        self._probe_interval = 1
+        self._gated_streak = 0
+        self._calib_accepted = 0.0  # decayed sums over verified draft tokens: accepted, and predicted c_k
+        self._calib_predicted = 0.0
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ public API
@@ -670,15 +748,121 @@ class DSparkEngine:
             return self._curves[key]
         return sps
 
-    def _no_draft_can_pay(self, reqs: list[_Request]) -> bool:
-        """Scheduler only: even a draft token certain to be accepted (a = 1) would not raise Θ above R·SPS(R), so
-        Algorithm 1 verifies nothing this round whatever the confidences: skip drafting (the drafter ingests the
-        committed positions later). Depends on the SPS table alone, so it is non-anticipating."""
-        if self.policy.kind != "scheduler":
-            return False
+    # ------------------------------------------------------------------ draft cost and draft gate
+    def _draft_seconds(self, rows: int) -> float:
+        """t_draft for a round where ``rows`` requests draft, in seconds (0 when not priced or not yet measured)."""
+        if self.draft_cost_ms is None or rows <= 0:
+            return 0.0
+        if self.draft_cost_ms != "auto":
+            return float(self.draft_cost_ms) / 1e3
+        ema = self._draft_ms_ema
+        if not ema:
+            return 0.0
+        if rows in ema:
+            return ema[rows] / 1e3
+        lower = [n for n in ema if n < rows]
+        upper = [n for n in ema if n > rows]
+        if lower and upper:  # linear between the nearest measured row counts
+            lo, hi = max(lower), min(upper)
+            w = (rows - lo) / (hi - lo)
+            return ((1 - w) * ema[lo] + w * ema[hi]) / 1e3
+        return ema[max(lower) if lower else min(upper)] / 1e3
+
+    def _draft_cost_measured(self) -> bool:
+        return self.draft_cost_ms != "auto" or bool(self._draft_ms_ema)
+
+    def _record_draft_time(self, rows: int, ms: float) -> None:
+        if self.draft_cost_ms != "auto" or rows <= 0:
+            return
+        prev = self._draft_ms_ema.get(rows)
+        if prev is None:
+            self._draft_ms_ema[rows] = ms
+        else:  # a single stall (another process, a first-seen shape) moves the average by at most 3x
+            ms = min(ms, 3.0 * prev)
+            self._draft_ms_ema[rows] = (1 - self.DRAFT_TIME_EMA) * prev + self.DRAFT_TIME_EMA * ms
+
+    def _round_sps(self, reqs: list[_Request], rows: int):
+        """SPS_eff(B) = 1 / (1/SPS(B) + t_draft(rows)) for a round where ``rows`` requests draft."""
+        sps = self._sps_curve(reqs)
+        t = self._draft_seconds(rows)
+        return sps if t == 0.0 else effective_sps(sps, t)
+
+    def _update_estimates(self, req: _Request, conf: list[float], known: int) -> None:
+        """Fold this round's first ``known`` calibrated confidences into the request's and the engine's averages."""
+        if known <= 0:
+            return
+        gamma = self.block_size
+        seen = [float(c) for c in conf[:known]]
+        if self._conf_prior is None:
+            self._conf_prior = seen + [seen[-1]] * (gamma - known)
+        else:
+            w = self.PRIOR_EMA
+            self._conf_prior[:known] = [(1 - w) * p + w * c for p, c in zip(self._conf_prior, seen)]
+        if req.conf_est is None:
+            # positions never evaluated yet: the engine-wide prior, else the last known confidence repeated
+            tail = self._conf_prior[known:] if self._conf_prior is not None else [seen[-1]] * (gamma - known)
+            req.conf_est = seen + list(tail)
+        else:
+            w = self.CONF_EMA
+            req.conf_est[:known] = [(1 - w) * p + w * c for p, c in zip(req.conf_est, seen)]
+
+    @property
+    def calibration_factor(self) -> float:
+        """ρ = (accepted + 1) / (Σ predicted c_k + 1) over recent verified draft tokens (decayed): how far the
+        drafter's calibrated confidences over- (ρ < 1) or under-state (ρ > 1) its real acceptance on this traffic.
+        The gate scales its confidence estimates by ρ (capped at 1)."""
+        return (self._calib_accepted + 1.0) / (self._calib_predicted + 1.0)
+
+    def _record_outcomes(self, pairs: list[tuple[float, int]]) -> None:
+        """Fold one round's (predicted c_k, accepted 0/1) of every verified draft token into ρ's decayed sums."""
+        if not pairs:
+            return
+        d = self.CALIB_DECAY
+        self._calib_accepted = d * self._calib_accepted + sum(o for _, o in pairs)
+        self._calib_predicted = d * self._calib_predicted + sum(c for c, _ in pairs)
+
+    def _gate(self, reqs: list[_Request], budgets: list[int]) -> tuple[list[int], list[bool], bool]:
+        """Which requests draft this round (scheduler / lagged). Returns (budgets, gated per request, probe).
+
+        Uses only information from earlier rounds (the SPS curve, the measured draft cost, the moving averages of
+        past confidences), never this round's draft: non-anticipating, hence lossless. See the module doc.
+        """
+        kind = self.policy.kind
+        none = [False] * len(reqs)
+        if kind not in ("scheduler", "lagged") or not any(budgets):
+            return budgets, none, False
         sps = self._sps_curve(reqs)
         num = len(reqs)
-        return (num + 1) * _sps_value(sps, num + 1) <= num * _sps_value(sps, num)
+        can = [b > 0 for b in budgets]
+        skip_all = [0] * num
+        if kind == "scheduler":
+            # Algorithm 1 admits nothing even for a draft token certain to be accepted (a = 1): drafting is waste.
+            # (The draft cost, the same for every B of the round, only makes admitting easier: price it at R rows.)
+            eff = self._round_sps(reqs, num)
+            if (num + 1) * _sps_value(eff, num + 1) <= num * _sps_value(eff, num):
+                return skip_all, can, False
+        if not self.draft_gating:
+            return budgets, none, False
+        # even perfect drafts (every a = 1) would not beat R·SPS(R) at the current draft cost: skip, nothing to probe
+        perfect = draft_gate([[1.0] * self.block_size] * num, sps, self._draft_seconds, budgets)
+        if not any(perfect.draft):
+            return skip_all, can, False
+        estimates = [r.conf_est if r.conf_est is not None else self._conf_prior for r in reqs]
+        if not self._draft_cost_measured() or any(e is None for e, b in zip(estimates, budgets) if b > 0):
+            return budgets, none, False  # warm-up: draft to measure
+        rho = self.calibration_factor
+        estimates = [[min(1.0, c * rho) for c in e] for e in estimates]
+        decision = draft_gate(estimates, sps, self._draft_seconds, budgets)
+        gated = [b > 0 and not d for b, d in zip(budgets, decision.draft)]
+        if not any(gated):
+            self._probe_interval, self._gated_streak = 1, 0
+            return budgets, none, False
+        self._gated_streak += 1
+        if self._gated_streak > self._probe_interval:  # re-probe: refresh the estimates of the gated requests
+            self._gated_streak = 0
+            self._probe_interval = min(2 * self._probe_interval, self.probe_max_interval)
+            return budgets, none, True
+        return [b if d else 0 for b, d in zip(budgets, decision.draft)], gated, False
 
     def _policy_lengths(self, conf: list[list[float]], budgets: list[int], sps, lag_budget: int | None) -> list[int]:
         """ℓ per request from the confidences known so far (unknown / beyond budget = 0)."""
@@ -711,7 +895,8 @@ class DSparkEngine:
         gamma = self.block_size
         num = len(reqs)
         device = d.device
-        sps = self._sps_curve(reqs) if self.policy.kind in ("scheduler", "lagged") else None
+        rows = sum(b > 0 for b in budgets)
+        sps = self._round_sps(reqs, rows) if self.policy.kind in ("scheduler", "lagged") else None
         lag_budget = None
         if self.policy.kind == "lagged":
             lag = int(self.policy.value)
@@ -816,11 +1001,20 @@ class DSparkEngine:
         num = len(reqs)
         t0 = time.perf_counter()
         budgets = [max(0, min(self.block_size, r.remaining - 1)) for r in reqs]
-        if self.drafter is not None and any(budgets) and not self._no_draft_can_pay(reqs):
+        gated, probe = [False] * num, False
+        if self.drafter is not None:
+            budgets, gated, probe = self._gate(reqs, budgets)
+        if self.drafter is not None and any(budgets):
             tokens, conf, lengths = self._draft(reqs, budgets)
+            t1 = time.perf_counter()
+            self._record_draft_time(sum(b > 0 for b in budgets), (t1 - t0) * 1e3)
+            if self.policy.kind in ("scheduler", "lagged"):
+                for r, c, t, b in zip(reqs, conf, tokens, budgets):
+                    if b > 0 and c:  # slots evaluated: the drafted ones plus the one that stopped the request
+                        self._update_estimates(r, c, min(len(t) + 1, b))
         else:
             tokens, conf, lengths = [[] for _ in reqs], [[] for _ in reqs], [0] * num
-        t1 = time.perf_counter()
+            t1 = time.perf_counter()
 
         segments = [(r.kv, torch.tensor([r.output[-1]] + tokens[i][: lengths[i]])) for i, r in enumerate(reqs)]
         starts = [r.kv.length for r in reqs]
@@ -829,6 +1023,7 @@ class DSparkEngine:
         predicted = logits.argmax(dim=-1).tolist()
 
         accepted_all, committed_all = [], []
+        outcomes: list[tuple[float, int]] = []
         off = 0
         for i, r in enumerate(reqs):
             ell = lengths[i]
@@ -846,6 +1041,8 @@ class DSparkEngine:
             accepted_all.append(n)
             committed_all.append(committed)
             ell_conf = conf[i][:ell] if conf[i] else []
+            if ell and ell_conf:  # verified positions up to the first rejection: (predicted c_k, accepted?)
+                outcomes += [(ell_conf[k], int(k < n)) for k in range(min(n + 1, ell))]
             r.stats.rounds.append(
                 RoundStats(
                     drafted=len(tokens[i]),
@@ -858,6 +1055,8 @@ class DSparkEngine:
                 )
             )
             off += ell + 1
+        if self.policy.kind in ("scheduler", "lagged"):
+            self._record_outcomes(outcomes)
         t2 = time.perf_counter()
         for r in reqs:
             r.stats.rounds[-1].t_verify_ms = (t2 - t1) * 1e3
@@ -871,6 +1070,8 @@ class DSparkEngine:
                 committed=committed_all,
                 t_draft_ms=(t1 - t0) * 1e3,
                 t_verify_ms=(t2 - t1) * 1e3,
+                gated=list(gated) if self.policy.kind in ("scheduler", "lagged") else [],
+                probe=probe,
             )
         )
 

@@ -37,6 +37,13 @@ states (the Chinese review filters a_{r,j} > 0). With a non-increasing
 SPS(B) a zero-value entry can never raise Θ, so this only matters for
 curves that rise with B.
 
+Draft cost (serving engine, not in the paper's Algorithm 1): on hardware where drafting a round takes a
+noticeable t_draft next to the verify forward, a round that drafted lasts 1/SPS(B) + t_draft.
+:func:`effective_sps` turns SPS(B) into SPS_eff(B) = 1 / (1/SPS(B) + t_draft); Algorithm 1 fed SPS_eff (instead of
+SPS) prices the whole round. Whether to draft at all is a separate decision, made BEFORE drafting from past
+information only (:func:`draft_gate`): the best expected Θ with drafting (full scan over estimated survivals, the
+draft cost depending on how many requests draft) against R·SPS(R) without drafting.
+
 Pure python/torch; no model imports.
 """
 
@@ -60,6 +67,10 @@ __all__ = [
     "budget_from_confidences",
     "fill_budget",
     "LaggedBudgetScheduler",
+    "DraftCostLike",
+    "effective_sps",
+    "DraftGateResult",
+    "draft_gate",
 ]
 
 SPSLike = Union[Mapping[int, float], Callable[[int], float]]
@@ -465,3 +476,111 @@ class LaggedBudgetScheduler:
         expected_tokens = len(rows) + sum(sum(row[:ell]) for row, ell in zip(a, lengths))
         batch_tokens = len(rows) + sum(lengths)
         return ScheduleResult(lengths, expected_tokens * self._sps(batch_tokens), batch_tokens, expected_tokens)
+
+
+# --------------------------------------------------------------------------
+# draft cost and draft gating (serving engine)
+# --------------------------------------------------------------------------
+DraftCostLike = Union[float, Callable[[int], float]]
+"""Drafter time per round in SECONDS: a constant, or a callable n_rows -> seconds (n_rows = requests drafting)."""
+
+
+def _draft_seconds(draft_cost: DraftCostLike, rows: int) -> float:
+    raw = draft_cost(rows) if callable(draft_cost) else draft_cost
+    try:
+        value = float(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"draft cost for {rows} rows = {raw!r} is not a number (seconds)") from exc
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"draft cost for {rows} rows = {raw!r} must be a finite time >= 0 seconds")
+    return value
+
+
+def effective_sps(sps: SPSLike, draft_s: float) -> Callable[[int], float]:
+    """SPS_eff(B) = 1 / (1/SPS(B) + t_draft): rounds per second of a round that drafted and verifies B tokens.
+
+    Non-increasing in B whenever SPS is, so Algorithm 1's early stop keeps its optimality argument.
+
+    Args:
+        sps: SPS(B) in steps/s (Mapping or callable).
+        draft_s: t_draft, the drafter's time for the round in seconds (>= 0; 0 gives SPS back).
+
+    Raises:
+        ValueError: draft_s negative / NaN / infinite (lookups raise as :func:`prefix_schedule_detailed`).
+    """
+    draft_s = _draft_seconds(draft_s, 0)
+    lookup = _as_lookup(sps)
+    if draft_s == 0.0:
+        return lookup
+    return lambda batch_tokens: 1.0 / (1.0 / lookup(batch_tokens) + draft_s)
+
+
+@dataclass(frozen=True)
+class DraftGateResult:
+    """Outcome of :func:`draft_gate`.
+
+    Attributes:
+        draft: per request, whether drafting it this round is expected to pay.
+        theta_draft: best expected Θ (tokens/s) with drafting (the draft cost included); equals ``theta_none``
+            when nothing pays.
+        theta_none: R · SPS(R), Θ of a round without drafting.
+        budget: K, the planned extra verify tokens at the optimum (0 when nothing pays).
+    """
+
+    draft: list[bool]
+    theta_draft: float
+    theta_none: float
+    budget: int
+
+
+def draft_gate(
+    confidences: ConfidencesLike,
+    sps: SPSLike,
+    draft_cost: DraftCostLike,
+    max_lengths: Sequence[int] | None = None,
+) -> DraftGateResult:
+    """Decide, before drafting, which requests are worth drafting this round (serving engine; not Algorithm 1).
+
+    Pool the ESTIMATED survivals a_{r,j} (j ≤ max_lengths[r]) in the usual order, scan every prefix of k entries
+    (no early stop): B = R + k, τ = R + Σ top-k a, n(k) = requests with an entry in the top k, and
+    Θ_k = τ / (1/SPS(B) + t_draft(n(k))); Θ_0 = R·SPS(R) (no drafting, no draft cost). The requests in the best
+    prefix are drafted; if no prefix beats Θ_0 (strictly), none is.
+
+    Lossless only when ``confidences`` are an estimate from EARLIER rounds (the engine passes per-request moving
+    averages of past calibrated confidences): whether a request drafts never depends on this round's draft.
+
+    Args:
+        confidences: [R, γ] estimated c_{r,k} ∈ [0, 1].
+        sps: SPS(B) in steps/s (Mapping or callable).
+        draft_cost: seconds per drafting round, a constant or a callable n_rows -> seconds.
+        max_lengths: per request, the most draft tokens it may verify this round (default γ each); 0 = cannot draft.
+
+    Raises:
+        ValueError / TypeError: bad confidences or SPS (as :func:`prefix_schedule_detailed`), a bad draft cost,
+            max_lengths of the wrong length or negative.
+    """
+    a = _survival_rows(_confidence_rows(confidences))
+    lookup = _as_lookup(sps)
+    num_requests = len(a)
+    if max_lengths is None:
+        max_lengths = [len(row) for row in a]
+    max_lengths = list(max_lengths)
+    if len(max_lengths) != num_requests or any(
+        isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in max_lengths
+    ):
+        raise ValueError(f"max_lengths must be {num_requests} ints >= 0; got {max_lengths!r}")
+    a = [[v if j < m else 0.0 for j, v in enumerate(row)] for row, m in zip(a, max_lengths)]
+    theta_none = num_requests * lookup(num_requests)
+    entries = [e for e in _ranked_entries(a) if e[1] <= max_lengths[e[0]]]
+    best_theta, best_k = theta_none, 0
+    expected_tokens = float(num_requests)
+    rows: set[int] = set()
+    for k, (r, _, a_rj) in enumerate(entries, start=1):
+        rows.add(r)
+        expected_tokens += a_rj
+        round_s = 1.0 / lookup(num_requests + k) + _draft_seconds(draft_cost, len(rows))
+        theta = expected_tokens / round_s
+        if theta > best_theta:
+            best_theta, best_k = theta, k
+    chosen = {r for r, _, _ in entries[:best_k]}
+    return DraftGateResult([r in chosen for r in range(num_requests)], best_theta, theta_none, best_k)

@@ -319,7 +319,7 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--requests", "1", "2", "--policies", "none", "fixed:1", "--datasets", "gsm8k",
                "--limit", "1", "--min-requests", "2", "--max-new-tokens", "3", "--dtype", "float32",
-               "--drafter", "random", "--out", str(out)])
+               "--drafter", "random", "--repeats", "2", "--out", str(out)])
     assert rc == 0
     import json
 
@@ -327,6 +327,9 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert [(r["R"], r["policy"]) for r in report["results"]] == [(1, "none"), (1, "fixed:1"), (2, "none"),
                                                                     (2, "fixed:1")]
     assert all(r["tokens"] == 6 and r["throughput_tok_s"] > 0 for r in report["results"])
+    assert all(r["repeats"] == 2 and len(r["throughput_reps"]) == 2 for r in report["results"])
+    assert all(r["throughput_min"] <= r["throughput_tok_s"] <= r["throughput_max"] for r in report["results"])
+    assert report["config"]["repeats"] == 2
     assert report["results"][1]["agreement_with_none"] == 1.0  # fp32: speculation changes nothing
     assert out.with_suffix(".png").exists()
     assert "| no speculation |" in capsys.readouterr().out
@@ -334,5 +337,138 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
             [("none", 10.0), ("full", 5.0), ("scheduler", 12.0)]]
     table = bench_cmd.markdown_table(rows, ["none", "full", "scheduler"], [1])
     assert "1.20x vs none" in table
+    rows = [dict(r, throughput_min=r["throughput_tok_s"] - 1, throughput_max=r["throughput_tok_s"] + 1) for r in rows]
+    table = bench_cmd.markdown_table(rows, ["none", "full", "scheduler"], [1])
+    assert "10.0 ±1.0 / 10.0" in table and "1.20x vs none (±18%)" in table  # 1/12 + 1/10
+    assert main(["bench", "serve", "--repeats", "0"]) == 2
     assert main(["bench", "serve", "--policies", "bogus"]) == 2
     assert main(["bench"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- draft cost / gate
+class OracleEngine(ScriptedEngine):
+    """Every draft is the target's own continuation (all accepted); confidences come from `conf_fn(round index)`.
+    Records the draft gate's decision of every round."""
+
+    pattern = [10**6]
+
+    def __init__(self, *a, conf_fn=lambda t: 0.95, **kw):
+        super().__init__(*a, **kw)
+        self.conf_fn = conf_fn
+        self.decisions = []
+
+    def _gate(self, reqs, budgets):
+        out = super()._gate(reqs, budgets)
+        self.decisions.append((len(self.stats.rounds), [r.id for r in reqs], list(out[0]), list(out[1]), out[2]))
+        return out
+
+    def _draft(self, reqs, budgets):
+        tokens, conf, lengths = super()._draft(reqs, budgets)
+        c = self.conf_fn(len(self.stats.rounds))
+        conf = [[c] * self.block_size for _ in reqs]
+        sps = self._round_sps(reqs, sum(b > 0 for b in budgets))
+        lengths = self._policy_lengths(conf, budgets, sps, sum(budgets) // 2)
+        return tokens, conf, [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
+
+
+@pytest.fixture(scope="module")
+def long_refs(tiny):
+    target, _, prompts, _, _ = tiny
+    max_new = [40, 60, 30, 50]
+    return max_new, [_reference(target, p, n) for p, n in zip(prompts, max_new)]
+
+
+@pytest.mark.parametrize("policy", ["scheduler", "lagged"])
+def test_gate_skips_useless_drafter(tiny, policy):
+    """A random drafter (its confidences ~0.5, nothing accepted) at a 5 ms draft cost: the gate skips the drafter in
+    most rounds (re-probing now and then) and the outputs stay exact."""
+    target, _, prompts, max_new, refs = tiny
+    drafter = make_drafter(target, block_size=6, seed=5)
+    calls = []
+    hook = drafter.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0)
+        for p, n in zip(prompts, max_new):
+            engine.add_request(p, n)
+        outs = engine.run()
+    finally:
+        hook.remove()
+    assert [o.output_ids for o in outs] == refs
+    summ = engine.stats.summary()
+    rounds = summ["rounds"]
+    assert len(calls) == summ["draft_rounds"] <= 0.35 * rounds
+    assert summ["skipped_draft_rounds"] >= 0.65 * rounds and summ["probe_rounds"] >= 1
+    assert engine.calibration_factor < 0.5  # confident but never right
+    # the same drafter without the gate drafts every round
+    ungated = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, draft_gating=False)
+    for p, n in zip(prompts, max_new):
+        ungated.add_request(p, n)
+    assert [o.output_ids for o in ungated.run()] == refs
+    assert ungated.stats.summary()["skipped_draft_rounds"] <= 1
+
+
+@pytest.mark.parametrize("policy", ["scheduler", "lagged"])
+def test_gate_keeps_drafting_oracle(tiny, long_refs, policy):
+    """Drafts that are always right with confidence 0.95: the gate never skips, many tokens per round."""
+    target, drafter, prompts, _, _ = tiny
+    max_new, refs = long_refs
+    engine = OracleEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
+                          references=dict(enumerate(refs)))
+    for p, n in zip(prompts, max_new):
+        engine.add_request(p, n)
+    assert [o.output_ids for o in engine.run()] == refs
+    summ = engine.stats.summary()
+    assert summ["gated_request_rounds"] == 0 and summ["probe_rounds"] == 0
+    assert len(engine.decisions) == len(engine.stats.rounds)
+    for (_, _, budgets, _, _), rnd in zip(engine.decisions, engine.stats.rounds):
+        assert rnd.drafted_any == any(budgets)  # drafted whenever some request had room for a draft token
+    assert summ["tau"] > 3
+
+
+def test_gate_uses_past_rounds_only(tiny, long_refs):
+    """The gate's decision for round t is the same whatever the confidences of round t (and later) are: two runs
+    whose confidences differ from round T on decide identically up to and including round T, then diverge."""
+    target, drafter, prompts, _, _ = tiny
+    max_new, refs = long_refs
+    switch = 3
+    runs = []
+    for conf_fn in (lambda t: 0.9, lambda t: 0.9 if t < switch else 0.0):
+        engine = OracleEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
+                              references=dict(enumerate(refs)), conf_fn=conf_fn)
+        for p, n in zip(prompts, max_new):
+            engine.add_request(p, n)
+        assert [o.output_ids for o in engine.run()] == refs
+        runs.append(engine.decisions)
+    a, b = runs
+    assert [d[0] for d in a[: switch + 1]] == list(range(switch + 1))
+    assert a[: switch + 1] == b[: switch + 1]
+    assert any(any(d[3]) for d in b[switch + 1 :])  # later rounds react to the (past) zero confidences
+    assert not any(any(d[3]) for d in a)
+
+
+def test_draft_cost_auto_measures_and_prices(tiny):
+    """"auto" learns the drafting time per number of drafting requests; the policy sees SPS_eff."""
+    target, drafter, prompts, max_new, refs = tiny
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4)
+    assert engine._draft_seconds(2) == 0.0  # nothing measured yet
+    for p, n in zip(prompts, max_new):
+        engine.add_request(p, n)
+    assert [o.output_ids for o in engine.run()] == refs
+    assert engine._draft_ms_ema and all(v > 0 for v in engine._draft_ms_ema.values())
+    n = min(engine._draft_ms_ema)
+    assert engine._draft_seconds(n) == pytest.approx(engine._draft_ms_ema[n] / 1e3)
+    fixed = DSparkEngine(target, drafter, "lagged", sps=SPS, draft_cost_ms=4.0)
+    assert fixed._draft_seconds(3) == pytest.approx(0.004) and fixed._draft_seconds(0) == 0.0
+    assert DSparkEngine(target, drafter, "lagged", sps=SPS, draft_cost_ms=None)._draft_seconds(3) == 0.0
+
+
+def test_draft_gate_option_errors(tiny):
+    target, drafter, *_ = tiny
+    for bad in ("fast", -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="draft_cost_ms"):
+            DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_cost_ms=bad)
+    with pytest.raises(ValueError, match="draft_gating"):
+        DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gating="yes")
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="probe_max_interval"):
+            DSparkEngine(target, drafter, "scheduler", sps=SPS, probe_max_interval=bad)

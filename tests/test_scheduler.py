@@ -379,3 +379,65 @@ def test_bad_sps_type_budget_and_lag():
         LaggedBudgetScheduler(TWO_REQ_SPS, lag=0)
     with pytest.raises(ValueError, match=r"default_budget"):
         LaggedBudgetScheduler(TWO_REQ_SPS, default_budget=-2)
+
+
+# --------------------------------------------------------------------------
+# draft cost (effective SPS) and the draft gate
+# --------------------------------------------------------------------------
+from generation.scheduler import draft_gate, effective_sps  # noqa: E402
+
+
+def test_effective_sps_adds_draft_time():
+    sps = {1: 10.0, 2: 5.0}
+    eff = effective_sps(sps, 0.1)
+    assert eff(1) == pytest.approx(1 / (0.1 + 0.1)) and eff(2) == pytest.approx(1 / (0.2 + 0.1))
+    assert effective_sps(sps, 0.0)(2) == 5.0
+    with pytest.raises(ValueError, match="draft cost"):
+        effective_sps(sps, -1.0)
+    with pytest.raises(ValueError, match="draft cost"):
+        effective_sps(sps, float("nan"))
+
+
+def test_draft_cost_changes_algorithm_1():
+    """Priced draft time (a fixed cost per round) makes verifying more tokens worth it once drafting happened."""
+    conf = [[0.6, 0.5]]
+    sps = {1: 1.0, 2: 0.6, 3: 0.5}
+    assert prefix_schedule(conf, sps) == [0]  # 1.6 * 0.6 = 0.96 < 1
+    # SPS_eff = 1 / (1/SPS + 1): 1 / 2 = 0.5, 1.6 / (1/0.6 + 1) = 0.6, 1.9 / (1/0.5 + 1) = 0.633
+    assert prefix_schedule(conf, effective_sps(sps, 1.0)) == [2]
+
+
+def test_draft_gate_prices_draft_cost_and_rows():
+    # verify time T(B) = 1 + 0.05 (B - 2) s for R = 2; Θ_none = 2 / T(2) = 2
+    sps = {b: 1.0 / (1.0 + 0.05 * (b - 2)) for b in range(2, 20)}
+    conf = [[0.9, 0.9], [0.1, 0.1]]
+    res = draft_gate(conf, sps, 0.5)
+    assert res.theta_none == pytest.approx(2.0)
+    # request 0 alone: (2 + 0.9 + 0.81) / (1.1 + 0.5) = 2.319 > adding request 1: 3.81 / 1.65 = 2.309
+    assert res.draft == [True, False] and res.budget == 2
+    assert res.theta_draft == pytest.approx(3.71 / 1.6)
+    # too expensive: nothing drafts
+    res = draft_gate(conf, sps, 1.0)
+    assert res.draft == [False, False] and res.budget == 0 and res.theta_draft == res.theta_none
+    # a request that cannot draft (max length 0) is never chosen
+    assert draft_gate(conf, sps, 0.5, max_lengths=[0, 2]).draft == [False, False]
+    assert draft_gate([[0.9, 0.9], [0.9, 0.9]], sps, 0.5, max_lengths=[0, 2]).draft == [False, True]
+
+
+def test_draft_gate_prices_rows():
+    """A per-row draft cost keeps a mediocre request out that a per-round cost would let in."""
+    flat = {b: 1.0 for b in range(1, 20)}
+    conf = [[0.9, 0.9], [0.5, 0.5]]
+    assert draft_gate(conf, flat, 0.3).draft == [True, True]  # 4.46 / 1.3
+    assert draft_gate(conf, flat, lambda n: 0.3 * n).draft == [True, False]  # 3.71 / 1.3 > 4.46 / 1.6
+
+
+def test_draft_gate_errors():
+    with pytest.raises(ValueError, match="max_lengths"):
+        draft_gate([[0.5]], {1: 1.0, 2: 1.0}, 0.0, max_lengths=[1, 1])
+    with pytest.raises(ValueError, match="max_lengths"):
+        draft_gate([[0.5]], {1: 1.0, 2: 1.0}, 0.0, max_lengths=[-1])
+    with pytest.raises(ValueError, match="draft cost"):
+        draft_gate([[0.5]], {1: 1.0, 2: 1.0}, lambda n: -1.0)
+    with pytest.raises(ValueError, match="B = 2"):
+        draft_gate([[0.5]], {1: 1.0}, 0.0)
