@@ -17,7 +17,9 @@ def _ints(text: str | None):
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="directory written by `dspark data build` (or a save_to_disk dir)")
+    p.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="one or more directories written by `dspark data build` (or save_to_disk dirs), "
+                        "concatenated in the order given")
     p.add_argument("--output-dir", required=True, help="checkpoints and the final drafter")
     p.add_argument("--target", default=None, help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
     g = p.add_argument_group("drafter")
@@ -125,7 +127,15 @@ def run(args) -> int:
         copied = init_from_target(drafter, target, init_layers)
         print(f"initialised {len(copied)} drafter tensors from target layers {init_layers or 'last'}")
 
-    data = prepare_dataset(load_data(args.data))
+    if len(args.data) == 1:
+        data = load_data(args.data[0])
+    else:
+        from datasets import concatenate_datasets
+
+        parts = [load_data(d) for d in args.data]
+        keep = [c for c in parts[0].column_names if all(c in d.column_names for d in parts)]
+        data = concatenate_datasets([d.select_columns(keep) for d in parts])
+    data = prepare_dataset(data)
     if args.draft_vocab_size:
         from modeling_dspark.training import select_draft_vocab
 
@@ -173,7 +183,8 @@ def run(args) -> int:
     if trainer.is_world_process_zero():
         logs = [h for h in trainer.state.log_history if "loss" in h]
         bps = [h["blocks_per_s"] for h in logs if "blocks_per_s" in h]
-        data_manifest = Path(args.data) / "manifest.json"
+        data_manifests = {d: json.loads((Path(d) / "manifest.json").read_text())
+                          for d in args.data if (Path(d) / "manifest.json").exists()}
         manifest = {
             "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
             "args": vars(args) | {"func": None},
@@ -191,7 +202,7 @@ def run(args) -> int:
             "last_log": logs[-1] if logs else None,
             "init_from_target": args.init_from_target,
             "machine": _machine(),
-            "data_manifest": json.loads(data_manifest.read_text()) if data_manifest.exists() else None,
+            "data_manifest": (next(iter(data_manifests.values())) if len(args.data) == 1 else data_manifests) or None,
         }
         manifest["args"].pop("func", None)
         (Path(args.output_dir) / "training_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))

@@ -137,3 +137,40 @@ def test_a_grown_data_set_extends_the_cache(tmp_path, target, data, cache_dir):
         assert (out / name).read_bytes() == (cache_dir / name).read_bytes(), name
     with pytest.raises(FeatureCacheError, match="other settings or data"):  # not a prefix: refused
         build_feature_cache(data.select(range(1, 12)), target, LAYERS, out, progress=False)
+
+
+def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
+    """`dspark train` on a saved tiny target with two data directories and --feature-cache: the cache covers both,
+    the run saves a drafter + manifest, and --resume continues to the new max-steps from the checkpoint."""
+    from dspark_cli import train_cmd
+    from modeling_dspark.data import build_dataset
+    from tests.test_training import char_tokenizer
+
+    tok = char_tokenizer()
+    tgt = make_target(seed=1)
+    tgt.generation_config.eos_token_id = tok.eos_token_id
+    tdir = tmp_path / "target"
+    tgt.save_pretrained(tdir)
+    tok.save_pretrained(tdir)
+    for name, prompts in (("a", [f"what is {a} plus {b}?" for a in range(3) for b in range(3)]),
+                          ("b", [f"name {a} colors" for a in range(6)])):
+        build_dataset(tgt, tok, tmp_path / name, prompts=prompts, eval_sets={}, max_new_tokens=12, batch_size=9,
+                      seed=0, shard_size=9, progress=False)
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    common = ["--data", str(tmp_path / "a"), str(tmp_path / "b"), "--output-dir", str(out), "--target", str(tdir),
+              "--target-layer-ids", "0,2", "--num-draft-layers", "1", "--block-size", "4", "--markov-rank", "8",
+              "--draft-vocab-size", "24", "--anchors-per-seq", "2", "--batch-size", "4", "--lr", "1e-2",
+              "--save-steps", "2", "--logging-steps", "1", "--feature-cache", str(cache), "--cpu", "--threads", "1"]
+    assert train_cmd.main(common + ["--max-steps", "2"]) == 0
+    meta = json.loads((cache / "meta.json").read_text())
+    man = json.loads((out / "training_manifest.json").read_text())
+    assert meta["complete"] and meta["num_rows"] == man["sequences"] == 15
+    assert man["global_step"] == 2 and man["feature_cache"] == str(cache)
+    assert set(man["data_manifest"]) == {str(tmp_path / "a"), str(tmp_path / "b")}
+    assert train_cmd.main(common + ["--max-steps", "4", "--resume"]) == 0
+    man = json.loads((out / "training_manifest.json").read_text())
+    assert man["global_step"] == 4 and man["resumed_from"].endswith("checkpoint-2")
+    import modeling_dspark as md
+
+    drafter = md.DSparkDraftModel.from_pretrained(out)
+    assert drafter.config.draft_vocab_size == 24 and drafter.draft_vocab_ids.numel() == 24
