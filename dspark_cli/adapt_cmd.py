@@ -238,10 +238,9 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dspark adapt", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from dspark_cli.common import standalone_main
+
+    return standalone_main("dspark adapt", __doc__, _add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,15 @@ RANDOM_DRAFTER_BLOCK_SIZE = 8
 DTYPES = ("float32", "bfloat16")
 
 
+def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -> int:
+    """``python -m dspark_cli.X_cmd ...``: one sub-command's parser (``add_arguments``) run by ``run`` on ``argv``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
 class CLIError(Exception):
     """A usage or input error: printed on stderr, exit code 2."""
 

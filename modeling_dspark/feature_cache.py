@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .target import context_features, hidden_state_indices
+from .target import context_features, decoder_of, hidden_state_indices
 from .training import DSparkCollator
 
 __all__ = ["build_feature_cache", "FeatureCache", "CachedFeatureCollator", "FeatureCacheError"]
@@ -55,10 +55,6 @@ def _write_meta(path: Path, meta: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, path)
-
-
-def _decoder(target):
-    return target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, target.base_model_prefix)
 
 
 @torch.no_grad()
@@ -148,7 +144,7 @@ def build_feature_cache(
     last = np.memmap(out / "last_hidden.u16", dtype=np.uint16, mode=mode, shape=(max(total, 1), hidden))
     lse = np.memmap(out / "lse.f32", dtype=np.float32, mode=mode, shape=(max(total, 1),))
 
-    decoder = _decoder(target)
+    decoder = decoder_of(target)
     head = target.get_output_embeddings()
     device = next(target.parameters()).device
     was_training = target.training

@@ -89,6 +89,11 @@ def load_target(
     return model, tokenizer
 
 
+def decoder_of(target):
+    """The target's decoder stack (``model.model`` for Llama/Qwen2): the module that returns hidden states."""
+    return target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, target.base_model_prefix)
+
+
 def hidden_state_indices(target_layer_ids) -> list[int]:
     """Indices into ``outputs.hidden_states`` for the raw outputs of decoder layers ``target_layer_ids``.
 

@@ -29,7 +29,7 @@ from transformers import Trainer, TrainerCallback
 
 from .common import block_attention_mask, block_positions
 from .losses import dspark_loss, position_weights
-from .target import context_features, hidden_state_indices
+from .target import context_features, decoder_of, hidden_state_indices
 
 __all__ = ["DSparkCollator", "DSparkTrainer", "init_from_target", "default_init_layer_ids", "prepare_dataset"]
 
@@ -165,8 +165,7 @@ class DSparkTrainer(Trainer):
     def _decoder_pass(self, input_ids, attention_mask, layer_ids):
         """One frozen target forward: context features ``[B, L, m·H]`` and the final (normed) hidden ``[B, L, H]``."""
         target = self.target
-        decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, target.base_model_prefix)
-        out = decoder(
+        out = decoder_of(target)(
             input_ids=input_ids,
             attention_mask=attention_mask,
             output_hidden_states=hidden_state_indices(layer_ids),
@@ -363,7 +362,7 @@ def init_from_target(drafter, target, layer_ids: Sequence[int] | None = None, co
     Raises:
         ValueError: wrong number of layer ids or an id out of range.
     """
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, target.base_model_prefix)
+    decoder = decoder_of(target)
     t_layers = decoder.layers
     if layer_ids is None:
         layer_ids = default_init_layer_ids(len(t_layers), len(drafter.layers))
