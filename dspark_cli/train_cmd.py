@@ -88,6 +88,21 @@ def _machine() -> dict:
     return info
 
 
+def load_training_data(paths):
+    """The rows ``dspark train`` trains on: the data directories concatenated in order, through ``prepare_dataset``
+    (stable ``idx`` per row — what a feature cache is keyed by)."""
+    from modeling_dspark.data import load_data
+    from modeling_dspark.training import prepare_dataset
+
+    if len(paths) == 1:
+        return prepare_dataset(load_data(paths[0]))
+    from datasets import concatenate_datasets
+
+    parts = [load_data(d) for d in paths]
+    keep = [c for c in parts[0].column_names if all(c in d.column_names for d in parts)]
+    return prepare_dataset(concatenate_datasets([d.select_columns(keep) for d in parts]))
+
+
 def run(args) -> int:
     import json
     import os
@@ -100,9 +115,8 @@ def run(args) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
-    from modeling_dspark.data import load_data
     from modeling_dspark.target import DEFAULT_TARGET, load_target
-    from modeling_dspark.training import DSparkCollator, DSparkTrainer, init_from_target, prepare_dataset
+    from modeling_dspark.training import DSparkCollator, DSparkTrainer, init_from_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,15 +141,7 @@ def run(args) -> int:
         copied = init_from_target(drafter, target, init_layers)
         print(f"initialised {len(copied)} drafter tensors from target layers {init_layers or 'last'}")
 
-    if len(args.data) == 1:
-        data = load_data(args.data[0])
-    else:
-        from datasets import concatenate_datasets
-
-        parts = [load_data(d) for d in args.data]
-        keep = [c for c in parts[0].column_names if all(c in d.column_names for d in parts)]
-        data = concatenate_datasets([d.select_columns(keep) for d in parts])
-    data = prepare_dataset(data)
+    data = load_training_data(args.data)
     if args.draft_vocab_size:
         from modeling_dspark.training import select_draft_vocab
 
