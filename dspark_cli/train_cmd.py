@@ -169,7 +169,7 @@ def run(args) -> int:
                 build_feature_cache(data, target, cfg.target_layer_ids, args.feature_cache,
                                     batch_size=args.batch_size, max_length=args.max_length)
         cache_wall = round(time.time() - t_cache, 1)
-        cache = FeatureCache(args.feature_cache, cfg.target_layer_ids, target.config.hidden_size)
+        cache = FeatureCache(args.feature_cache, cfg.target_layer_ids, target.config.hidden_size, target=target)
         collator = CachedFeatureCollator(args.block_size, args.anchors_per_seq, pad, args.seed, args.max_length,
                                          cache=cache)
     trainer = DSparkTrainer(model=drafter, target=target, args=targs, train_dataset=data, data_collator=collator)
@@ -208,7 +208,7 @@ def run(args) -> int:
             "last_log": logs[-1] if logs else None,
             "init_from_target": args.init_from_target,
             "machine": _machine(),
-            "data_manifest": (next(iter(data_manifests.values())) if len(args.data) == 1 else data_manifests) or None,
+            "data_manifest": data_manifests.get(args.data[0]) if len(args.data) == 1 else (data_manifests or None),
         }
         manifest["args"].pop("func", None)
         (Path(args.output_dir) / "training_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))

@@ -70,6 +70,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from modeling_dspark.target import context_features
@@ -614,6 +615,7 @@ class DSparkEngine:
         self.draft_gating = draft_gating
         self.probe_max_interval = probe_max_interval
         self._draft_ms_ema: dict[int, float] = {}  # drafting requests -> moving average of measured ms ("auto")
+        self._draft_ms_count: dict[int, int] = {}  # drafting requests -> measurements taken
         self._conf_prior: list[float] | None = None  # engine-wide moving average of c_k (requests without history)
         self._probe_interval = 1
         self._gated_streak = 0
@@ -758,15 +760,8 @@ class DSparkEngine:
         ema = self._draft_ms_ema
         if not ema:
             return 0.0
-        if rows in ema:
-            return ema[rows] / 1e3
-        lower = [n for n in ema if n < rows]
-        upper = [n for n in ema if n > rows]
-        if lower and upper:  # linear between the nearest measured row counts
-            lo, hi = max(lower), min(upper)
-            w = (rows - lo) / (hi - lo)
-            return ((1 - w) * ema[lo] + w * ema[hi]) / 1e3
-        return ema[max(lower) if lower else min(upper)] / 1e3
+        xs = sorted(ema)  # linear between the nearest measured row counts, the end values outside them
+        return float(np.interp(rows, xs, [ema[x] for x in xs])) / 1e3
 
     def _draft_cost_measured(self) -> bool:
         return self.draft_cost_ms != "auto" or bool(self._draft_ms_ema)
@@ -775,9 +770,13 @@ class DSparkEngine:
         if self.draft_cost_ms != "auto" or rows <= 0:
             return
         prev = self._draft_ms_ema.get(rows)
+        seen = self._draft_ms_count.get(rows, 0)
+        self._draft_ms_count[rows] = seen + 1
         if prev is None:
             self._draft_ms_ema[rows] = ms
-        else:  # a single stall (another process, a first-seen shape) moves the average by at most 3x
+        elif seen == 1:  # the first call of a shape often stalls (allocation, kernels): keep the faster of two
+            self._draft_ms_ema[rows] = min(prev, ms)
+        else:  # a single stall (another process) moves the average by at most 3x
             ms = min(ms, 3.0 * prev)
             self._draft_ms_ema[rows] = (1 - self.DRAFT_TIME_EMA) * prev + self.DRAFT_TIME_EMA * ms
 
@@ -843,10 +842,11 @@ class DSparkEngine:
                 return skip_all, can, False
         if not self.draft_gating:
             return budgets, none, False
-        # even perfect drafts (every a = 1) would not beat R·SPS(R) at the current draft cost: skip, nothing to probe
+        # even perfect drafts (every a = 1) would not beat R·SPS(R) at the measured draft cost: skip, but still
+        # re-probe now and then (the cost is a measurement: a stall must not switch drafting off for good)
         perfect = draft_gate([[1.0] * self.block_size] * num, sps, self._draft_seconds, budgets)
         if not any(perfect.draft):
-            return skip_all, can, False
+            return self._skip_or_probe(budgets, skip_all, can)
         estimates = [r.conf_est if r.conf_est is not None else self._conf_prior for r in reqs]
         if not self._draft_cost_measured() or any(e is None for e, b in zip(estimates, budgets) if b > 0):
             return budgets, none, False  # warm-up: draft to measure
@@ -857,12 +857,16 @@ class DSparkEngine:
         if not any(gated):
             self._probe_interval, self._gated_streak = 1, 0
             return budgets, none, False
+        return self._skip_or_probe(budgets, [b if d else 0 for b, d in zip(budgets, decision.draft)], gated)
+
+    def _skip_or_probe(self, budgets: list[int], gated_budgets: list[int], gated: list[bool]):
+        """Apply a gate decision, unless this gated round is due a re-probe (back-off 1, 2, 4, … rounds)."""
         self._gated_streak += 1
         if self._gated_streak > self._probe_interval:  # re-probe: refresh the estimates of the gated requests
             self._gated_streak = 0
             self._probe_interval = min(2 * self._probe_interval, self.probe_max_interval)
-            return budgets, none, True
-        return [b if d else 0 for b, d in zip(budgets, decision.draft)], gated, False
+            return budgets, [False] * len(budgets), True
+        return gated_budgets, gated, False
 
     def _policy_lengths(self, conf: list[list[float]], budgets: list[int], sps, lag_budget: int | None) -> list[int]:
         """ℓ per request from the confidences known so far (unknown / beyond budget = 0)."""

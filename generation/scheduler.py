@@ -198,6 +198,10 @@ def _ranked_entries(a: list[list[float]]) -> list[tuple[int, int, float]]:
     return entries
 
 
+class MissingSPSEntry(ValueError):
+    """An SPS(B) table has no entry for the verify batch size B that was asked for."""
+
+
 class _SPSLookup:
     """Validated, cached SPS(B) lookups (steps/s)."""
 
@@ -221,7 +225,7 @@ class _SPSLookup:
             if batch_tokens not in self._table:
                 known = sorted(self._table)
                 span = f"{known[0]}..{known[-1]}" if known else "empty"
-                raise ValueError(
+                raise MissingSPSEntry(
                     f"SPS table has no entry for verify batch size B = {batch_tokens} (table covers {span})"
                 )
             raw = self._table[batch_tokens]
@@ -578,7 +582,11 @@ def draft_gate(
     for k, (r, _, a_rj) in enumerate(entries, start=1):
         rows.add(r)
         expected_tokens += a_rj
-        round_s = 1.0 / lookup(num_requests + k) + _draft_seconds(draft_cost, len(rows))
+        try:
+            verify_sps = lookup(num_requests + k)
+        except MissingSPSEntry:  # a table that stops before R + k: larger verify batches are not considered
+            break
+        round_s = 1.0 / verify_sps + _draft_seconds(draft_cost, len(rows))
         theta = expected_tokens / round_s
         if theta > best_theta:
             best_theta, best_k = theta, k

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .common import block_positions
 from .target import context_features, decoder_of, hidden_state_indices
 from .training import DSparkCollator
 
@@ -45,6 +46,18 @@ class FeatureCacheError(ValueError):
 
 def _crc(ids) -> int:
     return zlib.crc32(np.asarray(ids, dtype=np.int64).tobytes())
+
+
+def target_fingerprint(target) -> str:
+    """A cheap identity of a target's weights and dtype: CRC-32 over every parameter's name, shape, dtype and first
+    4 KiB. Two checkpoints of one architecture (base vs. instruct, a fine-tune) or two dtypes differ."""
+    crc = 0
+    for name, p in target.named_parameters():
+        head = p.detach().reshape(-1)[:2048].cpu().contiguous()
+        raw = head.view(torch.int16) if head.element_size() == 2 else head.view(torch.int32)
+        crc = zlib.crc32(f"{name}{tuple(p.shape)}{p.dtype}".encode(), crc)
+        crc = zlib.crc32(raw.numpy().tobytes(), crc)
+    return f"{crc:08x}"
 
 
 def _bf16_to_u16(x: torch.Tensor) -> np.ndarray:
@@ -76,7 +89,7 @@ def build_feature_cache(
         target_layer_ids: the drafter's ``config.target_layer_ids`` (m layers).
         out_dir: cache directory; an unfinished build there with the same settings is resumed, and a cache of a
             data set that has since grown by rows appended at the end (more shards) is extended.
-        batch_size: sequences per target forward (sorted by length inside the data order's windows).
+        batch_size: consecutive rows per target forward.
         max_length: truncate sequences as the collator will (``None`` = keep all tokens).
 
     Returns:
@@ -102,6 +115,8 @@ def build_feature_cache(
         "format_version": FORMAT_VERSION,
         "target": str(getattr(target.config, "_name_or_path", "")),
         "target_model_type": target.config.model_type,
+        "target_fingerprint": target_fingerprint(target),
+        "target_dtype": str(next(target.parameters()).dtype),
         "target_layer_ids": layer_ids,
         "hidden_size": hidden,
         "vocab_size": int(target.config.vocab_size),
@@ -117,8 +132,9 @@ def build_feature_cache(
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         old_index = np.load(out / "index.npy")
-        fixed = ("format_version", "target_model_type", "target_layer_ids", "hidden_size", "vocab_size", "max_length")
-        diff = [k for k in fixed if old.get(k) != meta[k]]
+        fixed = ("format_version", "target_model_type", "target_fingerprint", "target_dtype", "target_layer_ids",
+                 "hidden_size", "vocab_size", "max_length")
+        diff = [k for k in fixed if k in old and old[k] != meta[k]]
         grown = len(index) > len(old_index) and np.array_equal(index[: len(old_index)], old_index)
         if not diff and not grown and (old.get("num_rows"), old.get("data_crc")) != (meta["num_rows"], meta["data_crc"]):
             diff = ["data"]
@@ -134,8 +150,12 @@ def build_feature_cache(
         _write_meta(meta_path, meta)
     if meta["complete"]:
         return out
-    mode = "r+" if (out / "features.u16").exists() else "w+"
     m = len(layer_ids)
+    names = ("features.u16", "last_hidden.u16", "lse.f32")
+    mode = "r+" if all((out / n).exists() for n in names) else "w+"
+    if mode == "w+" and meta["rows_done"]:  # files lost: the done rows are gone too, start over
+        meta["rows_done"], meta["complete"] = 0, False
+        _write_meta(meta_path, meta)
     if mode == "r+":  # size the files for this data (a grown data set extends them)
         for name, width in (("features.u16", m * hidden * 2), ("last_hidden.u16", hidden * 2), ("lse.f32", 4)):
             with open(out / name, "r+b") as fh:
@@ -173,7 +193,8 @@ def build_feature_cache(
                 values = np.full(n, np.nan, dtype=np.float32)
                 lo = min(max(plen - 1, 0), n)
                 if lo < n:  # slots are response positions (anchor ≥ prompt_len); one earlier for safety
-                    logits = head(h[b, lo:n])
+                    # from the bf16-rounded state that is stored (training computes the draft columns from it)
+                    logits = head(h[b, lo:n].to(torch.bfloat16).to(head.weight.dtype))
                     values[lo:] = torch.logsumexp(logits.float(), dim=-1).cpu().numpy()
                 lse[o : o + n] = values
             feats.flush()
@@ -197,12 +218,14 @@ class FeatureCache:
         path: the cache directory.
         target_layer_ids: the drafter's ``config.target_layer_ids``; must equal the cache's.
         hidden_size: the target's hidden size H; must equal the cache's.
+        target: the target model; when given, its weights and dtype must be the ones the cache was built from
+            (:func:`target_fingerprint`).
 
     Raises:
         FeatureCacheError: missing / incomplete cache, other layer ids or hidden size, files of the wrong size.
     """
 
-    def __init__(self, path: str | os.PathLike, target_layer_ids=None, hidden_size: int | None = None):
+    def __init__(self, path: str | os.PathLike, target_layer_ids=None, hidden_size: int | None = None, target=None):
         self.path = Path(path)
         meta_path = self.path / "meta.json"
         if not meta_path.exists():
@@ -220,6 +243,11 @@ class FeatureCache:
         if hidden_size is not None and int(hidden_size) != meta["hidden_size"]:
             raise FeatureCacheError(f"{self.path} was built for hidden size {meta['hidden_size']}, the target has "
                                     f"{hidden_size}: a cache of another target")
+        if target is not None and "target_fingerprint" in meta:
+            mine = (target_fingerprint(target), str(next(target.parameters()).dtype))
+            if mine != (meta["target_fingerprint"], meta.get("target_dtype")):
+                raise FeatureCacheError(f"{self.path} was built from another target or dtype ({meta.get('target')}, "
+                                        f"{meta.get('target_dtype')}): rebuild the cache for this target")
         total, hidden, m = meta["num_tokens"], meta["hidden_size"], len(meta["target_layer_ids"])
         expect = {"features.u16": total * m * hidden * 2, "last_hidden.u16": total * hidden * 2, "lse.f32": total * 4}
         for name, size in expect.items():
@@ -284,7 +312,7 @@ class CachedFeatureCollator(DSparkCollator):
         m_h = len(meta["target_layer_ids"]) * meta["hidden_size"]
         feats = torch.zeros((bsz, width, m_h), dtype=torch.bfloat16)
         last = torch.zeros((bsz, width, meta["hidden_size"]), dtype=torch.bfloat16)
-        lse = torch.zeros((bsz, width), dtype=torch.float32)
+        lse = torch.full((bsz, width), float("inf"), dtype=torch.float32)
         for b, f in enumerate(features):
             if "idx" not in f:
                 raise FeatureCacheError("CachedFeatureCollator needs an `idx` column (prepare_dataset adds it)")
@@ -296,7 +324,7 @@ class CachedFeatureCollator(DSparkCollator):
             fe, la, ls = self.cache.row(int(f["idx"]), full, n)
             feats[b, :n], last[b, :n], lse[b, :n] = fe, la, ls
         gamma = self.block_size
-        slots = (anchors[..., None] + torch.arange(gamma)).clamp(max=width - 1).reshape(bsz, -1)
+        slots = block_positions(anchors, gamma).clamp(max=width - 1).reshape(bsz, -1)
         batch["context_features"] = feats
         batch["slot_hidden"] = last.gather(1, slots[..., None].expand(-1, -1, last.shape[-1])).reshape(
             bsz, anchors.shape[1], gamma, -1)

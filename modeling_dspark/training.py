@@ -4,7 +4,8 @@
   response part only, never at the last token), deterministically for ``(seed, epoch, example)``.
 * :class:`DSparkTrainer` holds the frozen target *outside* the trained model (so it is neither optimised nor
   saved), computes the target's context features and block logits online under ``no_grad`` with the same
-  :func:`modeling_dspark.target.context_features` used at inference, runs the drafter on all anchors of a batch at
+  :func:`modeling_dspark.target.context_features` used at inference (or reads them from a
+  :class:`~modeling_dspark.feature_cache.FeatureCache` when the batch carries them), runs the drafter on all anchors of a batch at
   once with :func:`modeling_dspark.common.block_attention_mask`, adds the teacher-forced sequential correction and the
   confidence logits, and optimises :func:`modeling_dspark.losses.dspark_loss` (eqs. 11–14). ce / tv / conf / loss
   are logged separately. Checkpoints hold only the drafter (``model.safetensors`` + ``config.json``).
@@ -179,8 +180,6 @@ class DSparkTrainer(Trainer):
         bsz, length = hidden.shape[:2]
         n = anchor_positions.shape[1]
         slots = block_positions(anchor_positions, block_size).clamp(max=length - 1).reshape(bsz, n * block_size)
-        if hidden.dim() == 2:
-            return hidden.gather(1, slots).reshape(bsz, n, block_size)
         return hidden.gather(1, slots[..., None].expand(-1, -1, hidden.shape[-1])).reshape(bsz, n, block_size, -1)
 
     @torch.no_grad()
@@ -230,6 +229,10 @@ class DSparkTrainer(Trainer):
         if "context_features" in inputs:  # from a FeatureCache (CachedFeatureCollator): no target forward
             feats = inputs["context_features"]
             t_logits, t_lse = self.slot_targets(drafter, inputs["slot_hidden"], inputs["slot_lse"])
+            live = (block_positions(anchors, gamma) + 1 < lengths[:, None, None]) & valid[..., None]
+            if t_lse is not None and not torch.isfinite(t_lse[live]).all():
+                raise ValueError("the feature cache has no target logsumexp at a block slot of this batch: its rows "
+                                 "were built with other prompt lengths; rebuild the cache for this data")
         else:
             feats, last = self._decoder_pass(ids, attn, cfg.target_layer_ids)
             t_logits, t_lse = self.slot_targets(drafter, self._slots(last, anchors, gamma))

@@ -89,23 +89,47 @@ def test_training_from_the_cache_never_runs_the_target(tmp_path, target, data, c
     assert calls == [] and not torch.equal(before, drafter.fc.weight)
 
 
+def _count_forwards(target):
+    rows = []
+    handle = target.model.register_forward_hook(lambda m, a, k, out: rows.append(k["input_ids"].shape[0]),
+                                                with_kwargs=True)
+    return rows, handle
+
+
 def test_build_resumes_after_a_kill(tmp_path, target, data, cache_dir):
+    """A build killed after two batches resumes at row 10: rows 0..9 are not recomputed (kept as written) and the
+    result equals an uninterrupted build, file for file."""
     out = tmp_path / "c"
     build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
-    ref = (out / "features.u16").read_bytes()
     meta = json.loads((out / "meta.json").read_text())
     meta.update(rows_done=10, complete=False)  # as if killed after two batches
     (out / "meta.json").write_text(json.dumps(meta))
-    feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="r+")
-    offset = int(np.load(out / "index.npy")[10, 1]) * feats.shape[0] // meta["num_tokens"]
-    feats[offset:] = 0
+    first_row_10 = int(np.load(out / "index.npy")[10, 1])
+    feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="r+").reshape(meta["num_tokens"], -1)
+    feats[first_row_10:] = 0  # the rows the killed build had not written yet
     feats.flush()
     del feats
     with pytest.raises(FeatureCacheError, match="incomplete"):
         FeatureCache(out)
+    rows, handle = _count_forwards(target)
+    try:
+        build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
+    finally:
+        handle.remove()
+    assert sum(rows) == len(data) - 10
+    for name in ("features.u16", "last_hidden.u16", "lse.f32", "index.npy"):
+        assert (out / name).read_bytes() == (cache_dir / name).read_bytes(), name
+
+
+def test_lost_files_restart_the_build(tmp_path, target, data, cache_dir):
+    out = tmp_path / "lost"
     build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
-    assert (out / "features.u16").read_bytes() == ref
-    assert (out / "features.u16").read_bytes() == (cache_dir / "features.u16").read_bytes()
+    (out / "lse.f32").unlink()
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps(dict(meta, complete=False)))
+    build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
+    for name in ("features.u16", "lse.f32"):
+        assert (out / name).read_bytes() == (cache_dir / name).read_bytes(), name
 
 
 def test_mismatches_are_named(tmp_path, target, data, cache_dir):
@@ -128,15 +152,30 @@ def test_mismatches_are_named(tmp_path, target, data, cache_dir):
 
 
 def test_a_grown_data_set_extends_the_cache(tmp_path, target, data, cache_dir):
-    """Rows appended at the end (more data shards) extend an existing cache; the result equals a fresh build."""
+    """Rows appended at the end (more data shards) extend an existing cache, computing only the new rows; the
+    result equals a fresh build."""
     out = tmp_path / "g"
     build_feature_cache(data.select(range(10)), target, LAYERS, out, batch_size=5, progress=False)
     assert FeatureCache(out).meta["num_rows"] == 10
-    build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
-    for name in ("features.u16", "last_hidden.u16", "index.npy"):
+    rows, handle = _count_forwards(target)
+    try:
+        build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
+    finally:
+        handle.remove()
+    assert sum(rows) == len(data) - 10
+    for name in ("features.u16", "last_hidden.u16", "lse.f32", "index.npy"):
         assert (out / name).read_bytes() == (cache_dir / name).read_bytes(), name
     with pytest.raises(FeatureCacheError, match="other settings or data"):  # not a prefix: refused
         build_feature_cache(data.select(range(1, 12)), target, LAYERS, out, progress=False)
+
+
+def test_a_cache_of_another_target_is_refused(tmp_path, target, data, cache_dir):
+    other = make_target(seed=5)  # same architecture, other weights
+    with pytest.raises(FeatureCacheError, match="another target"):
+        FeatureCache(cache_dir, LAYERS, target.config.hidden_size, target=other)
+    FeatureCache(cache_dir, LAYERS, target.config.hidden_size, target=target)  # its own target: fine
+    with pytest.raises(FeatureCacheError, match="other settings or data"):
+        build_feature_cache(data, other, LAYERS, cache_dir, progress=False)
 
 
 def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
@@ -174,3 +213,11 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
 
     drafter = md.DSparkDraftModel.from_pretrained(out)
     assert drafter.config.draft_vocab_size == 24 and drafter.draft_vocab_ids.numel() == 24
+    # one plain save_to_disk directory (no manifest), online target: trains and writes its manifest
+    from modeling_dspark.data import load_data
+
+    load_data(tmp_path / "a").save_to_disk(str(tmp_path / "plain"))
+    plain = ["--data", str(tmp_path / "plain")] + common[common.index("--output-dir"):common.index("--feature-cache")]
+    assert train_cmd.main(plain + ["--output-dir", str(tmp_path / "run2"), "--max-steps", "1", "--cpu"]) == 0
+    man = json.loads((tmp_path / "run2" / "training_manifest.json").read_text())
+    assert man["global_step"] == 1 and man["data_manifest"] is None and man["feature_cache"] is None

@@ -439,5 +439,11 @@ def test_draft_gate_errors():
         draft_gate([[0.5]], {1: 1.0, 2: 1.0}, 0.0, max_lengths=[-1])
     with pytest.raises(ValueError, match="draft cost"):
         draft_gate([[0.5]], {1: 1.0, 2: 1.0}, lambda n: -1.0)
-    with pytest.raises(ValueError, match="B = 2"):
-        draft_gate([[0.5]], {1: 1.0}, 0.0)
+    with pytest.raises(ValueError, match="B = 1"):  # R·SPS(R) itself must be in the table
+        draft_gate([[0.5]], {2: 1.0}, 0.0)
+    # a table that stops early: larger verify batches are simply not considered (the engine's tables come from
+    # `dspark profile`; Algorithm 1 with its early stop may never have needed them)
+    short = draft_gate([[0.99, 0.99, 0.99]], {1: 10.0, 2: 10.0}, 0.0)
+    assert short.draft == [True] and short.budget == 1
+    with pytest.raises(ValueError, match="not a number"):
+        draft_gate([[0.5]], {1: 1.0, 2: "fast"}, 0.0)
