@@ -60,7 +60,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--num-workers", type=int, default=0, help="dataloader workers")
     t.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="run the frozen target once over the data, store its features in DIR (resumable; ~7 KB per "
-                        "token for SmolLM2) and train from them: no target forward per step")
+                        "token for SmolLM2) and train from them: no target forward per step. Under `accelerate "
+                        "launch` rank 0 builds it while the others wait (at most ddp_timeout, 30 min): build it with one "
+                        "process first")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (on a busy machine 1 thread can be much faster than oversubscribing)")
     t.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present")
