@@ -64,17 +64,9 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_rea
 
 
 def test_train_cli_under_accelerate_launch_two_cpu_processes(tmp_path, one_thread):
-    from modeling_dspark.data import build_dataset
-    from tests.test_training import char_tokenizer, make_target
+    from tests.test_training import saved_tiny_target
 
-    tok = char_tokenizer()
-    tgt = make_target(seed=1)
-    tgt.generation_config.eos_token_id = tok.eos_token_id
-    tdir = tmp_path / "target"
-    tgt.save_pretrained(tdir)
-    tok.save_pretrained(tdir)
-    build_dataset(tgt, tok, tmp_path / "data", prompts=[f"what is {a} plus {b}?" for a in range(3) for b in range(3)],
-                  eval_sets={}, max_new_tokens=12, batch_size=9, seed=0, shard_size=9, progress=False)
+    tdir = saved_tiny_target(tmp_path, {"data": [f"what is {a} plus {b}?" for a in range(3) for b in range(3)]})
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     ranks, out = tmp_path / "ranks", tmp_path / "run"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -89,11 +90,21 @@ def test_training_from_the_cache_never_runs_the_target(tmp_path, target, data, c
     assert calls == [] and not torch.equal(before, drafter.fc.weight)
 
 
+def _assert_same_files(a, b, names=("features.u16", "last_hidden.u16", "lse.f32", "index.npy")):
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@contextlib.contextmanager
 def _count_forwards(target):
+    """Yield a list that collects the batch size of every target decoder forward inside the block."""
     rows = []
     handle = target.model.register_forward_hook(lambda m, a, k, out: rows.append(k["input_ids"].shape[0]),
                                                 with_kwargs=True)
-    return rows, handle
+    try:
+        yield rows
+    finally:
+        handle.remove()
 
 
 def test_build_resumes_after_a_kill(tmp_path, target, data, cache_dir):
@@ -111,14 +122,10 @@ def test_build_resumes_after_a_kill(tmp_path, target, data, cache_dir):
     del feats
     with pytest.raises(FeatureCacheError, match="incomplete"):
         FeatureCache(out)
-    rows, handle = _count_forwards(target)
-    try:
+    with _count_forwards(target) as rows:
         build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
-    finally:
-        handle.remove()
     assert sum(rows) == len(data) - 10
-    for name in ("features.u16", "last_hidden.u16", "lse.f32", "index.npy"):
-        assert (out / name).read_bytes() == (cache_dir / name).read_bytes(), name
+    _assert_same_files(out, cache_dir)
 
 
 def test_lost_files_restart_the_build(tmp_path, target, data, cache_dir):
@@ -128,8 +135,7 @@ def test_lost_files_restart_the_build(tmp_path, target, data, cache_dir):
     meta = json.loads((out / "meta.json").read_text())
     (out / "meta.json").write_text(json.dumps(dict(meta, complete=False)))
     build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
-    for name in ("features.u16", "lse.f32"):
-        assert (out / name).read_bytes() == (cache_dir / name).read_bytes(), name
+    _assert_same_files(out, cache_dir)
 
 
 def test_mismatches_are_named(tmp_path, target, data, cache_dir):
@@ -157,14 +163,10 @@ def test_a_grown_data_set_extends_the_cache(tmp_path, target, data, cache_dir):
     out = tmp_path / "g"
     build_feature_cache(data.select(range(10)), target, LAYERS, out, batch_size=5, progress=False)
     assert FeatureCache(out).meta["num_rows"] == 10
-    rows, handle = _count_forwards(target)
-    try:
+    with _count_forwards(target) as rows:
         build_feature_cache(data, target, LAYERS, out, batch_size=5, progress=False)
-    finally:
-        handle.remove()
     assert sum(rows) == len(data) - 10
-    for name in ("features.u16", "last_hidden.u16", "lse.f32", "index.npy"):
-        assert (out / name).read_bytes() == (cache_dir / name).read_bytes(), name
+    _assert_same_files(out, cache_dir)
     with pytest.raises(FeatureCacheError, match="other settings or data"):  # not a prefix: refused
         build_feature_cache(data.select(range(1, 12)), target, LAYERS, out, progress=False)
 
@@ -182,19 +184,10 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
     """`dspark train` on a saved tiny target with two data directories and --feature-cache: the cache covers both,
     the run saves a drafter + manifest, and --resume continues to the new max-steps from the checkpoint."""
     from dspark_cli import train_cmd
-    from modeling_dspark.data import build_dataset
-    from tests.test_training import char_tokenizer
+    from tests.test_training import saved_tiny_target
 
-    tok = char_tokenizer()
-    tgt = make_target(seed=1)
-    tgt.generation_config.eos_token_id = tok.eos_token_id
-    tdir = tmp_path / "target"
-    tgt.save_pretrained(tdir)
-    tok.save_pretrained(tdir)
-    for name, prompts in (("a", [f"what is {a} plus {b}?" for a in range(3) for b in range(3)]),
-                          ("b", [f"name {a} colors" for a in range(6)])):
-        build_dataset(tgt, tok, tmp_path / name, prompts=prompts, eval_sets={}, max_new_tokens=12, batch_size=9,
-                      seed=0, shard_size=9, progress=False)
+    tdir = saved_tiny_target(tmp_path, {"a": [f"what is {a} plus {b}?" for a in range(3) for b in range(3)],
+                                        "b": [f"name {a} colors" for a in range(6)]})
     out, cache = tmp_path / "run", tmp_path / "cache"
     common = ["--data", str(tmp_path / "a"), str(tmp_path / "b"), "--output-dir", str(out), "--target", str(tdir),
               "--target-layer-ids", "0,2", "--num-draft-layers", "1", "--block-size", "4", "--markov-rank", "8",

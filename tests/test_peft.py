@@ -23,7 +23,7 @@ from modeling_dspark.peft_adapt import (  # noqa: E402
     trainable_parameter_summary,
 )
 from modeling_dspark.training import DSparkCollator, DSparkTrainer, prepare_dataset  # noqa: E402
-from tests.test_training import GAMMA, char_tokenizer, make_args, make_data, make_drafter, make_target  # noqa: E402
+from tests.test_training import GAMMA, make_args, make_data, make_drafter, make_target, saved_tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # restored after this module
 
@@ -232,18 +232,10 @@ def test_adapt_cli_end_to_end(tmp_path):
     import argparse
 
     from dspark_cli import adapt_cmd
-    from modeling_dspark.data import build_dataset
 
-    tok = char_tokenizer()
-    tgt = make_target(seed=1)
-    tgt.generation_config.eos_token_id = tok.eos_token_id
-    tgt.generation_config.pad_token_id = tok.pad_token_id
-    tdir = tmp_path / "target"
-    tgt.save_pretrained(tdir)
-    tok.save_pretrained(tdir)
     prompts = [f"what is {a} plus {b}?" for a in range(3) for b in range(3)]
-    build_dataset(tgt, tok, tmp_path / "data", prompts=prompts, eval_sets={}, max_new_tokens=12, batch_size=9,
-                  seed=0, shard_size=9, progress=False)
+    tdir = saved_tiny_target(tmp_path, {"data": prompts})
+    tgt = make_target(seed=1)  # the saved target's weights (same seed): the drafter needs its config
     drafter = make_drafter(tgt)
     drafter.config.target_name_or_path = str(tdir)  # `dspark adapt` finds the target through the drafter
     drafter.save_pretrained(tmp_path / "base")

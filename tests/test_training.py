@@ -226,6 +226,24 @@ def test_init_from_target(target):
 
 
 # --------------------------------------------------------------------------- data build
+def saved_tiny_target(root, data_sets: dict[str, list[str]] | None = None):
+    """A tiny target + char tokenizer saved to ``root/target`` (a local checkpoint for the CLIs), and for each
+    ``name -> prompts`` a data set built by ``build_dataset`` in ``root/name``. Returns the target directory."""
+    from modeling_dspark.data import build_dataset
+
+    tok = char_tokenizer()
+    tgt = make_target(seed=1)
+    tgt.generation_config.eos_token_id = tok.eos_token_id
+    tgt.generation_config.pad_token_id = tok.pad_token_id
+    tdir = root / "target"
+    tgt.save_pretrained(tdir)
+    tok.save_pretrained(tdir)
+    for name, prompts in (data_sets or {}).items():
+        build_dataset(tgt, tok, root / name, prompts=prompts, eval_sets={}, max_new_tokens=12, batch_size=9, seed=0,
+                      shard_size=9, progress=False)
+    return tdir
+
+
 def char_tokenizer():
     from tokenizers import Tokenizer, models, normalizers
 
