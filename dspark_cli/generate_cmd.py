@@ -47,7 +47,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None,
                    help="draft slots per round, 1..the drafter's block size (default: the drafter's)")
     p.add_argument("--policy", default=None,
-                   help="verify policy: full, fixed:N or threshold:P (default: full block)")
+                   help="verify policy: full, fixed:N or threshold:P (default: the DSpark scheduler when the drafter has "
+                        "a confidence head and an SPS profile is cached for this target/dtype/threads, else full block)")
     samp = p.add_argument_group("sampling")
     samp.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     samp.add_argument("--temperature", type=float, default=1.0, help="(default: 1.0)")

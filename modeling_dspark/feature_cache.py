@@ -17,7 +17,7 @@ crc32`` per row) and ``meta.json`` (target, layers, sizes, ``complete``). The bu
 order and ``meta.json`` records how many are done after every batch. A cache is tied to one data set and one target:
 opening it checks the layer ids and sizes, and every collated row is checked against its stored CRC of token ids.
 
-Size: (m + 1)·H·2 + 4 bytes per token — 6.9 KB for SmolLM2-135M with m = 5, about 2.6 GB for 380k tokens.
+Size: (m + 1)·H·2 + 4 bytes per token — 6.9 KB for SmolLM2-135M with m = 5, about 7.6 GB for 1.1M tokens.
 """
 
 from __future__ import annotations
