@@ -42,3 +42,22 @@ def block_attention_mask(
         ctx = ctx & context_valid.unsqueeze(1)
     own = (q_block.unsqueeze(-1) == q_block.unsqueeze(0)).expand(bsz, -1, -1)  # [B, nγ, nγ]
     return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+def gather_slots(values: torch.Tensor, anchor_positions: torch.LongTensor, num_slots: int) -> torch.Tensor:
+    """``values`` at the block slots p..p+γ−1 of every anchor, clamped to the last position.
+
+    Args:
+        values: ``[B, L]`` or ``[B, L, X]`` per-position values (e.g. the target's hidden states or logsumexp).
+        anchor_positions: ``[B, n]`` anchor positions p.
+        num_slots: γ.
+
+    Returns:
+        ``[B, n, γ]`` or ``[B, n, γ, X]``.
+    """
+    bsz, length = values.shape[:2]
+    n = anchor_positions.shape[1]
+    slots = block_positions(anchor_positions, num_slots).clamp(max=length - 1).reshape(bsz, n * num_slots)
+    if values.dim() == 2:
+        return values.gather(1, slots).reshape(bsz, n, num_slots)
+    return values.gather(1, slots[..., None].expand(-1, -1, values.shape[-1])).reshape(bsz, n, num_slots, -1)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .common import block_positions
+from .common import gather_slots
 from .target import context_features, decoder_of, hidden_state_indices
 from .training import DSparkCollator
 
@@ -324,9 +324,7 @@ class CachedFeatureCollator(DSparkCollator):
             fe, la, ls = self.cache.row(int(f["idx"]), full, n)
             feats[b, :n], last[b, :n], lse[b, :n] = fe, la, ls
         gamma = self.block_size
-        slots = block_positions(anchors, gamma).clamp(max=width - 1).reshape(bsz, -1)
         batch["context_features"] = feats
-        batch["slot_hidden"] = last.gather(1, slots[..., None].expand(-1, -1, last.shape[-1])).reshape(
-            bsz, anchors.shape[1], gamma, -1)
-        batch["slot_lse"] = lse.gather(1, slots).reshape(bsz, anchors.shape[1], gamma).nan_to_num(float("inf"))
+        batch["slot_hidden"] = gather_slots(last, anchors, gamma)
+        batch["slot_lse"] = gather_slots(lse, anchors, gamma).nan_to_num(float("inf"))
         return batch

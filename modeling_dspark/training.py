@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .common import block_attention_mask, block_positions
+from .common import block_attention_mask, block_positions, gather_slots
 from .losses import dspark_loss, position_weights
 from .target import context_features, decoder_of, hidden_state_indices
 
@@ -174,19 +174,11 @@ class DSparkTrainer(Trainer):
         )
         return context_features(out.hidden_states, layer_ids), out.last_hidden_state
 
-    @staticmethod
-    def _slots(hidden, anchor_positions, block_size):
-        """``hidden [B, L, X]`` at the block slots p..p+γ−1 of every anchor: ``[B, n, γ, X]``."""
-        bsz, length = hidden.shape[:2]
-        n = anchor_positions.shape[1]
-        slots = block_positions(anchor_positions, block_size).clamp(max=length - 1).reshape(bsz, n * block_size)
-        return hidden.gather(1, slots[..., None].expand(-1, -1, hidden.shape[-1])).reshape(bsz, n, block_size, -1)
-
     @torch.no_grad()
     def target_outputs(self, input_ids, attention_mask, anchor_positions, layer_ids, block_size):
         """Context features ``[B, L, m·H]`` and the target's full logits at the block slots ``[B, n, γ, V]``."""
         feats, last = self._decoder_pass(input_ids, attention_mask, layer_ids)
-        logits = self.target.get_output_embeddings()(self._slots(last, anchor_positions, block_size))
+        logits = self.target.get_output_embeddings()(gather_slots(last, anchor_positions, block_size))
         return feats, logits
 
     @torch.no_grad()
@@ -229,17 +221,16 @@ class DSparkTrainer(Trainer):
         if "context_features" in inputs:  # from a FeatureCache (CachedFeatureCollator): no target forward
             feats = inputs["context_features"]
             t_logits, t_lse = self.slot_targets(drafter, inputs["slot_hidden"], inputs["slot_lse"])
-            live = (block_positions(anchors, gamma) + 1 < lengths[:, None, None]) & valid[..., None]
-            if t_lse is not None and not torch.isfinite(t_lse[live]).all():
-                raise ValueError("the feature cache has no target logsumexp at a block slot of this batch: its rows "
-                                 "were built with other prompt lengths; rebuild the cache for this data")
         else:
             feats, last = self._decoder_pass(ids, attn, cfg.target_layer_ids)
-            t_logits, t_lse = self.slot_targets(drafter, self._slots(last, anchors, gamma))
+            t_logits, t_lse = self.slot_targets(drafter, gather_slots(last, anchors, gamma))
         slot_pos = block_positions(anchors, gamma)  # [B, n, γ]: positions p..p+γ−1
         prev = ids.gather(1, slot_pos.clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, gamma)  # x_0..x_{γ−1}
         labels = ids.gather(1, (slot_pos + 1).clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, gamma)
         loss_mask = (slot_pos + 1 < lengths[:, None, None]) & valid[..., None]
+        if "context_features" in inputs and t_lse is not None and not torch.isfinite(t_lse[loss_mask]).all():
+            raise ValueError("the feature cache has no target logsumexp at a block slot of this batch: its rows "
+                             "were built with other prompt lengths; rebuild the cache for this data")
 
         ctx_pos = torch.arange(length, device=ids.device).expand(bsz, length)
         mask = block_attention_mask(anchors, ctx_pos, gamma, attn.bool())
