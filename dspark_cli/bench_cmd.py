@@ -11,6 +11,11 @@ static verify length 1 (the MTP-1 analogue); static full block; DeepSpec-style c
 scheduler (Algorithm 1 over all running requests); the two-round-lag budget variant. The scheduler's SPS(B) table
 is profiled on first use for this target / dtype / thread count and cached (see ``dspark profile``).
 
+Steady state: each policy has ONE engine for the whole benchmark (its ``max_batch_size`` set to R per cell), as a
+long-running server would, so what the scheduler's draft gate learns (drafting time per number of drafting
+requests, realized yield per R, probe back-off) carries over from cell to cell; ``--warmup-repeats`` untimed
+repetitions of every cell come first (default 1), so no timed cell pays for a cold start.
+
 Noise control: every (R, policy) cell is served ``--repeats`` times, interleaved: repetition after repetition, and
 within one repetition all policies at one R back to back, in an order rotated each repetition, so slow drift of the
 machine (other processes, thermal) hits every policy alike. Each cell reports the median over repetitions and the
@@ -90,6 +95,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=40, help="(default: 40)")
     s.add_argument("--repeats", type=int, default=3,
                    help="repetitions of every (R, policy) cell, interleaved; medians and min-max reported (default: 3)")
+    s.add_argument("--warmup-repeats", type=int, default=1,
+                   help="untimed repetitions of every cell before the timed ones (default: 1)")
     s.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current setting)")
     s.add_argument("--out", default="bench_serve.json", metavar="FILE.json", help="(default: bench_serve.json)")
@@ -142,11 +149,18 @@ def _prompts(args, tok) -> list[dict]:
     return pool
 
 
-def _serve(target, drafter, policy, prompts, num_requests, concurrency, max_new, block_size, sps):
+def _engine(target, drafter, policy, block_size, sps):
+    """One serving engine per policy, kept for the whole benchmark (steady state, see the module doc)."""
     from generation.engine import DSparkEngine
 
-    engine = DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps,
-                          max_batch_size=concurrency)
+    return DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps)
+
+
+def _serve(engine, prompts, num_requests, concurrency, max_new):
+    from generation.engine import EngineStats
+
+    engine.max_batch_size = concurrency
+    engine.stats = EngineStats()
     for i in range(num_requests):
         engine.add_request(prompts[i % len(prompts)]["ids"], max_new)
     t0 = time.perf_counter()
@@ -275,6 +289,8 @@ def _run(args) -> int:
     if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
             or args.repeats < 1):
         raise CLIError("--requests, --limit, --min-requests, --max-new-tokens and --repeats must be >= 1")
+    if args.warmup_repeats < 0:
+        raise CLIError("--warmup-repeats must be >= 0")
     if args.threads is not None and args.threads < 1:
         raise CLIError("--threads must be >= 1")
     for pol in args.policies:
@@ -309,18 +325,20 @@ def _run(args) -> int:
             progress=lambda s: print("  " + s, file=sys.stderr),
         )
 
-    # warm-up (first forwards of new shapes are slow), not timed
-    _serve(target, drafter, "full", prompts, 2, 2, 4, gamma, sps)
-
-    # interleaved: repetition by repetition; within one, each R's policies back to back in a rotated order
+    engines = {pol: _engine(target, drafter, pol, gamma, sps) for pol in args.policies}
+    # interleaved: repetition by repetition; within one, each R's policies back to back in a rotated order; the
+    # first --warmup-repeats repetitions are not timed (new shapes' first forwards, the gate's learned state)
     reps: dict[tuple[int, str], list[dict]] = {}
     outputs = {}
-    for rep in range(args.repeats):
+    for rep in range(-args.warmup_repeats, args.repeats):
         for li, R in enumerate(levels):
             n = max(R, args.min_requests)
             shift = (rep + li) % len(args.policies)
             for pol in args.policies[shift:] + args.policies[:shift]:
-                res, outs = _serve(target, drafter, pol, prompts, n, R, args.max_new_tokens, gamma, sps)
+                res, outs = _serve(engines[pol], prompts, n, R, args.max_new_tokens)
+                if rep < 0:
+                    print(f"warm-up R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total", file=sys.stderr)
+                    continue
                 outputs.setdefault((R, pol), outs)
                 reps.setdefault((R, pol), []).append(res)
                 print(f"rep {rep + 1}/{args.repeats} R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total  "
@@ -342,7 +360,8 @@ def _run(args) -> int:
             "target": profiling.target_name(target), "dtype": args.dtype, "threads": threads,
             "drafter": drafter_spec, "block_size": gamma, "datasets": args.datasets, "limit": args.limit,
             "num_prompts": len(prompts), "min_requests": args.min_requests, "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats, "order": "interleaved: repeat > R > policies (rotated per repeat)",
+            "repeats": args.repeats, "warmup_repeats": args.warmup_repeats,
+            "engines": "one per policy for the whole run (steady state)", "order": "interleaved: repeat > R > policies (rotated per repeat)",
             "requests": levels, "policies": args.policies, "sps_context": context,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
         },

@@ -35,19 +35,22 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   of this engine's own measured drafting time per n, linear in between measured n, nearest outside; the first
   drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour), also work.
 * **Draft gate.** Before drafting, the engine decides from PAST rounds only whether drafting is expected to pay,
-  per request: each request keeps a moving average (:attr:`~DSparkEngine.CONF_EMA`) of the calibrated c_k of its
-  earlier rounds (requests without history use an engine-wide average); :func:`generation.scheduler.draft_gate`
-  scans every prefix of the pooled estimated survivals, Θ_k = τ_k / (1/SPS(R + k) + t_draft(n_k)), against the
-  no-drafting R·SPS(R), and only the requests in the best prefix draft (the others verify their anchor token only,
-  and their drafter context catches up when they next draft). Nothing is drafted when even perfect drafts (all
-  a = 1) could not pay at the current draft cost, or (``scheduler``) when Algorithm 1 would admit nothing even at
-  a = 1. The estimates are scaled by a calibration factor ρ = (accepted + 1) / (Σ predicted c_k + 1) over recent
-  verified draft tokens (decayed by :attr:`~DSparkEngine.CALIB_DECAY` per round; ≈ 1 for a calibrated drafter), so
-  an over-confident drafter gets gated off too. Gated requests are re-probed (drafted anyway, refreshing their
-  averages) after 1, 2, 4, … up to ``probe_max_interval`` consecutive gated rounds; the back-off resets when the
-  gate drafts every request. The gate never looks at this round's confidences or draft tokens, so outputs stay
-  exact; :class:`EngineRound` records ``gated`` and ``probe``, :meth:`EngineStats.summary` the skipped-draft /
-  gated / probe counts. The first rounds (no estimate, draft cost not yet measured) always draft.
+  per request: each request keeps decayed sums (:attr:`~DSparkEngine.YIELD_DECAY`) of its realized yield in the
+  rounds it drafted, [accepted, verified] draft tokens under the policy's own ℓ (so the option of verifying little
+  after seeing low confidences is priced in, and an over-confident drafter yields little), shrunk toward an
+  engine-wide average for the current R (:meth:`~DSparkEngine.yield_prior`, :attr:`~DSparkEngine.YIELD_PRIOR_ROUNDS`
+  pseudo-rounds), which alone serves requests without history.
+  :func:`generation.scheduler.yield_gate` ranks requests by expected accepted tokens and scans every prefix,
+  Θ_n = (R + Σ accepted) / (1/SPS(R + Σ verified) + t_draft(n)), against the no-drafting R·SPS(R); only the
+  requests in the best prefix draft (the others verify their anchor token only, and their drafter context catches
+  up when they next draft). Nothing is drafted when even perfect drafts (all a = 1) could not pay at the current
+  draft cost, or (``scheduler``) when Algorithm 1 would admit nothing even at a = 1. A gated round re-probes after
+  1, 2, 4, … up to ``probe_max_interval`` consecutive gated rounds: the gated request skipped longest drafts too,
+  refreshing its estimate; the back-off resets when the gate drafts every request. The gate never looks at this
+  round's confidences or draft tokens, so outputs stay exact; :class:`EngineRound` records ``gated`` and
+  ``probe``, :meth:`EngineStats.summary` the skipped-draft / gated / probe counts. A new engine drafts every
+  request until the draft cost is measured and a yield prior exists; the learned state (draft-time averages, yield
+  priors, probe back-off) persists across requests, as in a long-running server.
 
 Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
 for token in float32; no logits processors). Not thread-safe: while :meth:`DSparkEngine.step` runs, the target
@@ -75,7 +78,7 @@ import torch
 
 from modeling_dspark.target import context_features
 
-from .scheduler import budget_from_confidences, draft_gate, effective_sps, fill_budget, prefix_schedule
+from .scheduler import budget_from_confidences, draft_gate, effective_sps, fill_budget, prefix_schedule, yield_gate
 from .stats import GenerationStats, RoundStats
 
 __all__ = [
@@ -405,7 +408,7 @@ class EngineRound:
         t_draft_ms, t_verify_ms: drafter time (all requests) and verify forward + acceptance time.
         gated: per request, True when the draft gate (scheduler / lagged) skipped drafting it this round although
             it could have drafted (empty for the other policies).
-        probe: the round drafted requests the gate would have skipped (periodic re-probe, see the module doc).
+        probe: the round drafted a request the gate would have skipped (periodic re-probe, see the module doc).
     """
 
     requests: int
@@ -466,10 +469,11 @@ class _Request:
         self.max_new = max_new
         self.output: list[int] = []
         self.kv = kv
-        self.pending_feats: torch.Tensor | None = None  # [1, n, m·H] features of committed positions not yet ingested
+        self.pending_feats: list[torch.Tensor] = []  # [1, n_i, m·H] pieces: committed positions not yet ingested
         self.draft_cache: RequestKV | None = None  # the drafter's context K/V (its length = positions ingested)
         self.finish_reason: str | None = None
-        self.conf_est: list[float] | None = None  # moving average of past calibrated confidences (draft gate)
+        self.yield_sums: list[float] = [0.0, 0.0, 0.0]  # decayed [accepted, verified, rounds] of drafted rounds (gate)
+        self.gated_rounds = 0  # consecutive rounds the draft gate skipped this request
         self.stats = GenerationStats()
         self.t_added = time.perf_counter()
         self.t_admitted = self.t_first = self.t_finished = 0.0
@@ -524,7 +528,7 @@ class DSparkEngine:
         draft_gating: ``scheduler`` / ``lagged`` only: before each round decide from past rounds whether drafting a
             request is expected to pay, and skip the drafter for those where it does not (default True).
         probe_max_interval: longest run of gated rounds before the gate re-probes (drafts anyway) to refresh its
-            estimates; the interval doubles from 1 up to this (default 8).
+            estimates; the interval doubles from 1 up to this (default 16).
 
     Raises:
         ValueError: unknown policy, a policy that needs a drafter / confidence head / SPS table without one,
@@ -532,14 +536,20 @@ class DSparkEngine:
             draft_gating / probe_max_interval.
     """
 
-    CONF_EMA = 0.5
-    """Weight of the newest round in a request's moving average of calibrated confidences (draft gate)."""
-    PRIOR_EMA = 0.1
-    """Weight of each drafted request-round in the engine-wide confidence prior used for requests without history."""
+    YIELD_DECAY = 0.8
+    """Per-drafted-round decay of a request's sums of realized yield (accepted, verified draft tokens; draft gate):
+    about the last 1 / (1 - 0.8) = 5 drafted rounds count."""
+    YIELD_PRIOR_ROUNDS = 12.0
+    """Pseudo-rounds of the engine-wide prior mixed into every request's yield estimate (shrinkage). Acceptance is
+    bursty, so a request's own recent rounds predict its next round only weakly: on SmolLM2-135M with the shipped
+    drafter (R = 1, ungated), rounds whose own estimate was below 0.3 accepted 0.37 tokens on average and the rest
+    0.53, i.e. about 0.3 of the own-history spread is real; at most ~5 decayed own rounds against 12 prior rounds
+    keeps that weight."""
+    PRIOR_EMA = 0.02
+    """Weight of each drafted request-round in the engine-wide yield prior per concurrency R: a slow average over
+    about 50 request-rounds, i.e. over several requests even at R = 1."""
     DRAFT_TIME_EMA = 0.3
     """Weight of the newest measurement in the moving average of drafting time (``draft_cost_ms="auto"``)."""
-    CALIB_DECAY = 0.8
-    """Per-round decay of the accepted-vs-predicted sums behind the gate's calibration factor ρ."""
 
     def __init__(
         self,
@@ -554,7 +564,7 @@ class DSparkEngine:
         lag_default_budget: int | None = None,
         draft_cost_ms: str | float | None = "auto",
         draft_gating: bool = True,
-        probe_max_interval: int = 8,
+        probe_max_interval: int = 16,
     ):
         self.policy = parse_engine_policy(policy)
         if draft_cost_ms is not None and draft_cost_ms != "auto":
@@ -616,11 +626,11 @@ class DSparkEngine:
         self.probe_max_interval = probe_max_interval
         self._draft_ms_ema: dict[int, float] = {}  # drafting requests -> moving average of measured ms ("auto")
         self._draft_ms_count: dict[int, int] = {}  # drafting requests -> measurements taken
-        self._conf_prior: list[float] | None = None  # engine-wide moving average of c_k (requests without history)
+        self._yield_prior: dict[int, list[float]] = {}  # R -> moving average [accepted, verified] over requests
+        self._yield_prior_count: dict[int, int] = {}  # R -> drafted request-rounds folded into the prior
+        self._perfect_cache: dict = {}  # (curve, budgets, draft costs) -> would perfect drafts pay (gate)
         self._probe_interval = 1
         self._gated_streak = 0
-        self._calib_accepted = 0.0  # decayed sums over verified draft tokens: accepted, and predicted c_k
-        self._calib_predicted = 0.0
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ public API
@@ -715,7 +725,7 @@ class DSparkEngine:
             out.append(res)
             req.kv = None  # free the caches
             req.draft_cache = None
-            req.pending_feats = None
+            req.pending_feats = []
         self._running = keep
         return out
 
@@ -731,7 +741,7 @@ class DSparkEngine:
         for r in reqs:
             p = len(r.prompt)
             if self.drafter is not None:
-                r.pending_feats = self._features(hidden, off, off + p)
+                r.pending_feats = [self._features(hidden, off, off + p)]
                 r.draft_cache = RequestKV(self.drafter.config.num_draft_layers, p + r.max_new + 2)
             r.commit([int(logits[off + p - 1].argmax())], self.eos)
             r.t_first = now
@@ -786,39 +796,34 @@ class DSparkEngine:
         t = self._draft_seconds(rows)
         return sps if t == 0.0 else effective_sps(sps, t)
 
-    def _update_estimates(self, req: _Request, conf: list[float], known: int) -> None:
-        """Fold this round's first ``known`` calibrated confidences into the request's and the engine's averages."""
-        if known <= 0:
-            return
-        gamma = self.block_size
-        seen = [float(c) for c in conf[:known]]
-        if self._conf_prior is None:
-            self._conf_prior = seen + [seen[-1]] * (gamma - known)
-        else:
-            w = self.PRIOR_EMA
-            self._conf_prior[:known] = [(1 - w) * p + w * c for p, c in zip(self._conf_prior, seen)]
-        if req.conf_est is None:
-            # positions never evaluated yet: the engine-wide prior, else the last known confidence repeated
-            tail = self._conf_prior[known:] if self._conf_prior is not None else [seen[-1]] * (gamma - known)
-            req.conf_est = seen + list(tail)
-        else:
-            w = self.CONF_EMA
-            req.conf_est[:known] = [(1 - w) * p + w * c for p, c in zip(req.conf_est, seen)]
+    def _update_yield(self, req: _Request, num_requests: int, accepted: int, verified: int) -> None:
+        """Fold a drafted round's realized yield (accepted, verified draft tokens) into the request's decayed sums
+        and the engine-wide prior for ``num_requests`` concurrent requests."""
+        d = self.YIELD_DECAY
+        req.yield_sums = [d * req.yield_sums[0] + accepted, d * req.yield_sums[1] + verified, d * req.yield_sums[2] + 1]
+        seen = [float(accepted), float(verified)]
+        count = self._yield_prior_count.get(num_requests, 0) + 1
+        self._yield_prior_count[num_requests] = count
+        prior = self._yield_prior.get(num_requests, seen)
+        w = max(1.0 / count, self.PRIOR_EMA)  # the plain mean of the first 1 / PRIOR_EMA rounds, then a moving one
+        self._yield_prior[num_requests] = [(1 - w) * p + w * c for p, c in zip(prior, seen)]
 
-    @property
-    def calibration_factor(self) -> float:
-        """ρ = (accepted + 1) / (Σ predicted c_k + 1) over recent verified draft tokens (decayed): how far the
-        drafter's calibrated confidences over- (ρ < 1) or under-state (ρ > 1) its real acceptance on this traffic.
-        The gate scales its confidence estimates by ρ (capped at 1)."""
-        return (self._calib_accepted + 1.0) / (self._calib_predicted + 1.0)
+    def yield_estimate(self, req: _Request, prior: list[float] | None) -> list[float] | None:
+        """[accepted, verified] expected if ``req`` drafts: its decayed sums shrunk toward ``prior`` by
+        :attr:`YIELD_PRIOR_ROUNDS` pseudo-rounds; the prior alone without history; None without either."""
+        acc, ver, n = req.yield_sums
+        if prior is None:
+            return [acc / n, ver / n] if n > 0 else None
+        k = self.YIELD_PRIOR_ROUNDS
+        return [(acc + k * prior[0]) / (n + k), (ver + k * prior[1]) / (n + k)]
 
-    def _record_outcomes(self, pairs: list[tuple[float, int]]) -> None:
-        """Fold one round's (predicted c_k, accepted 0/1) of every verified draft token into ρ's decayed sums."""
-        if not pairs:
-            return
-        d = self.CALIB_DECAY
-        self._calib_accepted = d * self._calib_accepted + sum(o for _, o in pairs)
-        self._calib_predicted = d * self._calib_predicted + sum(c for c, _ in pairs)
+    def yield_prior(self, num_requests: int) -> list[float] | None:
+        """The engine-wide moving average [accepted, verified] of drafted request-rounds at ``num_requests``
+        concurrent requests (the nearest R with data when there is none for this R; None before any drafting)."""
+        if not self._yield_prior:
+            return None
+        near = min(self._yield_prior, key=lambda n: (abs(n - num_requests), n))
+        return list(self._yield_prior[near])
 
     def _gate(self, reqs: list[_Request], budgets: list[int]) -> tuple[list[int], list[bool], bool]:
         """Which requests draft this round (scheduler / lagged). Returns (budgets, gated per request, probe).
@@ -844,28 +849,39 @@ class DSparkEngine:
             return budgets, none, False
         # even perfect drafts (every a = 1) would not beat R·SPS(R) at the measured draft cost: skip, but still
         # re-probe now and then (the cost is a measurement: a stall must not switch drafting off for good)
-        perfect = draft_gate([[1.0] * self.block_size] * num, sps, self._draft_seconds, budgets)
-        if not any(perfect.draft):
-            return self._skip_or_probe(budgets, skip_all, can)
-        estimates = [r.conf_est if r.conf_est is not None else self._conf_prior for r in reqs]
+        cost = tuple(round(self._draft_seconds(n) * 1e4) for n in range(1, num + 1))  # 0.1 ms resolution
+        key = (id(sps), tuple(budgets), cost)
+        perfect = self._perfect_cache.get(key)
+        if perfect is None:
+            perfect = any(draft_gate([[1.0] * self.block_size] * num, sps, self._draft_seconds, budgets).draft)
+            if len(self._perfect_cache) > 4096:
+                self._perfect_cache.clear()
+            self._perfect_cache[key] = perfect
+        if not perfect:
+            return self._skip_or_probe(reqs, budgets, skip_all, can)
+        prior = self.yield_prior(num)
+        estimates = [self.yield_estimate(r, prior) for r in reqs]
         if not self._draft_cost_measured() or any(e is None for e, b in zip(estimates, budgets) if b > 0):
             return budgets, none, False  # warm-up: draft to measure
-        rho = self.calibration_factor
-        estimates = [[min(1.0, c * rho) for c in e] for e in estimates]
-        decision = draft_gate(estimates, sps, self._draft_seconds, budgets)
+        decision = yield_gate([e[0] for e in estimates], [e[1] for e in estimates], sps, self._draft_seconds,
+                              budgets)
         gated = [b > 0 and not d for b, d in zip(budgets, decision.draft)]
         if not any(gated):
             self._probe_interval, self._gated_streak = 1, 0
             return budgets, none, False
-        return self._skip_or_probe(budgets, [b if d else 0 for b, d in zip(budgets, decision.draft)], gated)
+        return self._skip_or_probe(reqs, budgets, [b if d else 0 for b, d in zip(budgets, decision.draft)], gated)
 
-    def _skip_or_probe(self, budgets: list[int], gated_budgets: list[int], gated: list[bool]):
-        """Apply a gate decision, unless this gated round is due a re-probe (back-off 1, 2, 4, … rounds)."""
+    def _skip_or_probe(self, reqs: list[_Request], budgets: list[int], gated_budgets: list[int], gated: list[bool]):
+        """Apply a gate decision, unless this gated round is due a re-probe (back-off 1, 2, 4, … rounds): then the
+        gated request skipped longest (ties: first) drafts too, refreshing its yield estimate."""
         self._gated_streak += 1
-        if self._gated_streak > self._probe_interval:  # re-probe: refresh the estimates of the gated requests
+        if self._gated_streak > self._probe_interval:
             self._gated_streak = 0
             self._probe_interval = min(2 * self._probe_interval, self.probe_max_interval)
-            return budgets, [False] * len(budgets), True
+            probe = max((i for i, g in enumerate(gated) if g), key=lambda i: (reqs[i].gated_rounds, -i))
+            gated_budgets, gated = list(gated_budgets), list(gated)
+            gated_budgets[probe], gated[probe] = budgets[probe], False
+            return gated_budgets, gated, True
         return gated_budgets, gated, False
 
     def _policy_lengths(self, conf: list[list[float]], budgets: list[int], sps, lag_budget: int | None) -> list[int]:
@@ -913,7 +929,7 @@ class DSparkEngine:
         #    context cache (right-padded batch, padding masked out)
         active = [i for i in range(num) if budgets[i] > 0]
         if active:
-            feats = [reqs[i].pending_feats for i in active]
+            feats = [torch.cat(f, dim=1) if len(f) > 1 else f[0] for f in (reqs[i].pending_feats for i in active)]
             counts = [f.shape[1] for f in feats]
             caches = [reqs[i].draft_cache for i in active]
             ctx = feats[0].new_zeros(len(active), max(counts), feats[0].shape[-1])
@@ -935,7 +951,7 @@ class DSparkEngine:
                     num_slots=gamma, return_logits=False)
             batch_ctx.commit()
             for i in active:
-                reqs[i].pending_feats = None
+                reqs[i].pending_feats = []
             h_all = out.hidden_states[:, 0]  # [A, γ', H]
 
         # 2. left to right, batched over the requests still drafting
@@ -1012,10 +1028,6 @@ class DSparkEngine:
             tokens, conf, lengths = self._draft(reqs, budgets)
             t1 = time.perf_counter()
             self._record_draft_time(sum(b > 0 for b in budgets), (t1 - t0) * 1e3)
-            if self.policy.kind in ("scheduler", "lagged"):
-                for r, c, t, b in zip(reqs, conf, tokens, budgets):
-                    if b > 0 and c:  # slots evaluated: the drafted ones plus the one that stopped the request
-                        self._update_estimates(r, c, min(len(t) + 1, b))
         else:
             tokens, conf, lengths = [[] for _ in reqs], [[] for _ in reqs], [0] * num
             t1 = time.perf_counter()
@@ -1025,9 +1037,10 @@ class DSparkEngine:
         need_hidden = self.drafter is not None
         logits, hidden = self.packed.forward(segments, output_hidden_states=need_hidden)
         predicted = logits.argmax(dim=-1).tolist()
+        feats_all = self._features(hidden, 0, None) if need_hidden else None  # [1, B, m·H], sliced per request
 
         accepted_all, committed_all = [], []
-        outcomes: list[tuple[float, int]] = []
+        gating = self.policy.kind in ("scheduler", "lagged")
         off = 0
         for i, r in enumerate(reqs):
             ell = lengths[i]
@@ -1039,14 +1052,17 @@ class DSparkEngine:
             committed = r.commit(drafts[:n] + [pred[n]], self.eos)
             r.kv.crop(starts[i] + 1 + n)  # anchor + accepted drafts are now context; the rest is dropped
             if need_hidden and r.finish_reason is None:
-                feats = self._features(hidden, off, off + 1 + n)
                 # rows not yet ingested (a request that did not draft this round keeps its older rows)
-                r.pending_feats = feats if r.pending_feats is None else torch.cat([r.pending_feats, feats], dim=1)
+                r.pending_feats.append(feats_all[:, off : off + 1 + n])
             accepted_all.append(n)
             committed_all.append(committed)
             ell_conf = conf[i][:ell] if conf[i] else []
-            if ell and ell_conf:  # verified positions up to the first rejection: (predicted c_k, accepted?)
-                outcomes += [(ell_conf[k], int(k < n)) for k in range(min(n + 1, ell))]
+            if gating:
+                if budgets[i] > 0:  # drafted this round: its realized yield under the policy's own ℓ
+                    self._update_yield(r, num, n, ell)
+                    r.gated_rounds = 0
+                elif gated[i]:
+                    r.gated_rounds += 1
             r.stats.rounds.append(
                 RoundStats(
                     drafted=len(tokens[i]),
@@ -1059,8 +1075,6 @@ class DSparkEngine:
                 )
             )
             off += ell + 1
-        if self.policy.kind in ("scheduler", "lagged"):
-            self._record_outcomes(outcomes)
         t2 = time.perf_counter()
         for r in reqs:
             r.stats.rounds[-1].t_verify_ms = (t2 - t1) * 1e3

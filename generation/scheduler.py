@@ -41,8 +41,10 @@ Draft cost (serving engine, not in the paper's Algorithm 1): on hardware where d
 noticeable t_draft next to the verify forward, a round that drafted lasts 1/SPS(B) + t_draft.
 :func:`effective_sps` turns SPS(B) into SPS_eff(B) = 1 / (1/SPS(B) + t_draft); Algorithm 1 fed SPS_eff (instead of
 SPS) prices the whole round. Whether to draft at all is a separate decision, made BEFORE drafting from past
-information only (:func:`draft_gate`): the best expected Θ with drafting (full scan over estimated survivals, the
-draft cost depending on how many requests draft) against R·SPS(R) without drafting.
+information only: :func:`draft_gate` prices estimated survivals (full scan, the draft cost depending on how many
+requests draft) against R·SPS(R) without drafting; :func:`yield_gate`, which the serving engine uses, prices each
+request's REALIZED yield of its past drafted rounds (accepted and verified draft tokens under the policy's own ℓ),
+which includes the value of choosing ℓ after seeing the confidences.
 
 Pure python/torch; no model imports.
 """
@@ -71,6 +73,7 @@ __all__ = [
     "effective_sps",
     "DraftGateResult",
     "draft_gate",
+    "yield_gate",
 ]
 
 SPSLike = Union[Mapping[int, float], Callable[[int], float]]
@@ -592,3 +595,73 @@ def draft_gate(
             best_theta, best_k = theta, k
     chosen = {r for r, _, _ in entries[:best_k]}
     return DraftGateResult([r in chosen for r in range(num_requests)], best_theta, theta_none, best_k)
+
+
+def yield_gate(
+    accepted: Sequence[float],
+    verified: Sequence[float],
+    sps: SPSLike,
+    draft_cost: DraftCostLike,
+    max_lengths: Sequence[int] | None = None,
+) -> DraftGateResult:
+    """Decide, before drafting, which requests to draft this round from their REALIZED yield in earlier rounds.
+
+    ``accepted[r]`` / ``verified[r]`` are expected accepted / verified draft tokens if request r drafts (the engine
+    passes moving averages over r's past drafted rounds: what the policy's own ℓ choice actually verified and the
+    target accepted, so the option of verifying little after seeing low confidences is priced in). Requests are
+    ranked by expected accepted tokens (ties: smaller index first); every prefix of n requests is scanned (no
+    early stop): B_n = R + round(Σ verified), Θ_n = (R + Σ accepted) / (1/SPS(B_n) + t_draft(n)); Θ_0 = R·SPS(R)
+    (no drafting, no draft cost). The requests of the best prefix draft; none if no prefix beats Θ_0 strictly.
+
+    Lossless only when the yields come from EARLIER rounds: whether a request drafts never depends on this round's
+    draft (serving engine; not in the paper).
+
+    Args:
+        accepted: [R] expected accepted draft tokens per request, ≥ 0.
+        verified: [R] expected verified draft tokens per request, ≥ accepted (clipped to max_lengths).
+        sps: SPS(B) in steps/s (Mapping or callable); B beyond a table's end stops the scan.
+        draft_cost: seconds per drafting round, a constant or a callable n_rows -> seconds.
+        max_lengths: per request, the most draft tokens it may verify this round (default no limit); 0 = cannot
+            draft (such a request is never chosen).
+
+    Returns:
+        :class:`DraftGateResult` (``budget`` = the planned extra verify tokens B_n − R of the best prefix).
+
+    Raises:
+        ValueError: lengths differ, a negative or non-finite yield, accepted > verified, negative max_lengths,
+            a bad draft cost; errors of the SPS lookup (as :func:`prefix_schedule`).
+    """
+    acc = [float(x) for x in accepted]
+    ver = [float(x) for x in verified]
+    num_requests = len(acc)
+    if len(ver) != num_requests:
+        raise ValueError(f"accepted and verified must have the same length; got {num_requests} and {len(ver)}")
+    for a, v in zip(acc, ver):
+        if not (math.isfinite(a) and math.isfinite(v)) or a < 0 or v < 0 or a > v + 1e-9:
+            raise ValueError(f"yields must be finite with 0 <= accepted <= verified; got accepted={acc}, "
+                             f"verified={ver}")
+    if max_lengths is None:
+        max_lengths = [math.inf] * num_requests
+    max_lengths = list(max_lengths)
+    if len(max_lengths) != num_requests or any(
+        isinstance(m, bool) or not isinstance(m, (int, float)) or m < 0 for m in max_lengths
+    ):
+        raise ValueError(f"max_lengths must be {num_requests} numbers >= 0; got {max_lengths!r}")
+    lookup = _as_lookup(sps)
+    theta_none = num_requests * lookup(num_requests)
+    order = sorted((r for r in range(num_requests) if max_lengths[r] > 0), key=lambda r: (-acc[r], r))
+    best_theta, best_n, best_budget = theta_none, 0, 0
+    tokens, extra = float(num_requests), 0.0
+    for n, r in enumerate(order, start=1):
+        tokens += min(acc[r], max_lengths[r])
+        extra += min(ver[r], max_lengths[r])
+        budget = int(round(extra))
+        try:
+            verify_sps = lookup(num_requests + budget)
+        except MissingSPSEntry:  # a table that stops before this B: larger verify batches are not considered
+            break
+        theta = tokens / (1.0 / verify_sps + _draft_seconds(draft_cost, n))
+        if theta > best_theta:
+            best_theta, best_n, best_budget = theta, n, budget
+    chosen = set(order[:best_n])
+    return DraftGateResult([r in chosen for r in range(num_requests)], best_theta, theta_none, best_budget)

@@ -447,3 +447,40 @@ def test_draft_gate_errors():
     assert short.draft == [True] and short.budget == 1
     with pytest.raises(ValueError, match="not a number"):
         draft_gate([[0.5]], {1: 1.0, 2: "fast"}, 0.0)
+
+
+from generation.scheduler import yield_gate  # noqa: E402
+
+YIELD_SPS = {2: 10.0, 3: 9.5, 4: 9.0, 5: 8.5, 6: 8.0, 7: 7.5}
+
+
+def test_yield_gate_prices_realized_yield():
+    # Θ_0 = 2 · 10 = 20; request 0 alone: (2 + 2) / (1/8.5 + 0.01) = 31.34 > both: 4.1 / (1/7.5 + 0.01) = 28.6
+    res = yield_gate([2.0, 0.1], [3.0, 2.0], YIELD_SPS, 0.01)
+    assert res.theta_none == pytest.approx(20.0)
+    assert res.draft == [True, False] and res.budget == 3
+    assert res.theta_draft == pytest.approx(4.0 / (1 / 8.5 + 0.01))
+    # drafting costs more than it returns: nothing drafts
+    res = yield_gate([2.0, 0.1], [3.0, 2.0], YIELD_SPS, 0.2)
+    assert res.draft == [False, False] and res.budget == 0 and res.theta_draft == res.theta_none
+    # a request that cannot draft is never chosen; the other alone does not pay: 2.1 / (1/9 + 0.01) = 17.3 < 20
+    assert yield_gate([2.0, 0.1], [3.0, 2.0], YIELD_SPS, 0.01, max_lengths=[0, 2]).draft == [False, False]
+    # a draft cost per row keeps the second request out that a per-round cost lets in
+    flat = {b: 1.0 for b in range(1, 20)}
+    assert yield_gate([1.0, 0.5], [2.0, 1.0], flat, 0.3).draft == [True, True]  # 3.5 / 1.3 > 3 / 1.3 > 2
+    assert yield_gate([1.0, 0.5], [2.0, 1.0], flat, lambda n: 0.3 * n).draft == [True, False]  # 3/1.3 > 3.5/1.6
+
+
+def test_yield_gate_errors():
+    with pytest.raises(ValueError, match="same length"):
+        yield_gate([1.0], [1.0, 2.0], YIELD_SPS, 0.0)
+    with pytest.raises(ValueError, match="accepted <= verified"):
+        yield_gate([2.0, 0.0], [1.0, 0.0], YIELD_SPS, 0.0)
+    with pytest.raises(ValueError, match="accepted <= verified"):
+        yield_gate([float("nan"), 0.0], [1.0, 0.0], YIELD_SPS, 0.0)
+    with pytest.raises(ValueError, match="max_lengths"):
+        yield_gate([0.5, 0.5], [1.0, 1.0], YIELD_SPS, 0.0, max_lengths=[1])
+    with pytest.raises(ValueError, match="draft cost"):
+        yield_gate([0.5, 0.5], [1.0, 1.0], YIELD_SPS, lambda n: -1.0)
+    # a table that stops early: larger verify batches are not considered
+    assert yield_gate([1.0, 1.0], [1.0, 6.0], YIELD_SPS, 0.0).draft == [True, False]
