@@ -476,3 +476,25 @@ def test_draft_gate_option_errors(tiny):
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="probe_max_interval"):
             DSparkEngine(target, drafter, "scheduler", sps=SPS, probe_max_interval=bad)
+
+
+def test_yield_estimate_shrinks_toward_prior(tiny):
+    """The gate's per-request yield: decayed own rounds mixed with YIELD_PRIOR_ROUNDS rounds of the per-R prior,
+    which is the plain mean of the first drafted request-rounds and falls back to the nearest R."""
+    from generation.engine import _Request
+
+    target, drafter, *_ = tiny
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS)
+    a, b = (_Request(i, [1, 2], 5, engine.packed.new_cache(16)) for i in range(2))
+    assert engine.yield_prior(2) is None and engine.yield_estimate(a, None) is None
+    engine._update_yield(a, 2, 0, 4)
+    assert engine.yield_estimate(a, None) == [0.0, 4.0]
+    assert engine.yield_prior(2) == [0.0, 4.0] and engine.yield_prior(5) == [0.0, 4.0]  # nearest R with data
+    engine._update_yield(b, 2, 2, 4)
+    assert engine.yield_prior(2) == pytest.approx([1.0, 4.0])  # mean of the first rounds, not the latest
+    k = engine.YIELD_PRIOR_ROUNDS
+    assert engine.yield_estimate(a, [1.0, 4.0]) == pytest.approx([k / (1 + k), 4.0])
+    engine._update_yield(a, 2, 3, 3)  # decayed sums: 0.8 · (0, 4, 1) + (3, 3, 1)
+    d = engine.YIELD_DECAY
+    assert a.yield_sums == pytest.approx([3.0, 4 * d + 3, d + 1])
+    assert engine.yield_estimate(a, [0.0, 0.0]) == pytest.approx([3 / (d + 1 + k), (4 * d + 3) / (d + 1 + k)])
