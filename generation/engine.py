@@ -32,8 +32,16 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   SPS_eff(B) = 1 / (1/SPS(B) + t_draft(n)) (:func:`generation.scheduler.effective_sps`) instead of SPS(B), so
   Algorithm 1 (and the lagged budget search) maximise committed tokens per second of the whole round. t_draft(n)
   comes from ``draft_cost_ms``: by default (``"auto"``) a moving average (weight :attr:`DSparkEngine.DRAFT_TIME_EMA`)
-  of this engine's own measured drafting time per n, linear in between measured n, nearest outside; the first
-  drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour), also work.
+  of this engine's own measured drafting time per n, linear in between measured n, nearest outside, from
+  steady-state rounds only (a round where a drafting request first catches up on more than γ + 1 positions, after
+  its prefill or a run of gated rounds, is not measured: that catch-up is paid once whenever it drafts); the first
+  steady drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour), also work.
+* **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
+  packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
+  ``sps_correction`` (default) the engine fits, per R, a decayed least-squares line of (measured verify time −
+  1/SPS(B)) against the number of draft tokens B − R (:meth:`~DSparkEngine.verify_correction`; slope ≥ 0) and
+  decides with SPS'(B) = 1 / (1/SPS(B) + offset + slope · (B − R)), non-increasing like SPS. Timing only steers
+  decisions, never the output.
 * **Draft gate.** Before drafting, the engine decides from PAST rounds only whether drafting is expected to pay,
   per request: each request keeps decayed sums (:attr:`~DSparkEngine.YIELD_DECAY`) of its realized yield in the
   rounds it drafted, [accepted, verified] draft tokens under the policy's own ℓ (so the option of verifying little
@@ -78,7 +86,15 @@ import torch
 
 from modeling_dspark.target import context_features
 
-from .scheduler import budget_from_confidences, draft_gate, effective_sps, fill_budget, prefix_schedule, yield_gate
+from .scheduler import (
+    MissingSPSEntry,
+    budget_from_confidences,
+    draft_gate,
+    effective_sps,
+    fill_budget,
+    prefix_schedule,
+    yield_gate,
+)
 from .stats import GenerationStats, RoundStats
 
 __all__ = [
@@ -347,6 +363,20 @@ def _sps_value(sps, batch_tokens: int) -> float:
     return float(sps(batch_tokens))
 
 
+class _CorrectedSPS:
+    """SPS'(B) = 1 / max(½ / SPS(B), 1/SPS(B) + offset + slope · (B − R)): the table's curve with the engine's
+    measured verify-time correction (non-increasing in B whenever SPS is, as slope ≥ 0)."""
+
+    def __init__(self, base, num_requests: int, offset: float, slope: float):
+        self.base, self.num_requests, self.offset, self.slope = base, num_requests, offset, slope
+
+    def __call__(self, batch_tokens: int) -> float:
+        if isinstance(self.base, Mapping) and batch_tokens not in self.base:
+            raise MissingSPSEntry(f"SPS table has no entry for verify batch size B = {batch_tokens}")
+        t = 1.0 / _sps_value(self.base, batch_tokens)
+        return 1.0 / max(0.5 * t, t + self.offset + self.slope * (batch_tokens - self.num_requests))
+
+
 def _survival_row(conf: list[float]) -> list[float]:
     out, prod = [], 1.0
     for c in conf:
@@ -528,7 +558,9 @@ class DSparkEngine:
         draft_gating: ``scheduler`` / ``lagged`` only: before each round decide from past rounds whether drafting a
             request is expected to pay, and skip the drafter for those where it does not (default True).
         probe_max_interval: longest run of gated rounds before the gate re-probes (drafts anyway) to refresh its
-            estimates; the interval doubles from 1 up to this (default 16).
+            estimates; the interval doubles from 1 up to this (default 32).
+        sps_correction: ``scheduler`` / ``lagged`` only: correct the SPS table by this engine's measured verify
+            times (module doc, "Measured verify time"; default True).
 
     Raises:
         ValueError: unknown policy, a policy that needs a drafter / confidence head / SPS table without one,
@@ -548,6 +580,9 @@ class DSparkEngine:
     PRIOR_EMA = 0.02
     """Weight of each drafted request-round in the engine-wide yield prior per concurrency R: a slow average over
     about 50 request-rounds, i.e. over several requests even at R = 1."""
+    VERIFY_FIT_DECAY = 0.97
+    """Per-round decay of the sums behind :meth:`DSparkEngine.verify_correction` (about the last 33 rounds at each
+    R count)."""
     DRAFT_TIME_EMA = 0.3
     """Weight of the newest measurement in the moving average of drafting time (``draft_cost_ms="auto"``)."""
 
@@ -564,7 +599,8 @@ class DSparkEngine:
         lag_default_budget: int | None = None,
         draft_cost_ms: str | float | None = "auto",
         draft_gating: bool = True,
-        probe_max_interval: int = 16,
+        probe_max_interval: int = 32,
+        sps_correction: bool = True,
     ):
         self.policy = parse_engine_policy(policy)
         if draft_cost_ms is not None and draft_cost_ms != "auto":
@@ -573,6 +609,8 @@ class DSparkEngine:
                 raise ValueError(
                     f"draft_cost_ms must be 'auto', None or a finite number of milliseconds >= 0; got {draft_cost_ms!r}"
                 )
+        if not isinstance(sps_correction, bool):
+            raise ValueError(f"sps_correction must be True or False; got {sps_correction!r}")
         if not isinstance(draft_gating, bool):
             raise ValueError(f"draft_gating must be True or False; got {draft_gating!r}")
         if isinstance(probe_max_interval, bool) or not isinstance(probe_max_interval, int) or probe_max_interval < 1:
@@ -628,7 +666,10 @@ class DSparkEngine:
         self._draft_ms_count: dict[int, int] = {}  # drafting requests -> measurements taken
         self._yield_prior: dict[int, list[float]] = {}  # R -> moving average [accepted, verified] over requests
         self._yield_prior_count: dict[int, int] = {}  # R -> drafted request-rounds folded into the prior
-        self._perfect_cache: dict = {}  # (curve, budgets, draft costs) -> would perfect drafts pay (gate)
+        self._perfect_cache: dict = {}
+        self.sps_correction = sps_correction
+        self._verify_fit: dict[int, tuple[float, float, float, float, float]] = {}  # R -> decayed LSQ sums
+        self._corrected: dict = {}  # (curve, budgets, draft costs) -> would perfect drafts pay (gate)
         self._probe_interval = 1
         self._gated_streak = 0
         self.stats = EngineStats()
@@ -749,8 +790,8 @@ class DSparkEngine:
         self.stats.prefill_tokens += off
         self.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
 
-    def _sps_curve(self, reqs: list[_Request]):
-        """SPS(B) callable for this round: a fixed table/callable, or the profile's curve for (R, mean context)."""
+    def _base_curve(self, reqs: list[_Request]):
+        """SPS(B) as given: a fixed table/callable, or the profile's curve for (R, mean context)."""
         sps = self.sps
         if hasattr(sps, "curve"):  # an SPSProfile
             ctx = sum(r.kv.length for r in reqs) / len(reqs)
@@ -759,6 +800,48 @@ class DSparkEngine:
                 self._curves[key] = sps.curve(requests=len(reqs), context_len=ctx)
             return self._curves[key]
         return sps
+
+    def _sps_curve(self, reqs: list[_Request]):
+        """SPS(B) for this round's decisions: :meth:`_base_curve`, corrected by the measured verify times
+        (``sps_correction``, module doc) once this R has some."""
+        base = self._base_curve(reqs)
+        fit = self.verify_correction(len(reqs))
+        if fit is None:
+            return base
+        offset, slope = fit
+        key = (id(base), len(reqs), round(offset, 4), round(slope, 5))
+        curve = self._corrected.get(key)
+        if curve is None:
+            if len(self._corrected) > 1024:
+                self._corrected.clear()
+            curve = self._corrected[key] = _CorrectedSPS(base, len(reqs), offset, slope)
+        return curve
+
+    def verify_correction(self, num_requests: int) -> tuple[float, float] | None:
+        """(offset s, slope s per draft token) of the measured verify time over the SPS table's 1/SPS(B) at R =
+        ``num_requests``: a decayed least-squares line of the residual against B − R (slope ≥ 0; 0 while every
+        measured round had the same B). None when disabled or nothing was measured at this R yet."""
+        sums = self._verify_fit.get(num_requests) if self.sps_correction else None
+        if sums is None:
+            return None
+        w, sx, sy, sxx, sxy = sums
+        den = w * sxx - sx * sx
+        slope = (w * sxy - sx * sy) / den if den > 1e-9 * max(1.0, w * sxx) else 0.0
+        slope = max(0.0, slope)
+        return (sy - slope * sx) / w, slope
+
+    def _record_verify_time(self, reqs: list[_Request], batch_tokens: int, seconds: float) -> None:
+        if not self.sps_correction:
+            return
+        try:
+            profiled = 1.0 / _sps_value(self._base_curve(reqs), batch_tokens)
+        except ValueError:  # outside the table: nothing to correct
+            return
+        num = len(reqs)
+        x, y = float(batch_tokens - num), min(seconds, 3.0 * profiled) - profiled  # a stall moves the fit less
+        d = self.VERIFY_FIT_DECAY
+        w, sx, sy, sxx, sxy = self._verify_fit.get(num, (0.0, 0.0, 0.0, 0.0, 0.0))
+        self._verify_fit[num] = (d * w + 1, d * sx + x, d * sy + y, d * sxx + x * x, d * sxy + x * y)
 
     # ------------------------------------------------------------------ draft cost and draft gate
     def _draft_seconds(self, rows: int) -> float:
@@ -850,7 +933,7 @@ class DSparkEngine:
         # even perfect drafts (every a = 1) would not beat R·SPS(R) at the measured draft cost: skip, but still
         # re-probe now and then (the cost is a measurement: a stall must not switch drafting off for good)
         cost = tuple(round(self._draft_seconds(n) * 1e4) for n in range(1, num + 1))  # 0.1 ms resolution
-        key = (id(sps), tuple(budgets), cost)
+        key = (id(sps), tuple(budgets), cost)  # corrected curves are cached per rounded correction: ids are stable
         perfect = self._perfect_cache.get(key)
         if perfect is None:
             perfect = any(draft_gate([[1.0] * self.block_size] * num, sps, self._draft_seconds, budgets).draft)
@@ -1025,9 +1108,14 @@ class DSparkEngine:
         if self.drafter is not None:
             budgets, gated, probe = self._gate(reqs, budgets)
         if self.drafter is not None and any(budgets):
+            # a drafting request that must first catch up on many positions (just prefilled, or gated for a while)
+            # makes this round's drafting time unrepresentative: the catch-up is paid once whenever it drafts
+            catch_up = any(sum(f.shape[1] for f in r.pending_feats) > self.block_size + 1
+                           for r, b in zip(reqs, budgets) if b > 0)
             tokens, conf, lengths = self._draft(reqs, budgets)
             t1 = time.perf_counter()
-            self._record_draft_time(sum(b > 0 for b in budgets), (t1 - t0) * 1e3)
+            if not catch_up:
+                self._record_draft_time(sum(b > 0 for b in budgets), (t1 - t0) * 1e3)
         else:
             tokens, conf, lengths = [[] for _ in reqs], [[] for _ in reqs], [0] * num
             t1 = time.perf_counter()
@@ -1076,6 +1164,8 @@ class DSparkEngine:
             )
             off += ell + 1
         t2 = time.perf_counter()
+        if gating:
+            self._record_verify_time(reqs, off, t2 - t1)
         for r in reqs:
             r.stats.rounds[-1].t_verify_ms = (t2 - t1) * 1e3
         self.stats.rounds.append(

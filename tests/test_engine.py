@@ -354,6 +354,7 @@ class OracleEngine(ScriptedEngine):
     pattern = [10**6]
 
     def __init__(self, *a, conf_fn=lambda t: 0.95, **kw):
+        kw.setdefault("sps_correction", False)  # decisions against the synthetic SPS table as given
         super().__init__(*a, **kw)
         self.conf_fn = conf_fn
         self.decisions = []
@@ -388,7 +389,8 @@ def test_gate_skips_useless_drafter(tiny, policy):
     calls = []
     hook = drafter.register_forward_hook(lambda *a: calls.append(1))
     try:
-        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0)
+        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
+                              sps_correction=False)
         for p, n in zip(prompts, max_new):
             engine.add_request(p, n)
         outs = engine.run()
@@ -404,7 +406,8 @@ def test_gate_skips_useless_drafter(tiny, policy):
     acc, ver = engine.yield_prior(4)
     assert acc < 0.25 and acc <= 0.5 * max(ver, 0.01)  # confident but rarely right: its realized yield is low
     # the same drafter without the gate drafts every round
-    ungated = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, draft_gating=False)
+    ungated = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, draft_gating=False,
+                           sps_correction=False)
     for p, n in zip(prompts, max_new):
         ungated.add_request(p, n)
     assert [o.output_ids for o in ungated.run()] == refs
@@ -498,3 +501,38 @@ def test_yield_estimate_shrinks_toward_prior(tiny):
     d = engine.YIELD_DECAY
     assert a.yield_sums == pytest.approx([3.0, 4 * d + 3, d + 1])
     assert engine.yield_estimate(a, [0.0, 0.0]) == pytest.approx([3 / (d + 1 + k), (4 * d + 3) / (d + 1 + k)])
+
+
+def test_verify_correction_fits_measured_times(tiny):
+    """The measured-verify-time correction: a decayed least-squares line of (measured − 1/SPS(B)) against B − R,
+    applied as SPS'(B) = 1 / (1/SPS(B) + offset + slope · (B − R)); slope clipped at 0; off when disabled."""
+    from generation.engine import _Request
+
+    target, drafter, *_ = tiny
+    sps = {b: 100.0 for b in range(1, 40)}  # the table says 10 ms whatever B
+    engine = DSparkEngine(target, drafter, "scheduler", sps=sps)
+    reqs = [_Request(i, [1], 4, engine.packed.new_cache(8)) for i in range(2)]
+    assert engine.verify_correction(2) is None and engine._sps_curve(reqs) is sps
+    engine._record_verify_time(reqs, 2, 0.012)  # one B only: a pure offset
+    assert engine.verify_correction(2) == pytest.approx((0.002, 0.0))
+    for b in (2, 4, 6, 8):  # measured: 12 ms + 1 ms per draft token
+        engine._record_verify_time(reqs, b, 0.012 + 0.001 * (b - 2))
+    offset, slope = engine.verify_correction(2)
+    assert offset == pytest.approx(0.002) and slope == pytest.approx(0.001)
+    curve = engine._sps_curve(reqs)
+    assert curve(2) == pytest.approx(1 / 0.012) and curve(10) == pytest.approx(1 / 0.020)
+    assert engine.verify_correction(1) is None  # per R
+    # the table over-states the time: the correction never makes a round faster than half the table's
+    fast = DSparkEngine(target, drafter, "scheduler", sps=sps)
+    fast._record_verify_time(reqs, 2, 0.001)
+    assert fast._sps_curve(reqs)(2) == pytest.approx(200.0)
+    # falling measured times give slope 0 (SPS' stays non-increasing in B)
+    falling = DSparkEngine(target, drafter, "scheduler", sps=sps)
+    for b in (2, 6):
+        falling._record_verify_time(reqs, b, 0.010 - 0.001 * (b - 2))
+    assert falling.verify_correction(2)[1] == 0.0
+    off = DSparkEngine(target, drafter, "scheduler", sps=sps, sps_correction=False)
+    off._record_verify_time(reqs, 2, 0.5)
+    assert off.verify_correction(2) is None and off._sps_curve(reqs) is sps
+    with pytest.raises(ValueError, match="sps_correction"):
+        DSparkEngine(target, drafter, "scheduler", sps=sps, sps_correction="yes")
