@@ -13,8 +13,9 @@ is profiled on first use for this target / dtype / thread count and cached (see 
 
 Steady state: each policy has ONE engine for the whole benchmark (its ``max_batch_size`` set to R per cell), as a
 long-running server would, so what the scheduler's draft gate learns (drafting time per number of drafting
-requests, realized yield per R, probe back-off) carries over from cell to cell; ``--warmup-repeats`` untimed
-repetitions of every cell come first (default 1), so no timed cell pays for a cold start.
+requests, realized yield per R, measured verify times, probe back-off) carries over from cell to cell;
+``--warmup-repeats`` untimed repetitions of every cell come first (default 1), so no timed cell pays for a cold
+start. The warm-up serves the next prompts of the pool (the same data sets, other prompts), not the timed ones.
 
 Noise control: every (R, policy) cell is served ``--repeats`` times, interleaved: repetition after repetition, and
 within one repetition all policies at one R back to back, in an order rotated each repetition, so slow drift of the
@@ -156,13 +157,13 @@ def _engine(target, drafter, policy, block_size, sps):
     return DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps)
 
 
-def _serve(engine, prompts, num_requests, concurrency, max_new):
+def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
     from generation.engine import EngineStats
 
     engine.max_batch_size = concurrency
     engine.stats = EngineStats()
     for i in range(num_requests):
-        engine.add_request(prompts[i % len(prompts)]["ids"], max_new)
+        engine.add_request(prompts[(first + i) % len(prompts)]["ids"], max_new)
     t0 = time.perf_counter()
     outs = engine.run()
     wall = time.perf_counter() - t0
@@ -335,7 +336,8 @@ def _run(args) -> int:
             n = max(R, args.min_requests)
             shift = (rep + li) % len(args.policies)
             for pol in args.policies[shift:] + args.policies[:shift]:
-                res, outs = _serve(engines[pol], prompts, n, R, args.max_new_tokens)
+                # warm-up repetitions serve the NEXT prompts of the pool, so no policy learns on the timed trace
+                res, outs = _serve(engines[pol], prompts, n, R, args.max_new_tokens, first=n if rep < 0 else 0)
                 if rep < 0:
                     print(f"warm-up R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total", file=sys.stderr)
                     continue

@@ -40,7 +40,8 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, a decayed least-squares line of (measured verify time −
   1/SPS(B)) against the number of draft tokens B − R (:meth:`~DSparkEngine.verify_correction`; slope ≥ 0) and
-  decides with SPS'(B) = 1 / (1/SPS(B) + offset + slope · (B − R)), non-increasing like SPS. Timing only steers
+  decides with SPS'(B) = 1 / max(½ / SPS(B), 1/SPS(B) + offset + slope · (B − R)), non-increasing like SPS (the
+  slope is ridge-shrunk toward 0, :attr:`~DSparkEngine.VERIFY_SLOPE_PRIOR`). Timing only steers
   decisions, never the output.
 * **Draft gate.** Before drafting, the engine decides from PAST rounds only whether drafting is expected to pay,
   per request: each request keeps decayed sums (:attr:`~DSparkEngine.YIELD_DECAY`) of its realized yield in the
@@ -565,7 +566,7 @@ class DSparkEngine:
     Raises:
         ValueError: unknown policy, a policy that needs a drafter / confidence head / SPS table without one,
             block_size out of range, a drafter that does not match the target, a bad draft_cost_ms /
-            draft_gating / probe_max_interval.
+            draft_gating / probe_max_interval / sps_correction.
     """
 
     YIELD_DECAY = 0.8
@@ -580,6 +581,8 @@ class DSparkEngine:
     PRIOR_EMA = 0.02
     """Weight of each drafted request-round in the engine-wide yield prior per concurrency R: a slow average over
     about 50 request-rounds, i.e. over several requests even at R = 1."""
+    VERIFY_SLOPE_PRIOR = 1.0
+    """Ridge weight (per round, in draft tokens²) pulling the fitted verify-time slope toward 0."""
     VERIFY_FIT_DECAY = 0.97
     """Per-round decay of the sums behind :meth:`DSparkEngine.verify_correction` (about the last 33 rounds at each
     R count)."""
@@ -666,10 +669,10 @@ class DSparkEngine:
         self._draft_ms_count: dict[int, int] = {}  # drafting requests -> measurements taken
         self._yield_prior: dict[int, list[float]] = {}  # R -> moving average [accepted, verified] over requests
         self._yield_prior_count: dict[int, int] = {}  # R -> drafted request-rounds folded into the prior
-        self._perfect_cache: dict = {}
+        self._perfect_cache: dict = {}  # (curve id, budgets, draft costs) -> would perfect drafts pay (gate)
         self.sps_correction = sps_correction
         self._verify_fit: dict[int, tuple[float, float, float, float, float]] = {}  # R -> decayed LSQ sums
-        self._corrected: dict = {}  # (curve, budgets, draft costs) -> would perfect drafts pay (gate)
+        self._corrected: dict = {}  # (base curve id, R, rounded offset, slope) -> _CorrectedSPS
         self._probe_interval = 1
         self._gated_streak = 0
         self.stats = EngineStats()
@@ -814,6 +817,7 @@ class DSparkEngine:
         if curve is None:
             if len(self._corrected) > 1024:
                 self._corrected.clear()
+                self._perfect_cache.clear()  # keyed by curve ids: a freed curve's id may be reused
             curve = self._corrected[key] = _CorrectedSPS(base, len(reqs), offset, slope)
         return curve
 
@@ -825,9 +829,10 @@ class DSparkEngine:
         if sums is None:
             return None
         w, sx, sy, sxx, sxy = sums
-        den = w * sxx - sx * sx
-        slope = (w * sxy - sx * sy) / den if den > 1e-9 * max(1.0, w * sxx) else 0.0
-        slope = max(0.0, slope)
+        # ridge toward 0: VERIFY_SLOPE_PRIOR pseudo-rounds at unit spread, so a slope fitted from a few (possibly
+        # stalled) drafted rounds fades while only B = R rounds follow instead of freezing
+        sxx_c, sxy_c = sxx - sx * sx / w, sxy - sx * sy / w
+        slope = max(0.0, sxy_c / (sxx_c + self.VERIFY_SLOPE_PRIOR * w))
         return (sy - slope * sx) / w, slope
 
     def _record_verify_time(self, reqs: list[_Request], batch_tokens: int, seconds: float) -> None:
@@ -911,8 +916,9 @@ class DSparkEngine:
     def _gate(self, reqs: list[_Request], budgets: list[int]) -> tuple[list[int], list[bool], bool]:
         """Which requests draft this round (scheduler / lagged). Returns (budgets, gated per request, probe).
 
-        Uses only information from earlier rounds (the SPS curve, the measured draft cost, the moving averages of
-        past confidences), never this round's draft: non-anticipating, hence lossless. See the module doc.
+        Uses only information from earlier rounds (the SPS curve and its measured correction, the measured draft
+        cost, the requests' realized yields and the per-R yield prior), never this round's draft: non-anticipating,
+        hence lossless. See the module doc.
         """
         kind = self.policy.kind
         none = [False] * len(reqs)
@@ -927,13 +933,15 @@ class DSparkEngine:
             # (The draft cost, the same for every B of the round, only makes admitting easier: price it at R rows.)
             eff = self._round_sps(reqs, num)
             if (num + 1) * _sps_value(eff, num + 1) <= num * _sps_value(eff, num):
-                return skip_all, can, False
+                if self.verify_correction(num) is None:  # the table alone says so: no need to look again
+                    return skip_all, can, False
+                return self._skip_or_probe(reqs, budgets, skip_all, can)  # measured costs: re-probe now and then
         if not self.draft_gating:
             return budgets, none, False
         # even perfect drafts (every a = 1) would not beat R·SPS(R) at the measured draft cost: skip, but still
         # re-probe now and then (the cost is a measurement: a stall must not switch drafting off for good)
         cost = tuple(round(self._draft_seconds(n) * 1e4) for n in range(1, num + 1))  # 0.1 ms resolution
-        key = (id(sps), tuple(budgets), cost)  # corrected curves are cached per rounded correction: ids are stable
+        key = (id(sps), tuple(budgets), cost)  # curves live in self._curves / self._corrected (cleared with this)
         perfect = self._perfect_cache.get(key)
         if perfect is None:
             perfect = any(draft_gate([[1.0] * self.block_size] * num, sps, self._draft_seconds, budgets).draft)
@@ -1141,7 +1149,7 @@ class DSparkEngine:
             r.kv.crop(starts[i] + 1 + n)  # anchor + accepted drafts are now context; the rest is dropped
             if need_hidden and r.finish_reason is None:
                 # rows not yet ingested (a request that did not draft this round keeps its older rows)
-                r.pending_feats.append(feats_all[:, off : off + 1 + n])
+                r.pending_feats.append(feats_all[:, off : off + 1 + n].clone())  # a view would pin the round
             accepted_all.append(n)
             committed_all.append(committed)
             ell_conf = conf[i][:ell] if conf[i] else []

@@ -298,16 +298,24 @@ def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
 
 
 def test_scheduler_skips_drafting_when_no_token_can_pay(tiny):
-    """A table where one more token always costs more than it can bring: no drafter call at all, output exact."""
+    """A table where one more token always costs more than it can bring: no drafter call at all, output exact;
+    with the measured-verify-time correction (whose measurements can be stale) only the periodic re-probes draft."""
     target, drafter, prompts, max_new, refs = tiny
     calls = []
     hook = drafter.register_forward_hook(lambda *a: calls.append(1))
+    steep = {b: 100.0 / b**2 for b in range(1, 400)}
     try:
-        steep = {b: 100.0 / b**2 for b in range(1, 400)}
-        outs = generate_batch(target, prompts, drafter, "scheduler", max_new_tokens=max_new, sps=steep)
+        outs = generate_batch(target, prompts, drafter, "scheduler", max_new_tokens=max_new, sps=steep,
+                              sps_correction=False)
+        assert [o.output_ids for o in outs] == refs and not calls
+        engine = DSparkEngine(target, drafter, "scheduler", sps=steep)
+        for p, n in zip(prompts, max_new):
+            engine.add_request(p, n)
+        assert [o.output_ids for o in engine.run()] == refs
     finally:
         hook.remove()
-    assert [o.output_ids for o in outs] == refs and not calls
+    summ = engine.stats.summary()
+    assert summ["draft_rounds"] <= summ["probe_rounds"] + 1 and summ["draft_rounds"] <= 0.2 * summ["rounds"]
 
 
 def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
@@ -515,12 +523,24 @@ def test_verify_correction_fits_measured_times(tiny):
     assert engine.verify_correction(2) is None and engine._sps_curve(reqs) is sps
     engine._record_verify_time(reqs, 2, 0.012)  # one B only: a pure offset
     assert engine.verify_correction(2) == pytest.approx((0.002, 0.0))
-    for b in (2, 4, 6, 8):  # measured: 12 ms + 1 ms per draft token
-        engine._record_verify_time(reqs, b, 0.012 + 0.001 * (b - 2))
+    for _ in range(10):
+        for b in (2, 4, 6, 8):  # measured: 12 ms + 1 ms per draft token
+            engine._record_verify_time(reqs, b, 0.012 + 0.001 * (b - 2))
     offset, slope = engine.verify_correction(2)
-    assert offset == pytest.approx(0.002) and slope == pytest.approx(0.001)
+    assert 0.0007 < slope < 0.001  # ridge-shrunk toward 0 (spread of B − R: 5 tokens², prior 1)
+    assert offset == pytest.approx(0.002, abs=0.0006)
     curve = engine._sps_curve(reqs)
-    assert curve(2) == pytest.approx(1 / 0.012) and curve(10) == pytest.approx(1 / 0.020)
+    assert curve(2) == pytest.approx(1 / (0.010 + offset))
+    assert curve(10) == pytest.approx(1 / (0.010 + offset + 8 * slope))
+    # a slope fitted from one stalled drafted round fades while only B = R rounds follow (no frozen skip)
+    stale = DSparkEngine(target, drafter, "scheduler", sps=sps)
+    for _ in range(30):
+        stale._record_verify_time(reqs, 2, 0.010)
+    stale._record_verify_time(reqs, 3, 0.5)  # a stall, clipped at 3x the table
+    assert stale.verify_correction(2)[1] > 0.0005  # already damped by the ridge
+    for _ in range(150):
+        stale._record_verify_time(reqs, 2, 0.010)
+    assert stale.verify_correction(2)[1] < 0.00005
     assert engine.verify_correction(1) is None  # per R
     # the table over-states the time: the correction never makes a round faster than half the table's
     fast = DSparkEngine(target, drafter, "scheduler", sps=sps)
@@ -536,3 +556,57 @@ def test_verify_correction_fits_measured_times(tiny):
     assert off.verify_correction(2) is None and off._sps_curve(reqs) is sps
     with pytest.raises(ValueError, match="sps_correction"):
         DSparkEngine(target, drafter, "scheduler", sps=sps, sps_correction="yes")
+
+
+class ForcedSkipEngine(DSparkEngine):
+    """Request 1 is kept from drafting in every other round (its drafter context then catches up on several
+    pending pieces); records the draft tokens of every request at each output length."""
+
+    def __init__(self, *a, skip=True, **kw):
+        super().__init__(*a, **kw)
+        self.skip, self.drafts = skip, {}
+
+    def _gate(self, reqs, budgets):
+        budgets, gated, probe = super()._gate(reqs, budgets)
+        if self.skip and len(self.stats.rounds) % 2:
+            budgets = [0 if r.id == 1 else b for r, b in zip(reqs, budgets)]
+        return budgets, gated, probe
+
+    def _draft(self, reqs, budgets):
+        tokens, conf, lengths = super()._draft(reqs, budgets)
+        for r, t, b in zip(reqs, tokens, budgets):
+            if b > 0:
+                self.drafts[(r.id, len(r.output))] = list(t)
+        return tokens, conf, lengths
+
+
+def test_skipped_rounds_keep_the_drafter_context_exact(tiny):
+    """A request that skipped drafting catches up on its pending features later: its drafts then equal those of a
+    run that drafted every round, at the same output position (float32), and the outputs stay exact."""
+    target, drafter, prompts, max_new, refs = tiny
+    runs = []
+    for skip in (False, True):
+        engine = ForcedSkipEngine(target, drafter, "full", max_batch_size=4, skip=skip)
+        for p, n in zip(prompts, max_new):
+            engine.add_request(p, n)
+        assert [o.output_ids for o in engine.run()] == refs
+        runs.append(engine.drafts)
+    always, skipped = runs
+    caught_up = [k for k in skipped if k[0] == 1]
+    assert len(caught_up) >= 2 and len(skipped) < len(always)
+    for key, toks in skipped.items():
+        assert always.get(key) == toks, key
+
+
+def test_catch_up_rounds_are_not_timed(tiny):
+    """The first drafting round after a prefill longer than γ + 1 ingests the whole prompt: its drafting time is not
+    a steady-state sample of t_draft."""
+    target, drafter, prompts, _, _ = tiny
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS)
+    long_prompt = max(prompts, key=len)
+    assert len(long_prompt) > engine.block_size + 1
+    engine.add_request(long_prompt, 20)
+    engine.step()
+    assert engine.stats.rounds[0].drafted_any and not engine._draft_ms_ema
+    engine.step()
+    assert list(engine._draft_ms_ema) == [1]
