@@ -35,7 +35,8 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   of this engine's own measured drafting time per n, linear in between measured n, nearest outside, from
   steady-state rounds only (a round where a drafting request first catches up on more than γ + 1 positions, after
   its prefill or a run of gated rounds, is not measured: that catch-up is paid once whenever it drafts); the first
-  steady drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour), also work.
+  steady drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour),
+  also work.
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, a decayed least-squares line of (measured verify time −
@@ -53,13 +54,14 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   Θ_n = (R + Σ accepted) / (1/SPS(R + Σ verified) + t_draft(n)), against the no-drafting R·SPS(R); only the
   requests in the best prefix draft (the others verify their anchor token only, and their drafter context catches
   up when they next draft). Nothing is drafted when even perfect drafts (all a = 1) could not pay at the current
-  draft cost, or (``scheduler``) when Algorithm 1 would admit nothing even at a = 1. A gated round re-probes after
+  draft cost, or (``scheduler``) when Algorithm 1 would admit nothing even at a = 1 (a verdict that rests on
+  measured times is re-probed like a gate decision; one from the table alone is not). A gated round re-probes after
   1, 2, 4, … up to ``probe_max_interval`` consecutive gated rounds: the gated request skipped longest drafts too,
   refreshing its estimate; the back-off resets when the gate drafts every request. The gate never looks at this
   round's confidences or draft tokens, so outputs stay exact; :class:`EngineRound` records ``gated`` and
   ``probe``, :meth:`EngineStats.summary` the skipped-draft / gated / probe counts. A new engine drafts every
   request until the draft cost is measured and a yield prior exists; the learned state (draft-time averages, yield
-  priors, probe back-off) persists across requests, as in a long-running server.
+  priors, verify-time fits, probe back-off) persists across requests, as in a long-running server.
 
 Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
 for token in float32; no logits processors). Not thread-safe: while :meth:`DSparkEngine.step` runs, the target
