@@ -890,7 +890,7 @@ class DSparkEngine:
         """Fold a drafted round's realized yield (accepted, verified draft tokens) into the request's decayed sums
         and the engine-wide prior for ``num_requests`` concurrent requests."""
         d = self.YIELD_DECAY
-        req.yield_sums = [d * req.yield_sums[0] + accepted, d * req.yield_sums[1] + verified, d * req.yield_sums[2] + 1]
+        req.yield_sums = [d * old + new for old, new in zip(req.yield_sums, (accepted, verified, 1))]
         seen = [float(accepted), float(verified)]
         count = self._yield_prior_count.get(num_requests, 0) + 1
         self._yield_prior_count[num_requests] = count
