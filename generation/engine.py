@@ -361,7 +361,7 @@ def _sps_value(sps, batch_tokens: int) -> float:
     """SPS(B) from a mapping or a callable, with the scheduler's error for a missing table entry."""
     if isinstance(sps, Mapping):
         if batch_tokens not in sps:
-            raise ValueError(f"SPS table has no entry for verify batch size B = {batch_tokens}")
+            raise MissingSPSEntry(f"SPS table has no entry for verify batch size B = {batch_tokens}")
         return float(sps[batch_tokens])
     return float(sps(batch_tokens))
 
@@ -374,8 +374,6 @@ class _CorrectedSPS:
         self.base, self.num_requests, self.offset, self.slope = base, num_requests, offset, slope
 
     def __call__(self, batch_tokens: int) -> float:
-        if isinstance(self.base, Mapping) and batch_tokens not in self.base:
-            raise MissingSPSEntry(f"SPS table has no entry for verify batch size B = {batch_tokens}")
         t = 1.0 / _sps_value(self.base, batch_tokens)
         return 1.0 / max(0.5 * t, t + self.offset + self.slope * (batch_tokens - self.num_requests))
 

@@ -603,7 +603,6 @@ def yield_gate(
     sps: SPSLike,
     draft_cost: DraftCostLike,
     max_lengths: Sequence[int] | None = None,
-    margin: float = 0.0,
 ) -> DraftGateResult:
     """Decide, before drafting, which requests to draft this round from their REALIZED yield in earlier rounds.
 
@@ -612,9 +611,7 @@ def yield_gate(
     target accepted, so the option of verifying little after seeing low confidences is priced in). Requests are
     ranked by expected accepted tokens (ties: smaller index first); every prefix of n requests is scanned (no
     early stop): B_n = R + round(Σ verified), Θ_n = (R + Σ accepted) / (1/SPS(B_n) + t_draft(n)); Θ_0 = R·SPS(R)
-    (no drafting, no draft cost). The requests of the best prefix draft; none if no prefix beats Θ_0 / (1 + margin)
-    (``margin`` > 0 gates only on a clear expected loss: near break-even, drafting keeps the estimates fresh and
-    avoids a later catch-up).
+    (no drafting, no draft cost). The requests of the best prefix draft; none if no prefix beats Θ_0 strictly.
 
     Lossless only when the yields come from EARLIER rounds: whether a request drafts never depends on this round's
     draft (serving engine; not in the paper).
@@ -626,17 +623,14 @@ def yield_gate(
         draft_cost: seconds per drafting round, a constant or a callable n_rows -> seconds.
         max_lengths: per request, the most draft tokens it may verify this round (default no limit); 0 = cannot
             draft (such a request is never chosen).
-        margin: relative expected loss (≥ 0) below which drafting is kept (default 0: the plain comparison).
 
     Returns:
         :class:`DraftGateResult` (``budget`` = the planned extra verify tokens B_n − R of the best prefix).
 
     Raises:
         ValueError: lengths differ, a negative or non-finite yield, accepted > verified, negative max_lengths,
-            a bad draft cost, a negative margin; errors of the SPS lookup (as :func:`prefix_schedule`).
+            a bad draft cost; errors of the SPS lookup (as :func:`prefix_schedule`).
     """
-    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 0):
-        raise ValueError(f"margin must be a finite number >= 0; got {margin!r}")
     acc = [float(x) for x in accepted]
     ver = [float(x) for x in verified]
     num_requests = len(acc)
@@ -656,7 +650,7 @@ def yield_gate(
     lookup = _as_lookup(sps)
     theta_none = num_requests * lookup(num_requests)
     order = sorted((r for r in range(num_requests) if max_lengths[r] > 0), key=lambda r: (-acc[r], r))
-    best_theta, best_n, best_budget = theta_none / (1.0 + margin), 0, 0
+    best_theta, best_n, best_budget = theta_none, 0, 0
     tokens, extra = float(num_requests), 0.0
     for n, r in enumerate(order, start=1):
         tokens += min(acc[r], max_lengths[r])
@@ -670,5 +664,4 @@ def yield_gate(
         if theta > best_theta:
             best_theta, best_n, best_budget = theta, n, budget
     chosen = set(order[:best_n])
-    best_theta = best_theta if best_n else theta_none
     return DraftGateResult([r in chosen for r in range(num_requests)], best_theta, theta_none, best_budget)

@@ -485,13 +485,3 @@ def test_yield_gate_errors():
     # a table that stops early: larger verify batches are not considered
     assert yield_gate([1.0, 1.0], [1.0, 6.0], YIELD_SPS, 0.0).draft == [True, False]
 
-
-def test_yield_gate_margin_keeps_drafting_near_break_even():
-    # one request: Θ_0 = 10; drafting: (1 + 0.2) / (1/9 + 0.02) = 9.15, 9 % slower
-    sps = {1: 10.0, 2: 9.0}
-    assert yield_gate([0.2], [1.0], sps, 0.02).draft == [False]
-    assert yield_gate([0.2], [1.0], sps, 0.02, margin=0.05).draft == [False]  # 9 % > 5 %: still gated
-    res = yield_gate([0.2], [1.0], sps, 0.02, margin=0.10)  # within 10 %: keep drafting
-    assert res.draft == [True] and res.theta_draft == pytest.approx(1.2 / (1 / 9 + 0.02)) and res.theta_none == 10.0
-    with pytest.raises(ValueError, match="margin"):
-        yield_gate([0.2], [1.0], sps, 0.02, margin=-0.1)
