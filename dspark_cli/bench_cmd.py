@@ -1,14 +1,17 @@
 """`dspark bench serve`: serving benchmark of batched speculative decoding (:class:`generation.engine.DSparkEngine`).
 
-    dspark bench serve                                   # R = 1 2 4 8, six policies, 3 repeats, bf16, mtbench + gsm8k
+    dspark bench serve                                # R = 1 2 4 8 16, six policies, 3 repeats, bf16, mtbench + gsm8k
     dspark bench serve --requests 1 4 --max-new-tokens 16 --limit 2 --repeats 2 --out bench.json --plot bench.png
 
 For every concurrency R and verify policy it serves the same held-out prompts (``load_eval_prompts``: MT-Bench first
 turns and GSM8K, chat template applied) with at most R requests in flight (continuous batching; at least
-``--min-requests`` requests per R), greedy, and reports total throughput (generated tokens / wall second) and
-per-user speed (mean over requests of tokens / seconds from admission to finish). Policies: no speculation;
-static verify length 1 (the MTP-1 analogue); static full block; DeepSpec-style confidence threshold; the DSpark
-scheduler (Algorithm 1 over all running requests); the two-round-lag budget variant. The scheduler's SPS(B) table
+max(``--waves`` × R, ``--min-requests``) requests per R, all queued at the start), greedy, and reports total
+throughput (generated tokens / wall second), steady-state throughput (the same over the loaded phase only: until
+the queue is empty and fewer than R requests run; a closed batch ends in a drain where speculation makes requests
+finish at different times, so the last rounds run below R) and per-user speed (mean over requests of tokens /
+seconds from admission to finish). Policies: no speculation; static verify length 1 (the MTP-1 analogue); static
+full block; DeepSpec-style confidence threshold; the DSpark scheduler (Algorithm 1 over all running requests); the
+two-round-lag budget variant. The scheduler's SPS(B) table
 is profiled on first use for this target / dtype / thread count and cached (see ``dspark profile``).
 
 Steady state: each policy has ONE engine for the whole benchmark (its ``max_batch_size`` set to R per cell), as a
@@ -83,16 +86,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"DSpark drafter directory (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
                         "else a random drafter, with a warning)")
     s.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
-    s.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8], metavar="R",
-                   help="concurrency levels (default: 1 2 4 8)")
+    s.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="R",
+                   help="concurrency levels (default: 1 2 4 8 16)")
     s.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, metavar="POLICY",
                    help="engine policies: none, fixed:N, full, threshold:P, scheduler, lagged[:LAG] "
                         f"(default: {' '.join(DEFAULT_POLICIES)})")
     s.add_argument("--datasets", nargs="+", default=["mtbench", "gsm8k"],
                    help="eval prompt sets (default: mtbench gsm8k)")
-    s.add_argument("--limit", type=int, default=8, help="prompts per dataset (default: 8)")
+    s.add_argument("--limit", type=int, default=32,
+                   help="prompts per dataset (default: 32; the warm-up serves other prompts while the pool is larger "
+                        "than a cell's requests)")
     s.add_argument("--min-requests", type=int, default=8,
-                   help="requests served per R: max(R, this) (default: 8)")
+                   help="requests served per R: max(--waves x R, this) (default: 8)")
+    s.add_argument("--waves", type=int, default=2,
+                   help="requests per batch slot, so finished requests are replaced from the queue (default: 2)")
     s.add_argument("--max-new-tokens", type=int, default=40, help="(default: 40)")
     s.add_argument("--repeats", type=int, default=3,
                    help="repetitions of every (R, policy) cell, interleaved; medians and min-max reported (default: 3)")
@@ -157,7 +164,15 @@ def _engine(target, drafter, policy, block_size, sps):
     return DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps)
 
 
+def _committed(engine) -> int:
+    return sum(sum(r.committed) for r in engine.stats.rounds)
+
+
 def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
+    """Serve ``num_requests`` prompts, all queued at once, at most ``concurrency`` in flight; timings in seconds.
+
+    ``steady_tok_s`` counts only the loaded phase: from the start until the queue is empty and fewer than R requests
+    run (the drain, where a closed batch no longer has R requests to serve, is left out)."""
     from generation.engine import EngineStats
 
     engine.max_batch_size = concurrency
@@ -165,12 +180,18 @@ def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
     for i in range(num_requests):
         engine.add_request(prompts[(first + i) % len(prompts)]["ids"], max_new)
     t0 = time.perf_counter()
-    outs = engine.run()
+    outs, steady = [], None
+    while engine.has_unfinished():
+        outs += engine.step()
+        if steady is None and engine.num_waiting == 0 and engine.num_running < concurrency:
+            steady = (_committed(engine), time.perf_counter() - t0)
     wall = time.perf_counter() - t0
+    outs.sort(key=lambda o: o.request_id)
     tokens = sum(o.num_tokens for o in outs)
     summ = engine.stats.summary()
     return {
         "throughput_tok_s": tokens / wall,
+        "steady_tok_s": steady[0] / steady[1],
         "per_user_tok_s": statistics.fmean(o.tokens_per_s for o in outs),
         "tokens": tokens,
         "wall_s": wall,
@@ -201,7 +222,7 @@ def aggregate_reps(reps: list[dict]) -> dict:
             out[key] = statistics.median(r[key] for r in reps)
         else:
             out[key] = value
-    for key in ("throughput", "per_user"):
+    for key in ("throughput", "per_user", "steady"):
         vals = [r[f"{key}_tok_s"] for r in reps]
         out[f"{key}_reps"] = vals
         out[f"{key}_min"], out[f"{key}_max"] = min(vals), max(vals)
@@ -212,7 +233,7 @@ def aggregate_reps(reps: list[dict]) -> dict:
 def markdown_table(results: list[dict], policies: list[str], levels: list[int]) -> str:
     """Rows: policies; columns: R; cells: ``throughput ±half-range / per-user`` tok/s (medians over repetitions);
     plus, per dynamic policy, its median throughput over the best static policy's, ± their combined relative
-    half-range (the noise)."""
+    half-range (the noise), for the whole run ("total") and for the loaded phase ("steady", ``steady_tok_s``)."""
     cell = {(r["policy"], r["R"]): r for r in results}
     lines = ["| policy | " + " | ".join(f"R={R} (total / per-user tok/s)" for R in levels) + " |",
              "|---|" + "---|" * len(levels)]
@@ -228,19 +249,20 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
                             + f" / {r['per_user_tok_s']:.1f}")
         lines.append(f"| {policy_label(pol)} | " + " | ".join(vals) + " |")
     statics = [p for p in policies if p.partition(":")[0] in STATIC_POLICIES]
-    for dyn in [p for p in policies if p.partition(":")[0] in ("scheduler", "lagged")]:
-        vals = []
-        for R in levels:
-            best = max((cell[(p, R)] for p in statics if (p, R) in cell), key=lambda r: r["throughput_tok_s"],
-                       default=None)
-            mine = cell.get((dyn, R))
-            if best is None or mine is None:
-                vals.append("–")
-            else:
-                ratio = mine["throughput_tok_s"] / best["throughput_tok_s"]
-                noise = _half_range(mine) / mine["throughput_tok_s"] + _half_range(best) / best["throughput_tok_s"]
-                vals.append(f"{ratio:.2f}x vs {best['policy']}" + (f" (±{noise:.0%})" if noise else ""))
-        lines.append(f"| {policy_label(dyn)} / best static | " + " | ".join(vals) + " |")
+    for key, what in (("throughput_tok_s", "total"), ("steady_tok_s", "steady")):
+        for dyn in [p for p in policies if p.partition(":")[0] in ("scheduler", "lagged")]:
+            vals = []
+            for R in levels:
+                best = max((cell[(p, R)] for p in statics if (p, R) in cell and key in cell[(p, R)]),
+                           key=lambda r: r[key], default=None)
+                mine = cell.get((dyn, R))
+                if best is None or mine is None or key not in mine:
+                    vals.append("–")
+                else:
+                    ratio = mine[key] / best[key]
+                    noise = _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key]
+                    vals.append(f"{ratio:.2f}x vs {best['policy']}" + (f" (±{noise:.0%})" if noise else ""))
+            lines.append(f"| {policy_label(dyn)} / best static, {what} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
 
@@ -288,8 +310,8 @@ def _run(args) -> int:
     from generation.engine import parse_engine_policy
 
     if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
-            or args.repeats < 1):
-        raise CLIError("--requests, --limit, --min-requests, --max-new-tokens and --repeats must be >= 1")
+            or args.repeats < 1 or args.waves < 1):
+        raise CLIError("--requests, --limit, --min-requests, --waves, --max-new-tokens and --repeats must be >= 1")
     if args.warmup_repeats < 0:
         raise CLIError("--warmup-repeats must be >= 0")
     if args.threads is not None and args.threads < 1:
@@ -333,7 +355,7 @@ def _run(args) -> int:
     outputs = {}
     for rep in range(-args.warmup_repeats, args.repeats):
         for li, R in enumerate(levels):
-            n = max(R, args.min_requests)
+            n = max(args.waves * R, args.min_requests)
             shift = (rep + li) % len(args.policies)
             for pol in args.policies[shift:] + args.policies[:shift]:
                 # warm-up repetitions serve the NEXT prompts of the pool, so no policy learns on the timed trace
@@ -353,7 +375,7 @@ def _run(args) -> int:
             res = aggregate_reps(reps[(R, pol)])
             base, outs = outputs.get((R, "none")), outputs[(R, pol)]
             res["agreement_with_none"] = (sum(a == b for a, b in zip(outs, base)) / len(outs)) if base else None
-            results.append({"R": R, "policy": pol, "requests": max(R, args.min_requests), **res})
+            results.append({"R": R, "policy": pol, "requests": max(args.waves * R, args.min_requests), **res})
 
     table = markdown_table(results, args.policies, levels)
     out = Path(args.out)
@@ -361,7 +383,8 @@ def _run(args) -> int:
         "config": {
             "target": profiling.target_name(target), "dtype": args.dtype, "threads": threads,
             "drafter": drafter_spec, "block_size": gamma, "datasets": args.datasets, "limit": args.limit,
-            "num_prompts": len(prompts), "min_requests": args.min_requests, "max_new_tokens": args.max_new_tokens,
+            "num_prompts": len(prompts), "min_requests": args.min_requests, "waves": args.waves,
+            "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "warmup_repeats": args.warmup_repeats,
             "engines": "one per policy for the whole run (steady state)",
             "order": "interleaved: repeat > R > policies (rotated per repeat)",

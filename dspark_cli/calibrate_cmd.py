@@ -241,11 +241,15 @@ def record_confidence_logits(drafter):
     Wraps ``drafter.calibrated_confidence`` (which receives the pre-temperature float32 logit) on this instance for
     the duration of the block; the calibrated value returned to the generator is unchanged.
     """
+    import torch
+
     calls: list[tuple[int, float]] = []
     original = drafter.calibrated_confidence
 
     def wrapper(logits, positions):
-        calls.append((int(positions), float(logits.reshape(-1)[0])))
+        pos = torch.as_tensor(positions).reshape(-1).tolist()  # one position, or one per logit (batched drafting)
+        vals = logits.reshape(-1).tolist()
+        calls.extend(zip(pos * len(vals) if len(pos) == 1 else pos, vals))
         return original(logits, positions)
 
     drafter.calibrated_confidence = wrapper

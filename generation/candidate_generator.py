@@ -108,6 +108,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.policy = policy or FullBlock()
+        # greedy with no logits processors: transformers ignores candidate logits and compares argmaxes, so drafts
+        # are chosen in the draft vocabulary without building processed [1, V] logits (see _propose_greedy)
+        self._greedy_fast = not self.do_sample and not (logits_processor is not None and len(logits_processor) > 0)
         self.cache = drafter.new_context_cache()
         self.num_context = 0  # target positions already in the drafter's context cache
         self.stats = GenerationStats()
@@ -139,8 +142,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
             hidden: ``[γ', H]`` h_k; base_logits: ``[γ', N]`` U_k (float32; N = V or the draft vocabulary size).
 
         Returns:
-            ``(tokens [1, ℓ] long, logits [1, ℓ, V] float32 processed, confidences list[float])``.
+            ``(tokens [1, ℓ] long, logits [1, ℓ, V] float32 processed, confidences list[float])``; logits are None
+            for greedy decoding without logits processors (:meth:`_propose_greedy`) or when ℓ = 0.
         """
+        if self._greedy_fast:
+            return self._propose_greedy(input_ids, hidden, base_logits, budget)
         d = self.drafter
         ids, prev, state = input_ids, input_ids[:, -1], None
         tokens, logits_out, confs = [], [], []
@@ -169,6 +175,35 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if not tokens:
             return input_ids.new_zeros(1, 0), None, confs
         return torch.cat(tokens, dim=-1), torch.stack(logits_out, dim=1), confs
+
+    def _propose_greedy(self, input_ids: torch.LongTensor, hidden: torch.Tensor, base_logits: torch.Tensor,
+                        budget: int):
+        """:meth:`propose` for greedy decoding with no logits processors: the same tokens, confidences and ℓ.
+
+        x_k = argmax(U_k + B_k) is taken in the draft vocabulary (:meth:`DSparkDraftModel.draft_token_ids`), all
+        ``budget`` tokens first; then the confidences c_1..c_budget (eq. 7; each reads only x_{k−1}, so drafting
+        ahead cannot change them) in one batched product; then the policy admits x_1, x_2, … in order, exactly as
+        in :meth:`propose`. Candidate logits are None: greedy verification compares argmaxes only.
+        """
+        d = self.drafter
+        prev, state, drafted = input_ids[0, -1:], None, []
+        for k in range(budget):
+            logits = base_logits[k : k + 1]
+            bias, state = d.correction_step(prev, hidden[k : k + 1], state)
+            if bias is not None:
+                logits = logits + bias
+            prev = d.draft_token_ids(logits.argmax(dim=-1))
+            drafted.append(prev)
+        tokens = torch.cat(drafted)
+        confs: list[float] = []
+        cl = d.confidence_logits(torch.cat([input_ids[0, -1:], tokens[:-1]]), hidden[:budget])
+        if cl is not None:
+            confs = d.calibrated_confidence(cl, torch.arange(budget, device=cl.device)).tolist()
+        self.policy.start_round(budget)
+        n = 0
+        while n < budget and self.policy.admit(n + 1, confs[n] if confs else None):
+            n += 1
+        return tokens[None, :n], None, confs[:n]
 
     # ------------------------------------------------------------------ CandidateGenerator protocol
     @torch.no_grad()

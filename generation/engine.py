@@ -37,6 +37,12 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   its prefill or a run of gated rounds, is not measured: that catch-up is paid once whenever it drafts); the first
   steady drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour),
   also work.
+* **Draft excess.** The two measured parts above are taken apart (verify times mostly from rounds where nothing was
+  drafted, drafting time from steady rounds only), so a drafting round can cost more than their sum: on SmolLM2-135M
+  at R = 4 a verify batch that holds any draft token took ~5 ms more than the table's slope gives, and a request
+  drafting after gated rounds first catches up. :meth:`~DSparkEngine.draft_excess` keeps, per R, a decayed mean
+  (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the gate and the
+  policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only).
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, a decayed least-squares line of (measured verify time −
@@ -53,15 +59,16 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   :func:`generation.scheduler.yield_gate` ranks requests by expected accepted tokens and scans every prefix,
   Θ_n = (R + Σ accepted) / (1/SPS(R + Σ verified) + t_draft(n)), against the no-drafting R·SPS(R); only the
   requests in the best prefix draft (the others verify their anchor token only, and their drafter context catches
-  up when they next draft). Nothing is drafted when even perfect drafts (all a = 1) could not pay at the current
-  draft cost, or (``scheduler``) when Algorithm 1 would admit nothing even at a = 1 (a verdict that rests on
-  measured times is re-probed like a gate decision; one from the table alone is not). A gated round re-probes after
-  1, 2, 4, … up to ``probe_max_interval`` consecutive gated rounds: the gated request skipped longest drafts too,
-  refreshing its estimate; the back-off resets when the gate drafts every request. The gate never looks at this
-  round's confidences or draft tokens, so outputs stay exact; :class:`EngineRound` records ``gated`` and
-  ``probe``, :meth:`EngineStats.summary` the skipped-draft / gated / probe counts. A new engine drafts every
-  request until the draft cost is measured and a yield prior exists; the learned state (draft-time averages, yield
-  priors, verify-time fits, probe back-off) persists across requests, as in a long-running server.
+  up when they next draft). Nothing is drafted when (``scheduler``) Algorithm 1 would admit nothing even at a = 1 (a
+  verdict that rests on measured times is re-probed like a gate decision; one from the table alone is not). A gated
+  round re-probes after 1, 2, 4, … up to ``probe_max_interval`` consecutive gated rounds: the gated request skipped
+  longest drafts too, refreshing its estimate; the back-off (kept per R) resets when the gate drafts every request at
+  that R. The gate never looks at this round's confidences or draft tokens, so outputs stay exact;
+  :class:`EngineRound` records ``gated`` and ``probe``, :meth:`EngineStats.summary` the skipped-draft / gated / probe
+  counts. A new engine drafts every request until the draft cost is measured and a yield prior exists; the learned
+  state (draft-time averages, yield priors, verify-time fits, draft excess, probe back-off) persists across requests,
+  as in a long-running server. Nothing is drafted when, before any yield estimate, even perfect drafts (all a = 1)
+  could not pay.
 
 Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
 for token in float32; no logits processors). Not thread-safe: while :meth:`DSparkEngine.step` runs, the target
@@ -588,6 +595,9 @@ class DSparkEngine:
     R count)."""
     DRAFT_TIME_EMA = 0.3
     """Weight of the newest measurement in the moving average of drafting time (``draft_cost_ms="auto"``)."""
+    EXCESS_DECAY = 0.9
+    """Per-drafted-round decay of the round-time residual behind :meth:`DSparkEngine.draft_excess` (about the last
+    10 drafting rounds at each R count)."""
 
     def __init__(
         self,
@@ -673,8 +683,8 @@ class DSparkEngine:
         self.sps_correction = sps_correction
         self._verify_fit: dict[int, tuple[float, float, float, float, float]] = {}  # R -> decayed LSQ sums
         self._corrected: dict = {}  # (base curve id, R, rounded offset, slope) -> _CorrectedSPS
-        self._probe_interval = 1
-        self._gated_streak = 0
+        self._excess: dict[int, tuple[float, float]] = {}  # R -> decayed (weight, sum) of drafting-round residuals
+        self._probe_state: dict[int, list[int]] = {}  # R -> [re-probe interval, gated rounds since the last probe]
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ public API
@@ -861,6 +871,33 @@ class DSparkEngine:
         xs = sorted(ema)  # linear between the nearest measured row counts, the end values outside them
         return float(np.interp(rows, xs, [ema[x] for x in xs])) / 1e3
 
+    def draft_excess(self, num_requests: int) -> float:
+        """Seconds by which this engine's rounds that drafted at R = ``num_requests`` outlasted the cost model,
+        1/SPS'(B) + t_draft(n): a decayed mean (:attr:`EXCESS_DECAY`) of measured − modelled round time (0 before
+        any such round, or unless ``draft_cost_ms="auto"``). Added to t_draft(n) wherever the gate and the policies
+        price a drafting round (:meth:`_draft_price`). The model's parts are measured apart (verify times mostly
+        in rounds where nothing was drafted, drafting time in steady rounds only), so what drafting costs beyond
+        them would otherwise go unpriced: a verify batch that holds draft tokens at all (on SmolLM2-135M at R = 4,
+        ~5 ms more than the table's slope gives), catch-up after gated rounds, bookkeeping."""
+        sums = self._excess.get(num_requests)
+        return 0.0 if sums is None or self.draft_cost_ms != "auto" else sums[1] / sums[0]
+
+    def _draft_price(self, num_requests: int, rows: int) -> float:
+        """t_draft(rows) in seconds as the gate and the policies price it at R = ``num_requests``: the measured
+        drafting time plus :meth:`draft_excess` (never below 0; 0 while the drafting time is unmeasured)."""
+        t = self._draft_seconds(rows)
+        return max(0.0, t + self.draft_excess(num_requests)) if t > 0.0 else t
+
+    def _record_excess(self, num_requests: int, seconds: float, modelled: float) -> None:
+        """Fold one drafting round's measured − modelled time into :meth:`draft_excess` (a stall counts at most
+        as one more modelled round)."""
+        if self.draft_cost_ms != "auto" or modelled <= 0.0:
+            return
+        resid = min(seconds - modelled, modelled)
+        w, total = self._excess.get(num_requests, (0.0, 0.0))
+        d = self.EXCESS_DECAY
+        self._excess[num_requests] = (d * w + 1.0, d * total + resid)
+
     def _draft_cost_measured(self) -> bool:
         return self.draft_cost_ms != "auto" or bool(self._draft_ms_ema)
 
@@ -881,7 +918,7 @@ class DSparkEngine:
     def _round_sps(self, reqs: list[_Request], rows: int):
         """SPS_eff(B) = 1 / (1/SPS(B) + t_draft(rows)) for a round where ``rows`` requests draft."""
         sps = self._sps_curve(reqs)
-        t = self._draft_seconds(rows)
+        t = self._draft_price(len(reqs), rows)
         return sps if t == 0.0 else effective_sps(sps, t)
 
     def _update_yield(self, req: _Request, num_requests: int, accepted: int, verified: int) -> None:
@@ -938,37 +975,42 @@ class DSparkEngine:
                 return self._skip_or_probe(reqs, budgets, skip_all, can)  # measured costs: re-probe now and then
         if not self.draft_gating:
             return budgets, none, False
-        # even perfect drafts (every a = 1) would not beat R·SPS(R) at the measured draft cost: skip, but still
-        # re-probe now and then (the cost is a measurement: a stall must not switch drafting off for good)
-        cost = tuple(round(self._draft_seconds(n) * 1e4) for n in range(1, num + 1))  # 0.1 ms resolution
-        key = (id(sps), tuple(budgets), cost)  # curves live in self._curves / self._corrected (cleared with this)
-        perfect = self._perfect_cache.get(key)
-        if perfect is None:
-            perfect = any(draft_gate([[1.0] * self.block_size] * num, sps, self._draft_seconds, budgets).draft)
-            if len(self._perfect_cache) > 4096:
-                self._perfect_cache.clear()
-            self._perfect_cache[key] = perfect
-        if not perfect:
-            return self._skip_or_probe(reqs, budgets, skip_all, can)
+
+        def price(n: int) -> float:
+            return self._draft_price(num, n)
+
         prior = self.yield_prior(num)
         estimates = [self.yield_estimate(r, prior) for r in reqs]
         if not self._draft_cost_measured() or any(e is None for e, b in zip(estimates, budgets) if b > 0):
-            return budgets, none, False  # warm-up: draft to measure
-        decision = yield_gate([e[0] for e in estimates], [e[1] for e in estimates], sps, self._draft_seconds,
-                              budgets)
+            # warm-up (no yield estimate yet): draft to measure, unless even perfect drafts (every a = 1) would not
+            # beat R·SPS(R) at the measured draft cost; then skip, but still re-probe now and then (the cost is a
+            # measurement: a stall must not switch drafting off for good). With estimates, the yield gate below
+            # subsumes this check: a realized yield is never worth more than perfect drafts.
+            cost = tuple(round(price(n) * 1e4) for n in range(1, num + 1))  # 0.1 ms resolution
+            key = (id(sps), tuple(budgets), cost)  # curves live in self._curves / self._corrected (cleared with it)
+            perfect = self._perfect_cache.get(key)
+            if perfect is None:
+                perfect = any(draft_gate([[1.0] * self.block_size] * num, sps, price, budgets).draft)
+                if len(self._perfect_cache) > 4096:
+                    self._perfect_cache.clear()
+                self._perfect_cache[key] = perfect
+            if not perfect:
+                return self._skip_or_probe(reqs, budgets, skip_all, can)
+            return budgets, none, False
+        decision = yield_gate([e[0] for e in estimates], [e[1] for e in estimates], sps, price, budgets)
         gated = [b > 0 and not d for b, d in zip(budgets, decision.draft)]
         if not any(gated):
-            self._probe_interval, self._gated_streak = 1, 0
+            self._probe_state[num] = [1, 0]
             return budgets, none, False
         return self._skip_or_probe(reqs, budgets, [b if d else 0 for b, d in zip(budgets, decision.draft)], gated)
 
     def _skip_or_probe(self, reqs: list[_Request], budgets: list[int], gated_budgets: list[int], gated: list[bool]):
         """Apply a gate decision, unless this gated round is due a re-probe (back-off 1, 2, 4, … rounds): then the
         gated request skipped longest (ties: first) drafts too, refreshing its yield estimate."""
-        self._gated_streak += 1
-        if self._gated_streak > self._probe_interval:
-            self._gated_streak = 0
-            self._probe_interval = min(2 * self._probe_interval, self.probe_max_interval)
+        state = self._probe_state.setdefault(len(reqs), [1, 0])  # per R: what pays at one R says little of another
+        state[1] += 1
+        if state[1] > state[0]:
+            state[:] = [min(2 * state[0], self.probe_max_interval), 0]
             probe = max((i for i, g in enumerate(gated) if g), key=lambda i: (reqs[i].gated_rounds, -i))
             gated_budgets, gated = list(gated_budgets), list(gated)
             gated_budgets[probe], gated[probe] = budgets[probe], False
@@ -1085,13 +1127,11 @@ class DSparkEngine:
                 bias, st = d.correction_step(p_k[sel], h_k[sel], st)
                 if bias is not None:
                     logits = logits + bias
-                if getattr(d, "draft_vocab_ids", None) is not None:  # draft vocabulary: back to target token ids
-                    logits = d.expand_draft_logits(logits)
                 if st is not None:
                     if state is None:
                         state = st.new_zeros(len(active), *st.shape[1:])
                     state[rows_a] = st
-                new_tok = logits.argmax(dim=-1)
+                new_tok = d.draft_token_ids(logits.argmax(dim=-1))  # draft-vocabulary column -> target token id
                 prev[rows_a] = new_tok
                 alive_next = []
                 for n, tok in zip(admit, new_tok.tolist()):
@@ -1115,7 +1155,11 @@ class DSparkEngine:
         gated, probe = [False] * num, False
         if self.drafter is not None:
             budgets, gated, probe = self._gate(reqs, budgets)
-        if self.drafter is not None and any(budgets):
+        rows = sum(b > 0 for b in budgets)
+        gating = self.policy.kind in ("scheduler", "lagged")
+        if gating and rows:  # the cost model of this round, before its own measurements update it
+            curve, modelled_draft = self._sps_curve(reqs), self._draft_seconds(rows)
+        if self.drafter is not None and rows:
             # a drafting request that must first catch up on many positions (just prefilled, or gated for a while)
             # makes this round's drafting time unrepresentative: the catch-up is paid once whenever it drafts
             catch_up = any(sum(f.shape[1] for f in r.pending_feats) > self.block_size + 1
@@ -1123,7 +1167,7 @@ class DSparkEngine:
             tokens, conf, lengths = self._draft(reqs, budgets)
             t1 = time.perf_counter()
             if not catch_up:
-                self._record_draft_time(sum(b > 0 for b in budgets), (t1 - t0) * 1e3)
+                self._record_draft_time(rows, (t1 - t0) * 1e3)
         else:
             tokens, conf, lengths = [[] for _ in reqs], [[] for _ in reqs], [0] * num
             t1 = time.perf_counter()
@@ -1136,7 +1180,6 @@ class DSparkEngine:
         feats_all = self._features(hidden, 0, None) if need_hidden else None  # [1, B, m·H], sliced per request
 
         accepted_all, committed_all = [], []
-        gating = self.policy.kind in ("scheduler", "lagged")
         off = 0
         for i, r in enumerate(reqs):
             ell = lengths[i]
@@ -1173,6 +1216,9 @@ class DSparkEngine:
             off += ell + 1
         t2 = time.perf_counter()
         if gating:
+            if rows and modelled_draft > 0.0:
+                with contextlib.suppress(ValueError):  # B outside the table: no model to compare with
+                    self._record_excess(num, t2 - t0, 1.0 / _sps_value(curve, off) + modelled_draft)
             self._record_verify_time(reqs, off, t2 - t1)
         for r in reqs:
             r.stats.rounds[-1].t_verify_ms = (t2 - t1) * 1e3

@@ -373,6 +373,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             self._target["draft_index"] = cached
         return cached[1]
 
+    def draft_token_ids(self, columns: torch.LongTensor) -> torch.LongTensor:
+        """Target token ids of draft-vocabulary columns ``[...]`` long (the identity without a draft vocabulary).
+
+        ``draft_token_ids(logits.argmax(-1))`` equals ``expand_draft_logits(logits).argmax(-1)``, ties included
+        (``draft_vocab_ids`` is sorted, so the first maximal column is the smallest maximal token id), without
+        building a ``[..., V]`` tensor.
+        """
+        if self.draft_vocab_ids is None:
+            return columns
+        return self.draft_vocab_ids.to(columns.device)[columns]
+
     def expand_draft_logits(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
         """Scatter draft-vocabulary logits ``[..., N]`` into the full vocabulary ``[..., V]`` (``fill`` elsewhere).
 

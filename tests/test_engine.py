@@ -326,7 +326,7 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--requests", "1", "2", "--policies", "none", "fixed:1", "--datasets", "gsm8k",
-               "--limit", "1", "--min-requests", "2", "--max-new-tokens", "3", "--dtype", "float32",
+               "--limit", "1", "--min-requests", "2", "--waves", "1", "--max-new-tokens", "3", "--dtype", "float32",
                "--drafter", "random", "--repeats", "2", "--out", str(out)])
     assert rc == 0
     import json
@@ -335,6 +335,8 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert [(r["R"], r["policy"]) for r in report["results"]] == [(1, "none"), (1, "fixed:1"), (2, "none"),
                                                                     (2, "fixed:1")]
     assert all(r["tokens"] == 6 and r["throughput_tok_s"] > 0 for r in report["results"])
+    # one request per slot at R = 2: both start together and the loaded phase ends when the first one finishes
+    assert all(r["steady_min"] <= r["steady_tok_s"] <= r["steady_max"] for r in report["results"])
     assert all(r["repeats"] == 2 and len(r["throughput_reps"]) == 2 for r in report["results"])
     assert all(r["throughput_min"] <= r["throughput_tok_s"] <= r["throughput_max"] for r in report["results"])
     assert report["config"]["repeats"] == 2 and report["config"]["warmup_repeats"] == 1
@@ -348,6 +350,11 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     rows = [dict(r, throughput_min=r["throughput_tok_s"] - 1, throughput_max=r["throughput_tok_s"] + 1) for r in rows]
     table = bench_cmd.markdown_table(rows, ["none", "full", "scheduler"], [1])
     assert "10.0 ±1.0 / 10.0" in table and "1.20x vs none (±18%)" in table  # 1/12 + 1/10
+    assert "| DSpark scheduler / best static, steady | – |" in table  # no steady numbers in these rows
+    rows = [dict(r, steady_tok_s=s) for r, s in zip(rows, (10.0, 11.0, 13.2))]
+    assert "| DSpark scheduler / best static, steady | 1.20x vs full |" in bench_cmd.markdown_table(
+        rows, ["none", "full", "scheduler"], [1])
+    assert main(["bench", "serve", "--waves", "0"]) == 2
     assert main(["bench", "serve", "--repeats", "0"]) == 2
     assert main(["bench", "serve", "--warmup-repeats", "-1"]) == 2
     assert main(["bench", "serve", "--policies", "bogus"]) == 2
@@ -610,3 +617,58 @@ def test_catch_up_rounds_are_not_timed(tiny):
     assert engine.stats.rounds[0].drafted_any and not engine._draft_ms_ema
     engine.step()
     assert list(engine._draft_ms_ema) == [1]
+
+
+def test_draft_excess_prices_what_drafting_rounds_cost_beyond_the_model(tiny):
+    """draft_excess: a decayed mean of (measured − modelled) time of drafting rounds per R, added to the drafting
+    time the gate prices (never below 0 in total); a stall counts as at most one more modelled round; only with
+    draft_cost_ms="auto"."""
+    target, drafter, *_ = tiny
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS)
+    assert engine.draft_excess(4) == 0.0 and engine._draft_price(4, 1) == 0.0  # nothing measured: unpriced
+    engine._record_draft_time(1, 5.0)
+    assert engine._draft_price(4, 1) == pytest.approx(0.005)
+    engine._record_excess(4, 0.060, 0.050)  # 10 ms more than modelled
+    assert engine.draft_excess(4) == pytest.approx(0.010) and engine.draft_excess(2) == 0.0  # per R
+    assert engine._draft_price(4, 1) == pytest.approx(0.015)
+    engine._record_excess(4, 0.050, 0.050)
+    d = DSparkEngine.EXCESS_DECAY
+    assert engine.draft_excess(4) == pytest.approx(d * 0.010 / (d + 1))
+    engine._record_excess(4, 5.0, 0.050)  # a stall: at most one more modelled round
+    assert engine.draft_excess(4) == pytest.approx((d * d * 0.010 + 0.050) / (d * d + d + 1))
+    for _ in range(50):
+        engine._record_excess(2, 0.010, 0.050)  # the model over-states: the price falls, but not below 0
+    assert engine.draft_excess(2) == pytest.approx(-0.040) and engine._draft_price(2, 1) == 0.0
+    fixed = DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_cost_ms=4.0)
+    fixed._record_excess(4, 0.060, 0.050)
+    assert fixed.draft_excess(4) == 0.0 and fixed._draft_price(4, 1) == pytest.approx(0.004)
+
+
+def test_draft_excess_is_measured_in_real_rounds_and_outputs_stay_exact(tiny):
+    """A real run with the measured draft cost: every R that drafted in a steady round gets an excess estimate from
+    its own drafting rounds, and the outputs equal plain greedy generation."""
+    target, drafter, prompts, max_new, refs = tiny
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4)
+    for p, n in zip(prompts, max_new):
+        engine.add_request(p, n)
+    assert [o.output_ids for o in engine.run()] == refs
+    assert engine._excess and all(w > 0 for w, _ in engine._excess.values())
+    drafted_at = {r.requests for r in engine.stats.rounds if r.drafted_any}
+    assert set(engine._excess) <= drafted_at
+
+
+def test_probe_back_off_is_per_concurrency(tiny):
+    """The re-probe back-off of one R neither resets nor advances that of another."""
+    from generation.engine import _Request
+
+    target, drafter, *_ = tiny
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, probe_max_interval=8)
+
+    def reqs(n):
+        return [_Request(i, [1], 4, engine.packed.new_cache(8)) for i in range(n)]
+
+    four, two = reqs(4), reqs(2)
+    probes = [engine._skip_or_probe(four, [3] * 4, [0] * 4, [True] * 4)[2] for _ in range(12)]
+    assert probes == [False, True, False, False, True, False, False, False, False, True, False, False]  # 1, 2, 4
+    engine._skip_or_probe(two, [3] * 2, [0] * 2, [True] * 2)
+    assert engine._probe_state[4] == [8, 2] and engine._probe_state[2] == [1, 1]
