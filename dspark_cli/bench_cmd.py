@@ -233,7 +233,9 @@ def aggregate_reps(reps: list[dict]) -> dict:
 def markdown_table(results: list[dict], policies: list[str], levels: list[int]) -> str:
     """Rows: policies; columns: R; cells: ``throughput ±half-range / per-user`` tok/s (medians over repetitions);
     plus, per dynamic policy, its median throughput over the best static policy's, ± their combined relative
-    half-range (the noise), for the whole run ("total") and for the loaded phase ("steady", ``steady_tok_s``)."""
+    half-range (the noise) and the range of the per-repetition ratios (repetition i of every cell ran back to back,
+    so drift of the machine common to both cancels), for the whole run ("total") and for the loaded phase
+    ("steady", ``steady_tok_s``)."""
     cell = {(r["policy"], r["R"]): r for r in results}
     lines = ["| policy | " + " | ".join(f"R={R} (total / per-user tok/s)" for R in levels) + " |",
              "|---|" + "---|" * len(levels)]
@@ -261,7 +263,13 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
                 else:
                     ratio = mine[key] / best[key]
                     noise = _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key]
-                    vals.append(f"{ratio:.2f}x vs {best['policy']}" + (f" (±{noise:.0%})" if noise else ""))
+                    text = f"{ratio:.2f}x vs {best['policy']}" + (f" (±{noise:.0%}" if noise else "")
+                    reps_key = key.replace("_tok_s", "_reps")
+                    if noise and len(mine.get(reps_key) or ()) > 1 and len(mine[reps_key]) == len(best[reps_key]):
+                        # repetition i of both cells ran back to back: drift common to both cancels in their ratio
+                        paired = [a / b for a, b in zip(mine[reps_key], best[reps_key])]
+                        text += f"; per rep {min(paired):.2f}–{max(paired):.2f}"
+                    vals.append(text + (")" if noise else ""))
             lines.append(f"| {policy_label(dyn)} / best static, {what} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 

@@ -351,6 +351,9 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     table = bench_cmd.markdown_table(rows, ["none", "full", "scheduler"], [1])
     assert "10.0 ±1.0 / 10.0" in table and "1.20x vs none (±18%)" in table  # 1/12 + 1/10
     assert "| DSpark scheduler / best static, steady | – |" in table  # no steady numbers in these rows
+    paired = [dict(r, throughput_reps=[r["throughput_tok_s"] - 1, r["throughput_tok_s"] + 1]) for r in rows]
+    assert "1.20x vs none (±18%; per rep 1.18–1.22)" in bench_cmd.markdown_table(  # 11/9, 13/11
+        paired, ["none", "full", "scheduler"], [1])
     rows = [dict(r, steady_tok_s=s) for r, s in zip(rows, (10.0, 11.0, 13.2))]
     assert "| DSpark scheduler / best static, steady | 1.20x vs full |" in bench_cmd.markdown_table(
         rows, ["none", "full", "scheduler"], [1])
