@@ -184,7 +184,8 @@ def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
     while engine.has_unfinished():
         outs += engine.step()
         if steady is None and engine.num_waiting == 0 and engine.num_running < concurrency:
-            steady = (_committed(engine), time.perf_counter() - t0)
+            # every request admitted so far got its first token from its prefill, the rest from rounds
+            steady = (_committed(engine) + num_requests, time.perf_counter() - t0)
     wall = time.perf_counter() - t0
     outs.sort(key=lambda o: o.request_id)
     tokens = sum(o.num_tokens for o in outs)
@@ -192,6 +193,7 @@ def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
     return {
         "throughput_tok_s": tokens / wall,
         "steady_tok_s": steady[0] / steady[1],
+        "steady_tokens": steady[0],
         "per_user_tok_s": statistics.fmean(o.tokens_per_s for o in outs),
         "tokens": tokens,
         "wall_s": wall,
@@ -265,9 +267,10 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
                     noise = _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key]
                     text = f"{ratio:.2f}x vs {best['policy']}" + (f" (±{noise:.0%}" if noise else "")
                     reps_key = key.replace("_tok_s", "_reps")
-                    if noise and len(mine.get(reps_key) or ()) > 1 and len(mine[reps_key]) == len(best[reps_key]):
+                    mine_reps, best_reps = mine.get(reps_key) or (), best.get(reps_key) or ()
+                    if noise and len(mine_reps) > 1 and len(mine_reps) == len(best_reps):
                         # repetition i of both cells ran back to back: drift common to both cancels in their ratio
-                        paired = [a / b for a, b in zip(mine[reps_key], best[reps_key])]
+                        paired = [a / b for a, b in zip(mine_reps, best_reps)]
                         text += f"; per rep {min(paired):.2f}–{max(paired):.2f}"
                     vals.append(text + (")" if noise else ""))
             lines.append(f"| {policy_label(dyn)} / best static, {what} | " + " | ".join(vals) + " |")

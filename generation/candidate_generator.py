@@ -6,7 +6,8 @@ One round, read top to bottom (SPEC §1–§2):
 2. one parallel drafter forward over [anchor, mask × (γ−1)] → h_k, U_k for all γ slots;
 3. left to right: confidence c_k (eq. 7, STS-calibrated) → the verify policy decides whether x_k is verified →
    correction B_k (eq. 5/6) → logits processors → sample (or argmax) x_k from exactly the distribution that is
-   returned as its candidate logits;
+   returned as its candidate logits (greedy without logits processors: argmax over the draft vocabulary, all
+   confidences in one batched call, the same tokens and ℓ, no candidate logits: ``_propose_greedy``);
 4. transformers' assisted-decoding loop verifies the candidates in one target forward and accepts/rejects them
    (greedy match, or rejection sampling with residual resampling), which keeps the output lossless.
 """

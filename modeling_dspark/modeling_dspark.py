@@ -376,9 +376,10 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def draft_token_ids(self, columns: torch.LongTensor) -> torch.LongTensor:
         """Target token ids of draft-vocabulary columns ``[...]`` long (the identity without a draft vocabulary).
 
-        ``draft_token_ids(logits.argmax(-1))`` equals ``expand_draft_logits(logits).argmax(-1)``, ties included
-        (``draft_vocab_ids`` is sorted, so the first maximal column is the smallest maximal token id), without
-        building a ``[..., V]`` tensor.
+        ``draft_token_ids(logits.argmax(-1))`` equals ``expand_draft_logits(logits).argmax(-1)`` without building a
+        ``[..., V]`` tensor; exact ties break alike when ``draft_vocab_ids`` is sorted, as
+        :func:`modeling_dspark.training.select_draft_vocab` makes it (otherwise a tie may pick another draft token;
+        verification, hence the output, is unaffected).
         """
         if self.draft_vocab_ids is None:
             return columns

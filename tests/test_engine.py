@@ -335,8 +335,9 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert [(r["R"], r["policy"]) for r in report["results"]] == [(1, "none"), (1, "fixed:1"), (2, "none"),
                                                                     (2, "fixed:1")]
     assert all(r["tokens"] == 6 and r["throughput_tok_s"] > 0 for r in report["results"])
-    # one request per slot at R = 2: both start together and the loaded phase ends when the first one finishes
-    assert all(r["steady_min"] <= r["steady_tok_s"] <= r["steady_max"] for r in report["results"])
+    # the loaded phase ends when the queue is empty and fewer than R requests run: at R = 1 only after the last one
+    assert all(r["steady_tokens"] == 6 for r in report["results"] if r["R"] == 1)
+    assert all(0 < r["steady_tokens"] <= r["tokens"] and r["steady_tok_s"] > 0 for r in report["results"])
     assert all(r["repeats"] == 2 and len(r["throughput_reps"]) == 2 for r in report["results"])
     assert all(r["throughput_min"] <= r["throughput_tok_s"] <= r["throughput_max"] for r in report["results"])
     assert report["config"]["repeats"] == 2 and report["config"]["warmup_repeats"] == 1

@@ -153,3 +153,49 @@ def test_other_heads_and_draft_vocab_greedy_identical(smollm, prompt_ids, refere
     drafter = make_drafter(target, block_size=8, sequential_head=head, markov_rank=32, draft_vocab_size=4096,
                            use_confidence_head=head != "none")
     list(_check(target, drafter, prompt_ids, references, 8, 64))
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "rnn"])
+@pytest.mark.parametrize("draft_vocab", [None, 24])
+def test_greedy_fast_drafting_equals_the_processed_logits_path(head, draft_vocab):
+    """`_propose_greedy` (argmax in the draft vocabulary, confidences in one batch) gives the tokens, confidences and
+    ℓ of the slot-by-slot path over processed [1, V] logits, for every head, with and without a draft vocabulary,
+    for every policy and budget (random weights, non-zero corrections, uneven STS temperatures)."""
+    from transformers import GenerationConfig
+
+    from generation.candidate_generator import DSparkCandidateGenerator
+    from generation.policies import ConfidenceThreshold, FixedLength, FullBlock, PrefixScheduler
+
+    from .conftest import make_drafter, tiny_target
+
+    target = tiny_target(vocab_size=64, seed=1)
+    drafter = make_drafter(target, block_size=6, seed=2, sequential_head=head, draft_vocab_size=draft_vocab,
+                           markov_rank=8, sts_temperatures=[0.5, 1.0, 2.0, 4.0, 0.8, 3.0])
+    torch.manual_seed(3)
+    with torch.no_grad():
+        if draft_vocab:
+            drafter.draft_vocab_ids.copy_(torch.randperm(64)[:draft_vocab].sort().values)
+        if drafter.sequential_head is not None:
+            drafter.sequential_head.out.weight.normal_(0, 2.0)  # a correction that changes the argmax
+    ids = torch.tensor([[1, 5, 9, 13]])
+    gen = DSparkCandidateGenerator(drafter, target, GenerationConfig(max_length=64, do_sample=False), None, ids,
+                                   {"attention_mask": torch.ones_like(ids)})
+    assert gen._greedy_fast
+    hidden = torch.randn(6, target.config.hidden_size)
+    base = drafter.lm_logits(hidden)
+    policies = [FullBlock(), FixedLength(2), ConfidenceThreshold(0.3),
+                PrefixScheduler({b: 100.0 - b for b in range(1, 8)})]
+    lengths = set()
+    for policy in policies:
+        for budget in (1, 3, 6):
+            gen.policy = policy
+            outs = []
+            for fast in (True, False):
+                gen._greedy_fast = fast
+                outs.append(gen.propose(ids, hidden, base, budget))
+            (t_fast, l_fast, c_fast), (t_slow, l_slow, c_slow) = outs
+            assert t_fast.tolist() == t_slow.tolist(), (policy.name, budget)
+            assert c_fast == pytest.approx(c_slow, abs=1e-6)
+            assert l_fast is None and (l_slow is None) == (t_slow.shape[1] == 0)
+            lengths.add(t_fast.shape[1])
+    assert len(lengths) >= 3  # the policies really cut the drafts at different lengths
