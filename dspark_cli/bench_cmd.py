@@ -232,6 +232,22 @@ def aggregate_reps(reps: list[dict]) -> dict:
     return out
 
 
+def _ratio_cell(mine: dict, best: dict, key: str) -> str:
+    """``mine[key] / best[key]`` as ``"1.02x vs POLICY (±noise; per rep lo–hi)"``: the combined relative half-range
+    of the two cells and, when both have the same repetitions, the range of the per-repetition ratios (repetition i
+    of both cells ran back to back: drift common to both cancels in their ratio)."""
+    text = f"{mine[key] / best[key]:.2f}x vs {best['policy']}"
+    noise = _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key]
+    if not noise:
+        return text
+    reps_key = key.replace("_tok_s", "_reps")
+    mine_reps, best_reps = mine.get(reps_key) or (), best.get(reps_key) or ()
+    if len(mine_reps) > 1 and len(mine_reps) == len(best_reps):
+        paired = [a / b for a, b in zip(mine_reps, best_reps)]
+        return text + f" (±{noise:.0%}; per rep {min(paired):.2f}–{max(paired):.2f})"
+    return text + f" (±{noise:.0%})"
+
+
 def markdown_table(results: list[dict], policies: list[str], levels: list[int]) -> str:
     """Rows: policies; columns: R; cells: ``throughput ±half-range / per-user`` tok/s (medians over repetitions);
     plus, per dynamic policy, its median throughput over the best static policy's, ± their combined relative
@@ -260,19 +276,7 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
                 best = max((cell[(p, R)] for p in statics if (p, R) in cell and key in cell[(p, R)]),
                            key=lambda r: r[key], default=None)
                 mine = cell.get((dyn, R))
-                if best is None or mine is None or key not in mine:
-                    vals.append("–")
-                else:
-                    ratio = mine[key] / best[key]
-                    noise = _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key]
-                    text = f"{ratio:.2f}x vs {best['policy']}" + (f" (±{noise:.0%}" if noise else "")
-                    reps_key = key.replace("_tok_s", "_reps")
-                    mine_reps, best_reps = mine.get(reps_key) or (), best.get(reps_key) or ()
-                    if noise and len(mine_reps) > 1 and len(mine_reps) == len(best_reps):
-                        # repetition i of both cells ran back to back: drift common to both cancels in their ratio
-                        paired = [a / b for a, b in zip(mine_reps, best_reps)]
-                        text += f"; per rep {min(paired):.2f}–{max(paired):.2f}"
-                    vals.append(text + (")" if noise else ""))
+                vals.append("–" if best is None or mine is None or key not in mine else _ratio_cell(mine, best, key))
             lines.append(f"| {policy_label(dyn)} / best static, {what} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
