@@ -29,6 +29,9 @@ def _add_build_arguments(p: argparse.ArgumentParser) -> None:
                    help="near-duplicate Jaccard threshold against eval prompts; 0 = exact normalized match only")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (on a busy machine 1 thread can be much faster than oversubscribing)")
+    p.add_argument("--exclude-data", action="append", default=[], metavar="DIR",
+                   help="an earlier data build whose prompts (by id) are left out, to extend a data set without "
+                        "repeats (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -74,7 +77,7 @@ def run(args) -> int:
         sources=parse_sources(args.sources, args.per_source),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
         overlap_threshold=args.overlap_threshold or None, max_prompt_tokens=args.max_prompt_tokens,
-        shard_size=args.shard_size, progress=not args.no_progress,
+        shard_size=args.shard_size, progress=not args.no_progress, exclude=args.exclude_data,
     )
     summary = {k: manifest[k] for k in ("prompts", "eval_overlap_dropped_total", "num_prompts", "generation")}
     print(json.dumps(summary, indent=2))

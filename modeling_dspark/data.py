@@ -5,8 +5,8 @@ prompt that overlaps a held-out evaluation set, applies the target's chat templa
 each prompt (greedy, batched with left padding). The result is stored with 🤗 ``datasets`` on local disk::
 
     out_dir/
-      manifest.json        arguments, per-source counts (requested / eval overlap dropped / too long / kept),
-                           shard status, generation throughput
+      manifest.json        arguments, per-source counts (requested / eval overlap dropped / excluded by ``exclude`` /
+                           too long / kept), shard status, generation throughput
       plan.json            the ordered prompt list (ids, source, prompt token ids), fixed at the first run
       shards/shard-00000/  ``Dataset.save_to_disk``: columns input_ids (prompt + response), prompt_len, source, id
 
@@ -49,23 +49,31 @@ def _collect_prompts(
     seed: int,
     eval_sets,
     overlap_threshold: float | None,
+    exclude_ids: frozenset[str] = frozenset(),
 ) -> tuple[list[dict], dict]:
-    """Prompt records after the eval-overlap filter, and per-source counts."""
+    """Prompt records after the exclusion and eval-overlap filters, and per-source counts."""
     from . import prompts as P
 
     groups: dict[str, list[dict]] = {}
     requested: dict[str, int] = {}
+    excluded: dict[str, int] = {}
     if prompts is not None:
         for i, p in enumerate(prompts):
             r = _record(p, i, "custom")
+            if r["id"] in exclude_ids:
+                excluded[r["source"]] = excluded.get(r["source"], 0) + 1
+                continue
             groups.setdefault(r["source"], []).append(r)
         requested = {s: len(v) for s, v in groups.items()}
     else:
         for src, n in (sources or DEFAULT_SOURCES).items():
             n = int(n)
             requested[src] = n
-            # fetch a margin so that ~n remain after the overlap filter
-            groups[src] = [_record(p, i, src) for i, p in enumerate(P.iter_train_prompts(src, seed, n + n // 10 + 16))]
+            # fetch a margin so that ~n remain after the exclusion and overlap filters
+            recs = [_record(p, i, src)
+                    for i, p in enumerate(P.iter_train_prompts(src, seed, n + n // 10 + 16 + len(exclude_ids)))]
+            groups[src] = [r for r in recs if r["id"] not in exclude_ids]
+            excluded[src] = len(recs) - len(groups[src])
 
     if eval_sets is None:
         eval_sets = {name: P.load_eval_prompts(name) for name in P.EVAL_SETS}
@@ -83,8 +91,21 @@ def _collect_prompts(
             last = max((i for i, r in enumerate(recs) if id(r) in kept_obj), default=-1)
         dropped = sum(1 for r in recs[: last + 1] if id(r) not in kept_obj)
         stats[src] = {"requested": requested[src], "dropped_eval_overlap": dropped, "kept": len(kept)}
+        if exclude_ids:
+            stats[src]["dropped_excluded"] = excluded.get(src, 0)
         out.extend(kept)
     return out, {"per_source": stats, "eval_sets": {k: len(list(v)) for k, v in eval_sets.items()}}
+
+
+def _plan_ids(build_dirs) -> frozenset[str]:
+    """Prompt ids in the ``plan.json`` of each earlier build directory (``build_dataset(exclude=...)``)."""
+    ids: set[str] = set()
+    for d in build_dirs:
+        plan_file = Path(d) / "plan.json"
+        if not plan_file.is_file():
+            raise FileNotFoundError(f"--exclude-data {d}: no plan.json there (not a `dspark data build` directory)")
+        ids.update(r["id"] for r in json.loads(plan_file.read_text()))
+    return frozenset(ids)
 
 
 def _eos_ids(target, tokenizer) -> list[int]:
@@ -147,6 +168,7 @@ def build_dataset(
     shard_size: int = 256,
     max_shards: int | None = None,
     progress: bool = True,
+    exclude: Sequence[str | os.PathLike] = (),
 ) -> dict:
     """Build (or resume building) a training set of target-generated responses.
 
@@ -168,12 +190,19 @@ def build_dataset(
         shard_size: prompts per stored shard (the unit of resumption).
         max_shards: stop after this many shards *in this call* (tests / time-boxed runs); rerun to continue.
         progress: show a tqdm bar.
+        exclude: directories of earlier builds whose prompts (by id, from their ``plan.json``) are left out, so a
+            data set can be extended with new prompts of the same sources without repeating any. Not transitive:
+            list every earlier build. Read once, when the plan is made (a resume only compares the paths).
+            Injected string prompts get positional ids (``custom-<i>``), so exclusion is meant for ``sources``
+            and for dict prompts with their own ids. An earlier build's too-long prompts are not in its plan,
+            so they are considered (and dropped) again.
 
     Returns:
         The manifest dict (also written to ``out_dir/manifest.json``).
 
     Raises:
         ValueError: ``out_dir`` holds a build made with different arguments.
+        FileNotFoundError: a directory in ``exclude`` has no ``plan.json``.
     """
     from datasets import Dataset
     from tqdm.auto import tqdm
@@ -189,6 +218,8 @@ def build_dataset(
         target_dtype=str(next(target.parameters()).dtype),
         format_version=_FORMAT_VERSION,
     )
+    if exclude:
+        config["exclude"] = [str(Path(d)) for d in exclude]
     manifest_path, plan_path = out / "manifest.json", out / "plan.json"
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
@@ -202,7 +233,8 @@ def build_dataset(
     if plan_path.exists():
         plan = json.loads(plan_path.read_text())
     else:
-        recs, counts = _collect_prompts(sources, prompts, seed, eval_sets, overlap_threshold)
+        exclude_ids = _plan_ids(exclude)
+        recs, counts = _collect_prompts(sources, prompts, seed, eval_sets, overlap_threshold, exclude_ids)
         plan, too_long = [], {}
         for r in recs:
             ids = apply_chat_template(tokenizer, r["prompt"])

@@ -293,6 +293,29 @@ def test_data_build_deterministic_resumable_and_drops_eval_overlap(tmp_path):
     assert os.path.isdir(tmp_path / "a" / "shards" / "shard-00001")
 
 
+def test_data_build_exclude_leaves_out_earlier_builds_prompts(tmp_path):
+    tok = char_tokenizer()
+    tgt = make_target(seed=1)
+    tgt.generation_config.eos_token_id = tok.eos_token_id
+    tgt.generation_config.pad_token_id = tok.pad_token_id
+    recs = [{"id": f"q{i}", "prompt": p, "source": "toy"}
+            for i, p in enumerate(["Hello there.", "Add 2 and 3.", "Name a colour!", "Count to five."])]
+    kw = dict(max_new_tokens=4, batch_size=2, seed=0, eval_sets={}, shard_size=2, progress=False)
+    build_dataset(tgt, tok, tmp_path / "first", prompts=recs[:2], **kw)
+    m = build_dataset(tgt, tok, tmp_path / "more", prompts=recs, exclude=[tmp_path / "first"], **kw)
+    assert sorted(load_data(tmp_path / "more")["id"]) == ["q2", "q3"]
+    assert m["prompts"]["toy"]["dropped_excluded"] == 2 and m["config"]["exclude"] == [str(tmp_path / "first")]
+    # resuming with the same exclusions is the same build
+    again = build_dataset(tgt, tok, tmp_path / "more", prompts=recs, exclude=[tmp_path / "first"], **kw)
+    assert again["generation"]["complete"] and again["num_prompts"] == 2
+    assert sorted(load_data(tmp_path / "more")["id"]) == ["q2", "q3"]
+    # a resumed build must name the same exclusions
+    with pytest.raises(ValueError, match="different arguments"):
+        build_dataset(tgt, tok, tmp_path / "more", prompts=recs, **kw)
+    with pytest.raises(FileNotFoundError, match="plan.json"):
+        build_dataset(tgt, tok, tmp_path / "x", prompts=recs, exclude=[tmp_path / "nowhere"], **kw)
+
+
 def test_select_draft_vocab_counts_response_tokens_only():
     from modeling_dspark.training import select_draft_vocab
 
