@@ -316,6 +316,18 @@ def test_data_build_exclude_leaves_out_earlier_builds_prompts(tmp_path):
         build_dataset(tgt, tok, tmp_path / "x", prompts=recs, exclude=[tmp_path / "nowhere"], **kw)
 
 
+def test_collect_prompts_exclude_on_a_real_source_keeps_the_requested_count():
+    """The ``sources`` path of ``--exclude-data``: excluded ids are skipped and the fetch margin still yields n."""
+    from modeling_dspark import prompts as P
+    from modeling_dspark.data import _collect_prompts
+
+    first = [r["id"] for r in P.iter_train_prompts("code", 0, 6)]
+    recs, counts = _collect_prompts({"code": 5}, None, 0, {}, None, frozenset(first[:3]))
+    ids = [r["id"] for r in recs]
+    assert len(ids) == 5 and not set(ids) & set(first[:3]) and ids[:3] == first[3:6]
+    assert counts["per_source"]["code"]["dropped_excluded"] == 3
+
+
 def test_select_draft_vocab_counts_response_tokens_only():
     from modeling_dspark.training import select_draft_vocab
 
