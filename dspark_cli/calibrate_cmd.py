@@ -90,16 +90,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------- prompts
 def _plan_exclusions(dirs: Iterable[str]) -> tuple[set[str], set[tuple[int, ...]]]:
     """Prompt ids and chat-templated token ids of the training data sets in ``dirs`` (their ``plan.json``)."""
-    ids: set[str] = set()
-    toks: set[tuple[int, ...]] = set()
-    for d in dirs:
-        plan = Path(d) / "plan.json"
-        if not plan.is_file():
-            raise CLIError(f"--exclude-data {d!r}: no plan.json (not a `dspark data build` directory)")
-        for rec in json.loads(plan.read_text()):
-            ids.add(str(rec["id"]))
-            if rec.get("prompt_ids"):
-                toks.add(tuple(int(t) for t in rec["prompt_ids"]))
+    from modeling_dspark.data import read_plans
+
+    try:
+        recs = read_plans(dirs)
+    except FileNotFoundError as e:
+        raise CLIError(str(e)) from None
+    ids = {str(rec["id"]) for rec in recs}
+    toks = {tuple(int(t) for t in rec["prompt_ids"]) for rec in recs if rec.get("prompt_ids")}
     return ids, toks
 
 

