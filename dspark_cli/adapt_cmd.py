@@ -13,7 +13,7 @@ and after adaptation. Outputs in ``--output-dir``: ``adapter_model.safetensors``
 adapter; load it with :func:`modeling_dspark.peft_adapt.load_adapter`), ``dspark_adapter.json``,
 ``adapt_manifest.json`` (τ before/after, steps, wall time, trainable parameters, command) and, with ``--merge``,
 ``merged/``: a plain drafter with the LoRA folded in (``DSparkDraftModel.from_pretrained``). The STS temperatures
-are copied unchanged; re-run ``dspark calibrate`` on the merged drafter for calibrated confidences.
+and offsets are copied unchanged; re-run ``dspark calibrate`` on the merged drafter for calibrated confidences.
 """
 
 from __future__ import annotations

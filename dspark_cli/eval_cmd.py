@@ -473,6 +473,7 @@ def _run(args) -> int:
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "device": device, "seed": args.seed,
         "speed": speed, "prompt_lookup_num_tokens": args.pld_num_tokens if speed and not args.no_pld else None,
         "sts_temperatures": list(drafter.config.sts_temperatures),
+        "sts_biases": list(drafter.config.sts_biases),
         "command": "dspark " + " ".join(sys.argv[1:]) if "eval" in sys.argv[1:2] else " ".join(sys.argv),
         "seconds": time.perf_counter() - t0,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),

@@ -9,6 +9,12 @@ temperature per position, left to right, on held-out data:
     c_k(T_k) = σ(logit_k / T_k),   a_k = Π_{i≤k} c_i(T_i),
     T_k = argmin_{T ∈ grid} ECE(a_k, accepted[:, k])   with T_1..T_{k−1} fixed.
 
+Extension (not in the paper): :func:`fit_sts_bias` also fits one logit offset per position,
+c_k = σ(logit_k / T_k + b_k), by the same sequential grid search over (T_k, b_k). A temperature alone cannot
+remove a constant over- or under-confidence: on the shipped SmolLM2 drafter, position 1 predicts ~4 points more
+survival than observed across the middle of its range, and the best T leaves an ECE near 4 %. The map stays
+strictly increasing in the logit, so the ranking (AUROC of c_k) is unchanged.
+
 Data layout used throughout (positions are 0-based in arrays, 1-based in the
 paper and in reports):
 
@@ -45,6 +51,8 @@ __all__ = [
     "auroc",
     "default_sts_grid",
     "fit_sts",
+    "fit_sts_bias",
+    "default_bias_grid",
     "apply_sts",
     "calibration_report",
     "plot_reliability",
@@ -225,6 +233,58 @@ def default_sts_grid(n: int = 301, low: float = 0.05, high: float = 20.0) -> np.
 _DEFAULT_GRID = default_sts_grid()
 
 
+def default_bias_grid(n: int = 81, limit: float = 2.0) -> np.ndarray:
+    """Logit-offset grid of :func:`fit_sts_bias`: ``n`` evenly spaced points in [−limit, limit], plus exactly 0.
+    Sorted float64 array."""
+    if not (limit > 0) or n < 2:
+        raise ValueError(f"need limit > 0 and n >= 2, got limit={limit}, n={n}")
+    return np.unique(np.round(np.concatenate([np.linspace(-limit, limit, n), [0.0]]), 12))
+
+
+_DEFAULT_BIAS_GRID = default_bias_grid()
+
+
+def _check_grid(grid, default: np.ndarray, what: str, positive: bool) -> np.ndarray:
+    arr = default if grid is None else np.asarray(grid, dtype=np.float64).ravel()
+    if arr.size == 0 or not np.all(np.isfinite(arr)) or (positive and not np.all(arr > 0)):
+        raise ValueError(f"grid must be a non-empty sequence of finite {what}")
+    return arr
+
+
+def _fit_sequential(logits: np.ndarray, acc: np.ndarray, ok: np.ndarray, temps_grid: np.ndarray,
+                    bias_grid: np.ndarray, n_bins: int) -> tuple[list[float], list[float]]:
+    """The sequential grid search of STS over (T, b) pairs; ties go to the pair closest to (1, 0)."""
+    pairs_t = np.repeat(temps_grid, bias_grid.size)  # [G] candidate (T, b) pairs
+    pairs_b = np.tile(bias_grid, temps_grid.size)
+    tie_break = np.abs(np.log(pairs_t)) + np.abs(pairs_b)
+    n, gamma = logits.shape
+    temps: list[float] = []
+    biases: list[float] = []
+    prefix = np.ones(n, dtype=np.float64)  # calibrated a_{k−1} per row
+    for k in range(gamma):
+        rows = ok[:, k]
+        if not rows.any():
+            t_best, b_best = 1.0, 0.0
+        else:
+            pre, lk, yk = prefix[rows], logits[rows, k], acc[rows, k]
+            m = lk.size
+            chunk = max(1, (1 << 22) // m)
+            eces = np.empty(pairs_t.size, dtype=np.float64)
+            for s in range(0, pairs_t.size, chunk):
+                ts, bs = pairs_t[s : s + chunk], pairs_b[s : s + chunk]
+                a = pre[None, :] * _sigmoid(lk[None, :] / ts[:, None] + bs[:, None])  # [G, m]
+                eces[s : s + chunk] = _ece_rows(a, yk, n_bins)
+            best = eces.min()
+            # tolerance absorbs float noise so the tie-break is meaningful
+            cand = np.flatnonzero(eces <= best + 1e-12)
+            i = cand[np.argmin(tie_break[cand])]
+            t_best, b_best = float(pairs_t[i]), float(pairs_b[i])
+        temps.append(t_best)
+        biases.append(b_best)
+        prefix = prefix * _sigmoid(logits[:, k] / t_best + b_best)
+    return temps, biases
+
+
 def fit_sts(
     confidence_logits: Any,
     accepted: Any,
@@ -248,58 +308,84 @@ def fit_sts(
 
     Returns:
         list of γ Python floats.
+
+    Raises:
+        ValueError: bad shapes, a bad grid.
     """
     logits, acc, ok = _prepare(confidence_logits, accepted, valid)
-    grid_arr = _DEFAULT_GRID if grid is None else np.asarray(grid, dtype=np.float64).ravel()
-    if grid_arr.size == 0 or not np.all(grid_arr > 0) or not np.all(np.isfinite(grid_arr)):
-        raise ValueError("grid must be a non-empty sequence of finite temperatures > 0")
-    tie_break = np.abs(np.log(grid_arr))
-    n, gamma = logits.shape
-    temps: list[float] = []
-    prefix = np.ones(n, dtype=np.float64)  # calibrated a_{k−1} per row
-    for k in range(gamma):
-        rows = ok[:, k]
-        if not rows.any():
-            t_best = 1.0
-        else:
-            pre, lk, yk = prefix[rows], logits[rows, k], acc[rows, k]
-            m = lk.size
-            chunk = max(1, (1 << 22) // m)
-            eces = np.empty(grid_arr.size, dtype=np.float64)
-            for s in range(0, grid_arr.size, chunk):
-                ts = grid_arr[s : s + chunk]
-                a = pre[None, :] * _sigmoid(lk[None, :] / ts[:, None])  # [G, m]
-                eces[s : s + chunk] = _ece_rows(a, yk, n_bins)
-            best = eces.min()
-            # tolerance absorbs float noise so the tie-break is meaningful
-            cand = np.flatnonzero(eces <= best + 1e-12)
-            t_best = float(grid_arr[cand[np.argmin(tie_break[cand])]])
-        temps.append(t_best)
-        prefix = prefix * _sigmoid(logits[:, k] / t_best)
-    return temps
+    grid_arr = _check_grid(grid, _DEFAULT_GRID, "temperatures > 0", positive=True)
+    return _fit_sequential(logits, acc, ok, grid_arr, np.zeros(1), n_bins)[0]
 
 
-def apply_sts(confidence_logits: Any, temperatures: Sequence[float]) -> Any:
-    """Calibrated confidences c_k = σ(logit_k / T_k) (SPEC §3).
+def fit_sts_bias(
+    confidence_logits: Any,
+    accepted: Any,
+    grid: Sequence[float] | np.ndarray | None = None,
+    bias_grid: Sequence[float] | np.ndarray | None = None,
+    valid: Any | None = None,
+    n_bins: int = 15,
+) -> tuple[list[float], list[float]]:
+    """STS with a logit offset per position (extension, module doc): c_k = σ(logit_k / T_k + b_k).
+
+    The same sequential search as :func:`fit_sts`, over every (T, b) pair of ``grid`` × ``bias_grid``; ties go to
+    the pair closest to (1, 0) (|log T| + |b|). ``bias_grid=[0]`` gives :func:`fit_sts`'s temperatures.
+
+    Args:
+        confidence_logits, accepted, valid, n_bins: as :func:`fit_sts`.
+        grid: candidate temperatures (> 0); default :func:`default_sts_grid`.
+        bias_grid: candidate offsets (logit units); default :func:`default_bias_grid` (−2…2 in steps of 0.05).
+
+    Returns:
+        (temperatures, biases): two lists of γ Python floats.
+
+    Raises:
+        ValueError: bad shapes, a bad grid.
+    """
+    logits, acc, ok = _prepare(confidence_logits, accepted, valid)
+    temps_grid = _check_grid(grid, _DEFAULT_GRID, "temperatures > 0", positive=True)
+    b_grid = _check_grid(bias_grid, _DEFAULT_BIAS_GRID, "logit offsets", positive=False)
+    return _fit_sequential(logits, acc, ok, temps_grid, b_grid, n_bins)
+
+
+def _check_biases(biases: Sequence[float] | None, gamma: int) -> np.ndarray:
+    if biases is None:
+        return np.zeros(gamma, dtype=np.float64)
+    b = np.asarray([float(x) for x in biases], dtype=np.float64)
+    if b.shape != (gamma,):
+        raise ValueError(f"expected {gamma} biases, got {b.shape[0] if b.ndim else 0}")
+    if not np.all(np.isfinite(b)):
+        raise ValueError(f"biases must be finite, got {b.tolist()}")
+    return b
+
+
+def apply_sts(confidence_logits: Any, temperatures: Sequence[float], biases: Sequence[float] | None = None) -> Any:
+    """Calibrated confidences c_k = σ(logit_k / T_k + b_k) (SPEC §3; b_k = 0 unless :func:`fit_sts_bias` was used).
 
     Args:
         confidence_logits: [..., γ] pre-sigmoid logits; torch tensor (any
             device) or array.
-        temperatures: γ temperatures from :func:`fit_sts`.
+        temperatures: γ temperatures from :func:`fit_sts` / :func:`fit_sts_bias`.
+        biases: γ logit offsets from :func:`fit_sts_bias`, or None (all 0).
 
     Returns:
         torch input → torch tensor on the same device, float32 (float64 if
         the input is float64); otherwise a float64 ndarray. Same shape.
+
+    Raises:
+        ValueError: not γ temperatures (finite, > 0) or γ finite biases.
     """
     if isinstance(confidence_logits, torch.Tensor):
         gamma = confidence_logits.shape[-1] if confidence_logits.dim() else 0
         t = _check_temperatures(temperatures, gamma)
+        b = _check_biases(biases, gamma)
         dtype = torch.float64 if confidence_logits.dtype == torch.float64 else torch.float32
         t_t = torch.as_tensor(t, dtype=dtype, device=confidence_logits.device)
-        return torch.sigmoid(confidence_logits.to(dtype) / t_t)
+        b_t = torch.as_tensor(b, dtype=dtype, device=confidence_logits.device)
+        return torch.sigmoid(confidence_logits.to(dtype) / t_t + b_t)
     x = _to_numpy(confidence_logits)
-    t = _check_temperatures(temperatures, x.shape[-1] if x.ndim else 0)
-    return _sigmoid(x / t)
+    gamma = x.shape[-1] if x.ndim else 0
+    t = _check_temperatures(temperatures, gamma)
+    return _sigmoid(x / t + _check_biases(biases, gamma))
 
 
 # ----------------------------------------------------------------------------- report / plot
@@ -314,9 +400,9 @@ def _reliability_curve(scores: np.ndarray, labels: np.ndarray, n_bins: int):
     return s_sum[nz] / cnt[nz], y_sum[nz] / cnt[nz], cnt[nz]
 
 
-def _survival_pair(logits: np.ndarray, temps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _survival_pair(logits: np.ndarray, temps: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     before = np.cumprod(_sigmoid(logits), axis=1)
-    after = np.cumprod(_sigmoid(logits / temps[None, :]), axis=1)
+    after = np.cumprod(_sigmoid(logits / temps[None, :] + biases[None, :]), axis=1)
     return before, after
 
 
@@ -326,12 +412,13 @@ def calibration_report(
     temperatures: Sequence[float],
     valid: Any | None = None,
     n_bins: int = 15,
+    biases: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """Per-position discrimination and calibration before/after STS (cf. paper Fig. 6, SPEC §3).
 
     Returns a JSON-serialisable dict::
 
-        {"n_bins": int, "temperatures": [T_1..T_γ],
+        {"n_bins": int, "temperatures": [T_1..T_γ], "biases": [b_1..b_γ] (0 without ``biases``),
          "mean_ece_before": float, "mean_ece_after": float,   # over positions with data
          "positions": [{
              "position": k (1-based), "n": rows valid at k,
@@ -348,7 +435,8 @@ def calibration_report(
     """
     logits, acc, ok = _prepare(confidence_logits, accepted, valid)
     temps = _check_temperatures(temperatures, logits.shape[1])
-    a_before, a_after = _survival_pair(logits, temps)
+    bias = _check_biases(biases, logits.shape[1])
+    a_before, a_after = _survival_pair(logits, temps, bias)
     positions = []
     for k in range(logits.shape[1]):
         rows = ok[:, k]
@@ -371,6 +459,7 @@ def calibration_report(
     return {
         "n_bins": int(n_bins),
         "temperatures": [float(t) for t in temps],
+        "biases": [float(b) for b in bias],
         "mean_ece_before": float(np.mean([p["ece_before"] for p in with_data])) if with_data else None,
         "mean_ece_after": float(np.mean([p["ece_after"] for p in with_data])) if with_data else None,
         "positions": positions,
@@ -386,6 +475,7 @@ def plot_reliability(
     n_bins: int = 15,
     positions: Sequence[int] | None = None,
     title: str | None = None,
+    biases: Sequence[float] | None = None,
 ) -> str:
     """Write a reliability-diagram PNG of a_k before/after STS (cf. paper Fig. 6).
 
@@ -405,11 +495,12 @@ def plot_reliability(
     logits, acc, ok = _prepare(confidence_logits, accepted, valid)
     gamma = logits.shape[1]
     temps = _check_temperatures(temperatures, gamma)
+    bias = _check_biases(biases, gamma)
     pos_list = list(range(1, gamma + 1)) if positions is None else [int(p) for p in positions]
     if not pos_list or any(p < 1 or p > gamma for p in pos_list):
         raise ValueError(f"positions must be within 1..{gamma}, got {pos_list}")
-    report = calibration_report(logits, acc, temps, valid=ok, n_bins=n_bins)
-    a_before, a_after = _survival_pair(logits, temps)
+    report = calibration_report(logits, acc, temps, valid=ok, n_bins=n_bins, biases=bias)
+    a_before, a_after = _survival_pair(logits, temps, bias)
 
     ncols = min(4, len(pos_list))
     nrows = math.ceil(len(pos_list) / ncols)
@@ -425,7 +516,8 @@ def plot_reliability(
             y = acc[rows, k]
             for a, label, color, key in (
                 (a_before, "raw", "tab:red", "ece_before"),
-                (a_after, f"STS (T={temps[k]:.2f})", "tab:blue", "ece_after"),
+                (a_after, f"STS (T={temps[k]:.2f}" + (f", b={bias[k]:+.2f})" if biases is not None else ")"),
+                 "tab:blue", "ece_after"),
             ):
                 xs, ys, _ = _reliability_curve(a[rows, k], y, n_bins)
                 ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"{label}, ECE {100 * entry[key]:.1f}%")

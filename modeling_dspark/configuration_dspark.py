@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 
 SEQUENTIAL_HEADS = ("markov", "rnn", "none")
@@ -62,13 +64,17 @@ class DSparkConfig(PretrainedConfig):
             from the residual, so the output is still the target's). `None` = the full vocabulary.
         sts_temperatures (`list[float]`): per-position STS temperatures T_1..T_γ (SPEC §3), applied to the
             confidence logit; default all 1.0 (uncalibrated).
+        sts_biases (`list[float]`): per-position logit offsets b_k added after the temperature,
+            c_k = σ(logit_k / T_k + b_k) (`dspark calibrate --bias`, an extension of STS:
+            `modeling_dspark.calibration.fit_sts_bias`); default all 0.0 (the paper's STS).
         ce_weight, tv_weight, conf_weight (`float`): loss weights of eq. 14 (0.1, 0.9, 1.0).
         loss_decay (`float`, optional): decay of the position weights w_k = exp(−(k−1)/decay); `None` = γ.
         initializer_range (`float`): std of the normal init of new weights.
 
     Raises:
         ValueError: unknown `sequential_head`, unsupported `target_model_type`, bad `target_layer_ids`,
-            `block_size` < 1, a non-`None` `mask_token_id`, or a wrong number of STS temperatures.
+            `block_size` < 1, a non-`None` `mask_token_id`, or a wrong number of STS temperatures (finite, > 0) or
+            offsets (finite).
     """
 
     model_type = "dspark"
@@ -99,6 +105,7 @@ class DSparkConfig(PretrainedConfig):
         use_confidence_head: bool = True,
         draft_vocab_size: int | None = None,
         sts_temperatures: list[float] | None = None,
+        sts_biases: list[float] | None = None,
         ce_weight: float = 0.1,
         tv_weight: float = 0.9,
         conf_weight: float = 1.0,
@@ -135,6 +142,7 @@ class DSparkConfig(PretrainedConfig):
         self.use_confidence_head = use_confidence_head
         self.draft_vocab_size = draft_vocab_size
         self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else [1.0] * block_size
+        self.sts_biases = list(sts_biases) if sts_biases is not None else [0.0] * block_size
         self.ce_weight = ce_weight
         self.tv_weight = tv_weight
         self.conf_weight = conf_weight
@@ -176,10 +184,17 @@ class DSparkConfig(PretrainedConfig):
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
         if self.sequential_head != "none" and self.markov_rank < 1:
             raise ValueError(f"markov_rank must be >= 1 with sequential_head={self.sequential_head!r}")
-        if len(self.sts_temperatures) != self.block_size or any(t <= 0 for t in self.sts_temperatures):
+        def number(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if len(self.sts_temperatures) != self.block_size or not all(number(t) and t > 0 for t in self.sts_temperatures):
             raise ValueError(
-                f"sts_temperatures must be {self.block_size} positive numbers (one per position), "
+                f"sts_temperatures must be {self.block_size} finite positive numbers (one per position), "
                 f"got {self.sts_temperatures}"
+            )
+        if len(self.sts_biases) != self.block_size or not all(number(b) for b in self.sts_biases):
+            raise ValueError(
+                f"sts_biases must be {self.block_size} finite numbers (one per position), got {self.sts_biases}"
             )
 
     @classmethod

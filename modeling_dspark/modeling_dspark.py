@@ -426,9 +426,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return self.confidence_head(hidden, self.token_features(prev_tokens))
 
     def calibrated_confidence(self, logits: torch.Tensor, positions) -> torch.Tensor:
-        """c_k = σ(logit_k / T_k) with the STS temperatures of the config (SPEC §3); ``positions`` are 0-based k−1."""
+        """c_k = σ(logit_k / T_k + b_k) with the STS temperatures (SPEC §3) and logit offsets (``sts_biases``, 0
+        unless calibrated with ``--bias``) of the config; ``positions`` are 0-based k−1."""
         temps = torch.tensor(self.config.sts_temperatures, dtype=torch.float32, device=logits.device)
-        return torch.sigmoid(logits / temps[positions])
+        biases = torch.tensor(self.config.sts_biases, dtype=torch.float32, device=logits.device)
+        return torch.sigmoid(logits / temps[positions] + biases[positions])
 
     def new_context_cache(self) -> DynamicCache:
         """An empty cache for the context K/V of every draft layer (one per generation call)."""

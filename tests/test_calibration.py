@@ -10,9 +10,11 @@ from modeling_dspark.calibration import (
     apply_sts,
     auroc,
     calibration_report,
+    default_bias_grid,
     default_sts_grid,
     expected_calibration_error,
     fit_sts,
+    fit_sts_bias,
     plot_reliability,
     survival_from_confidences,
 )
@@ -218,3 +220,49 @@ def test_plot_reliability(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     with pytest.raises(ValueError):
         plot_reliability(logits, acc, temps, str(tmp_path / "x.png"), positions=[6])
+
+
+def _offset_synthetic(n, gamma, seed, offset=1.0):
+    """True conditional acceptance q = σ(z); the head reports z + offset (a constant over-confidence)."""
+    logits, acc = _synthetic(n, gamma, seed, scale=1.0)
+    return logits + offset, acc
+
+
+def test_sts_bias_removes_a_constant_overconfidence_that_sts_cannot():
+    """A head over-confident by a constant logit offset: STS's best temperature leaves a large ECE; STS + offset
+    (fit_sts_bias) recovers T ≈ 1, b ≈ −offset and a small held-out ECE; the ranking is unchanged."""
+    gamma, small_t, small_b = 3, default_sts_grid(61), default_bias_grid(41)
+    fit_logits, fit_acc = _offset_synthetic(20000, gamma, seed=10)
+    temps_only = fit_sts(fit_logits, fit_acc, grid=small_t)
+    temps, biases = fit_sts_bias(fit_logits, fit_acc, grid=small_t, bias_grid=small_b)
+    assert len(temps) == len(biases) == gamma and all(isinstance(b, float) for b in biases)
+    assert 0.85 < temps[0] < 1.2 and -1.2 < biases[0] < -0.8, (temps, biases)
+    test_logits, test_acc = _offset_synthetic(20000, gamma, seed=11)
+    only = calibration_report(test_logits, test_acc, temps_only)
+    both = calibration_report(test_logits, test_acc, temps, biases=biases)
+    json.dumps(both)
+    assert both["biases"] == pytest.approx(biases) and only["biases"] == [0.0] * gamma
+    assert only["positions"][0]["ece_after"] > 0.03  # no temperature fixes an offset
+    for p_only, p_both in zip(only["positions"], both["positions"]):
+        assert p_both["ece_after"] < 0.02 and p_both["ece_after"] < p_only["ece_after"], (p_only, p_both)
+        assert p_both["auroc"] == pytest.approx(p_only["auroc"], abs=1e-12)  # monotone: same ranking
+    # bias_grid [0] is plain STS
+    assert fit_sts_bias(fit_logits, fit_acc, grid=small_t, bias_grid=[0.0]) == (temps_only, [0.0] * gamma)
+
+
+def test_apply_sts_with_biases_and_errors():
+    logits = np.array([[0.0, 2.0, -4.0]])
+    out = apply_sts(logits, [1.0, 2.0, 4.0], [0.5, -1.0, 0.0])
+    np.testing.assert_allclose(out, 1 / (1 + np.exp(-np.array([[0.5, 0.0, -1.0]]))))
+    tt = apply_sts(torch.tensor(logits), [1.0, 2.0, 4.0], [0.5, -1.0, 0.0])
+    np.testing.assert_allclose(tt.numpy(), out)
+    with pytest.raises(ValueError, match="biases"):
+        apply_sts(logits, [1.0, 2.0, 4.0], [0.0, 0.0])
+    with pytest.raises(ValueError, match="biases"):
+        apply_sts(logits, [1.0, 2.0, 4.0], [0.0, float("nan"), 0.0])
+    with pytest.raises(ValueError, match="grid"):
+        fit_sts_bias(logits, np.ones((1, 3)), bias_grid=[])
+    with pytest.raises(ValueError):
+        default_bias_grid(1)
+    g = default_bias_grid()
+    assert g[0] == pytest.approx(-2.0) and g[-1] == pytest.approx(2.0) and 0.0 in g

@@ -4,6 +4,8 @@ order or join time."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -498,6 +500,8 @@ def test_draft_gate_option_errors(tiny):
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="probe_max_interval"):
             DSparkEngine(target, drafter, "scheduler", sps=SPS, probe_max_interval=bad)
+    with pytest.raises(ValueError, match="drafting_veto"):
+        DSparkEngine(target, drafter, "scheduler", sps=SPS, drafting_veto=1)
 
 
 def test_yield_estimate_shrinks_toward_prior(tiny):
@@ -676,3 +680,74 @@ def test_probe_back_off_is_per_concurrency(tiny):
     assert probes == [False, True, False, False, True, False, False, False, False, True, False, False]  # 1, 2, 4
     engine._skip_or_probe(two, [3] * 2, [0] * 2, [True] * 2)
     assert engine._probe_state[4] == [8, 2] and engine._probe_state[2] == [1, 1]
+
+
+class SlowOracleEngine(OracleEngine):
+    """An oracle drafter (every draft right, confidence 0.95) whose drafting takes `DRAFT_SLEEP_S` more than the
+    cost model knows (``draft_cost_ms=0``): drafting rounds are slower per token than rounds without drafting."""
+
+    DRAFT_SLEEP_S = 0.1
+
+    def _draft(self, reqs, budgets):
+        time.sleep(self.DRAFT_SLEEP_S)
+        return super()._draft(reqs, budgets)
+
+
+def test_drafting_veto_stops_drafting_that_measures_slower(tiny):
+    """Drafting that the cost model prices as free but that measures slower than rounds without drafting: after
+    RoundRates.MIN_ROUNDS drafting rounds at R = 2 the veto skips the drafter, re-probing with the gate's back-off;
+    without the veto the model-gated engine drafts every round. Outputs stay exact either way."""
+    from generation.round_rates import RoundRates
+
+    target, drafter, prompts, _, _ = tiny
+    prompts, max_new = prompts[1:3], [150, 150]
+    refs = [_reference(target, p, n) for p, n in zip(prompts, max_new)]
+    runs = {}
+    for veto in (True, False):
+        engine = SlowOracleEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=2, draft_cost_ms=0.0,
+                                  references=dict(enumerate(refs)), drafting_veto=veto)
+        for p, n in zip(prompts, max_new):
+            engine.add_request(p, n)
+        assert [o.output_ids for o in engine.run()] == refs
+        runs[veto] = engine
+    vetoed, free = runs[True], runs[False]
+    summ = vetoed.stats.summary()
+    assert vetoed.round_rates.drafting_loses(2)
+    assert vetoed.round_rates.rate(2, True) < vetoed.round_rates.rate(2, False)
+    assert summ["probe_rounds"] >= 1
+    assert summ["draft_rounds"] <= RoundRates.MIN_ROUNDS + summ["probe_rounds"] + 1  # + a round at R = 1 at the end
+    assert summ["skipped_draft_rounds"] >= 0.8 * summ["rounds"]
+    first = next(i for i, r in enumerate(vetoed.stats.rounds) if not r.drafted_any)
+    assert first >= RoundRates.MIN_ROUNDS  # vetoed only once enough drafting rounds were measured
+    assert free.stats.summary()["skipped_draft_rounds"] == 0  # the model alone never sees the cost
+
+
+def test_round_rates_decayed_per_concurrency_and_kind():
+    """RoundRates: None before MIN_ROUNDS rounds of a kind; decayed tokens / seconds; a stall counts at most
+    STALL_FACTOR mean rounds; kinds and R values kept apart; the veto needs drafting slower by more than MARGIN; the
+    estimate stands in only for unmeasured plain rounds."""
+    from generation.round_rates import RoundRates
+
+    rates = RoundRates()
+    n = RoundRates.MIN_ROUNDS
+    for _ in range(n - 1):
+        rates.record(2, True, 0.05, 3)
+    assert rates.rate(2, True) is None and rates.rounds(2, True) == n - 1
+    assert not rates.drafting_loses(2, plain_estimate=1000.0)  # drafting rate unknown: no verdict
+    rates.record(2, True, 0.05, 3)
+    assert rates.rate(2, True) == pytest.approx(60.0)  # 3 tokens / 50 ms
+    assert rates.rate(4, True) is None and rates.rate(2, False) is None
+    m = RoundRates.MARGIN
+    assert rates.drafting_loses(2, plain_estimate=60.0 / (1 - m) + 0.1)
+    assert not rates.drafting_loses(2, plain_estimate=60.0 / (1 - m) - 0.1)  # slower, but within the margin
+    assert not rates.drafting_loses(2)  # nothing to compare with
+    for _ in range(n):
+        rates.record(2, False, 0.04, 2)  # 50 tokens/s measured: the estimate no longer counts
+    assert rates.rate(2, False) == pytest.approx(50.0)
+    assert not rates.drafting_loses(2, plain_estimate=1000.0)
+    d, w = RoundRates.DECAY, sum(RoundRates.DECAY**i for i in range(n))
+    rates.record(2, True, 10.0, 3)  # a stall: counted as STALL_FACTOR x 50 ms
+    assert rates.rate(2, True) == pytest.approx((d * w * 3 + 3) / (d * w * 0.05 + RoundRates.STALL_FACTOR * 0.05))
+    for bad in ((0, True, 0.1, 1), (2, True, 0.0, 1), (2, True, 0.1, -1)):
+        with pytest.raises(ValueError, match="bad round"):
+            rates.record(*bad)

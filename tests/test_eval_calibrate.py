@@ -133,6 +133,28 @@ def test_calibrate_report_and_write(drafter_dir, smollm, tmp_path, capsys):
     rc = main(["calibrate", "--drafter", str(d), "--pairs", str(out / "pairs.npz"), "--out-dir", str(tmp_path / "re")])
     assert rc == 0
     assert json.loads((tmp_path / "re" / "calibration.json").read_text())["temperatures"] == pytest.approx(temps)
+    # --bias: temperatures and offsets fitted together and written; the drafter applies both
+    rc = main(["calibrate", "--drafter", str(d), "--pairs", str(out / "pairs.npz"), "--bias", "--write",
+               "--out-dir", str(tmp_path / "b")])
+    assert rc == 0
+    rep_b = json.loads((tmp_path / "b" / "calibration.json").read_text())
+    assert rep_b["method"].startswith("STS + logit offset") and len(rep_b["biases"]) == BLOCK
+    # at position 1 the (T, 0) pairs are candidates too: never worse in-sample (later positions build on different
+    # earlier factors, so no such guarantee there)
+    assert rep_b["positions"][0]["ece_after"] <= rep["positions"][0]["ece_after"] + 1e-12
+    assert rep_b["previous_biases"] == [0.0] * BLOCK
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["sts_temperatures"] == pytest.approx(rep_b["temperatures"])
+    assert cfg["sts_biases"] == pytest.approx(rep_b["biases"])
+    reloaded = DSparkDraftModel.from_pretrained(d, target=smollm[0])
+    logit = torch.tensor([0.3])
+    for k in range(BLOCK):
+        want = torch.sigmoid(logit / rep_b["temperatures"][k] + rep_b["biases"][k])
+        assert reloaded.calibrated_confidence(logit, torch.tensor([k])) == pytest.approx(want.item(), abs=1e-6)
+    # refitting without --bias resets the offsets (the temperatures were fitted without them)
+    assert main(["calibrate", "--drafter", str(d), "--pairs", str(out / "pairs.npz"), "--write",
+                 "--out-dir", str(tmp_path / "re2")]) == 0
+    assert json.loads((d / "config.json").read_text())["sts_biases"] == [0.0] * BLOCK
 
 
 def test_calibrate_usage_errors(tmp_path, capsys):

@@ -18,7 +18,8 @@ from .conftest import make_drafter
 def test_save_load_round_trip(smollm, tmp_path, head, draft_vocab):
     target, _ = smollm
     d = make_drafter(target, block_size=8, sequential_head=head, markov_rank=16, draft_vocab_size=draft_vocab,
-                     use_confidence_head=head != "none", sts_temperatures=[0.5 + i / 10 for i in range(8)])
+                     use_confidence_head=head != "none", sts_temperatures=[0.5 + i / 10 for i in range(8)],
+                     sts_biases=[i / 10 - 0.4 for i in range(8)])
     if draft_vocab:
         d.draft_vocab_ids.copy_(torch.randperm(target.config.vocab_size)[:draft_vocab])
     with torch.no_grad():
@@ -129,3 +130,20 @@ def test_unbound_drafter_error(smollm):
     d = md.DSparkDraftModel(cfg)
     with pytest.raises(RuntimeError, match="not bound to a target"):
         d(torch.tensor([[1]]), torch.tensor([[3]]))
+
+
+def test_sts_calibration_fields_are_validated(smollm):
+    """sts_temperatures (> 0) and sts_biases (finite), one per position; old configs without sts_biases load with 0."""
+    cfg = md.DSparkConfig.from_target_config(smollm[0].config, block_size=4)
+    assert cfg.sts_temperatures == [1.0] * 4 and cfg.sts_biases == [0.0] * 4
+    for bad in ([0.0] * 3, [0.0, float("inf"), 0.0, 0.0]):
+        with pytest.raises(ValueError, match="sts_biases"):
+            md.DSparkConfig.from_target_config(smollm[0].config, block_size=4, sts_biases=bad)
+    for bad in ([1.0, 1.0, 0.0, 1.0], [1.0, float("nan"), 1.0, 1.0], [1.0, float("inf"), 1.0, 1.0], [1.0, "2", 1.0, 1.0]):
+        with pytest.raises(ValueError, match="sts_temperatures"):
+            md.DSparkConfig.from_target_config(smollm[0].config, block_size=4, sts_temperatures=bad)
+    with pytest.raises(ValueError, match="sts_biases"):
+        md.DSparkConfig.from_target_config(smollm[0].config, block_size=4, sts_biases=[0.0, None, 0.0, 0.0])
+    old = cfg.to_dict()
+    old.pop("sts_biases")
+    assert md.DSparkConfig.from_dict(old).sts_biases == [0.0] * 4
