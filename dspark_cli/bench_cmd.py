@@ -109,6 +109,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current setting)")
     s.add_argument("--out", default="bench_serve.json", metavar="FILE.json", help="(default: bench_serve.json)")
     s.add_argument("--plot", default=None, metavar="FILE.png", help="Pareto plot (default: next to --out)")
+    s.add_argument("--no-drafting-veto", action="store_true",
+                   help="engines without the drafting veto (generation/round_rates.py), for an ablation")
     s.add_argument("--profile", default=None, metavar="FILE.json", help="SPS profile file (default: the profile cache)")
     s.set_defaults(func=run)
     return p
@@ -157,11 +159,12 @@ def _prompts(args, tok) -> list[dict]:
     return pool
 
 
-def _engine(target, drafter, policy, block_size, sps):
+def _engine(target, drafter, policy, block_size, sps, drafting_veto: bool = True):
     """One serving engine per policy, kept for the whole benchmark (steady state, see the module doc)."""
     from generation.engine import DSparkEngine
 
-    return DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps)
+    return DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps,
+                        drafting_veto=drafting_veto)
 
 
 def _committed(engine) -> int:
@@ -363,7 +366,7 @@ def _run(args) -> int:
             progress=lambda s: print("  " + s, file=sys.stderr),
         )
 
-    engines = {pol: _engine(target, drafter, pol, gamma, sps) for pol in args.policies}
+    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_drafting_veto) for pol in args.policies}
     # interleaved: repetition by repetition; within one, each R's policies back to back in a rotated order; the
     # first --warmup-repeats repetitions are not timed (new shapes' first forwards, the gate's learned state)
     reps: dict[tuple[int, str], list[dict]] = {}
@@ -404,6 +407,7 @@ def _run(args) -> int:
             "engines": "one per policy for the whole run (steady state)",
             "order": "interleaved: repeat > R > policies (rotated per repeat)",
             "requests": levels, "policies": args.policies, "sps_context": context,
+            "drafting_veto": not args.no_drafting_veto,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
         },
         "sps_profile": sps.to_dict() if sps is not None else None,

@@ -343,6 +343,7 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert all(r["repeats"] == 2 and len(r["throughput_reps"]) == 2 for r in report["results"])
     assert all(r["throughput_min"] <= r["throughput_tok_s"] <= r["throughput_max"] for r in report["results"])
     assert report["config"]["repeats"] == 2 and report["config"]["warmup_repeats"] == 1
+    assert report["config"]["drafting_veto"] is True
     assert report["results"][1]["agreement_with_none"] == 1.0  # fp32: speculation changes nothing
     assert out.with_suffix(".png").exists()
     assert "| no speculation |" in capsys.readouterr().out
@@ -751,3 +752,14 @@ def test_round_rates_decayed_per_concurrency_and_kind():
     for bad in ((0, True, 0.1, 1), (2, True, 0.0, 1), (2, True, 0.1, -1)):
         with pytest.raises(ValueError, match="bad round"):
             rates.record(*bad)
+
+
+def test_bench_serve_engines_without_the_veto(tiny):
+    """`dspark bench serve --no-drafting-veto` (an ablation) builds its engines with drafting_veto=False."""
+    from dspark_cli import bench_cmd
+    from dspark_cli.main import build_parser
+
+    target, drafter, *_ = tiny
+    assert bench_cmd._engine(target, drafter, "scheduler", 6, SPS).drafting_veto is True
+    assert bench_cmd._engine(target, drafter, "scheduler", 6, SPS, drafting_veto=False).drafting_veto is False
+    assert build_parser().parse_args(["bench", "serve", "--no-drafting-veto"]).no_drafting_veto is True
