@@ -347,13 +347,11 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
         apply_sts,
         calibration_report,
         expected_calibration_error,
-        fit_sts,
         fit_sts_bias,
     )
 
-    def fit(lg, ac, va):
-        return fit_sts_bias(lg, ac, valid=va, n_bins=n_bins) if bias else (fit_sts(lg, ac, valid=va, n_bins=n_bins),
-                                                                            None)
+    def fit(lg, ac, va):  # bias_grid [0]: the paper's STS (fit_sts's temperatures, zero offsets)
+        return fit_sts_bias(lg, ac, valid=va, n_bins=n_bins, bias_grid=None if bias else [0.0])
 
     logits, acc, valid = pairs["logits"], pairs["accepted"], pairs["valid"]
     if logits.shape[0] == 0 or not valid[:, 0].any():

@@ -139,7 +139,8 @@ def test_sts_calibration_fields_are_validated(smollm):
     for bad in ([0.0] * 3, [0.0, float("inf"), 0.0, 0.0]):
         with pytest.raises(ValueError, match="sts_biases"):
             md.DSparkConfig.from_target_config(smollm[0].config, block_size=4, sts_biases=bad)
-    for bad in ([1.0, 1.0, 0.0, 1.0], [1.0, float("nan"), 1.0, 1.0], [1.0, float("inf"), 1.0, 1.0], [1.0, "2", 1.0, 1.0]):
+    for bad in ([1.0, 1.0, 0.0, 1.0], [1.0, float("nan"), 1.0, 1.0], [1.0, float("inf"), 1.0, 1.0],
+                [1.0, "2", 1.0, 1.0]):
         with pytest.raises(ValueError, match="sts_temperatures"):
             md.DSparkConfig.from_target_config(smollm[0].config, block_size=4, sts_temperatures=bad)
     with pytest.raises(ValueError, match="sts_biases"):
