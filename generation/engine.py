@@ -45,11 +45,15 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only).
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
-  ``sps_correction`` (default) the engine fits, per R, a decayed least-squares line of (measured verify time −
-  1/SPS(B)) against the number of draft tokens B − R (:meth:`~DSparkEngine.verify_correction`; slope ≥ 0) and
-  decides with SPS'(B) = 1 / max(½ / SPS(B), 1/SPS(B) + offset + slope · (B − R)), non-increasing like SPS (the
-  slope is ridge-shrunk toward 0, :attr:`~DSparkEngine.VERIFY_SLOPE_PRIOR`). Timing only steers
-  decisions, never the output.
+  ``sps_correction`` (default) the engine fits, per R, the residual (measured verify time − 1/SPS(B)) in two
+  parts (:meth:`~DSparkEngine.verify_correction`): a decayed mean o₀ over rounds that verified no draft
+  token (B = R), and a decayed least-squares line o₁ + s · (B − R − 1) over rounds that did (slope s ≥ 0,
+  ridge-shrunk toward 0, :attr:`~DSparkEngine.VERIFY_SLOPE_PRIOR`). A verify batch that holds any draft
+  token costs a step more than the table's slope gives, and one line through both kinds of round reads that step
+  as a per-token slope, pricing every draft token too high. Decisions use SPS'(B) = 1 / max(½ / SPS(B), t'(B))
+  with t'(R) = 1/SPS(R) + o₀ and, for B > R, t'(B) = max(t'(R), 1/SPS(B) + o₁ + s · (B − R − 1)):
+  non-increasing like SPS. A part with no rounds yet borrows the other's offset. Timing only steers decisions,
+  never the output.
 * **Draft gate.** Before drafting, the engine decides from PAST rounds only whether drafting is expected to pay,
   per request: each request keeps decayed sums (:attr:`~DSparkEngine.YIELD_DECAY`) of its realized yield in the
   rounds it drafted, [accepted, verified] draft tokens under the policy's own ℓ (so the option of verifying little
@@ -98,6 +102,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -123,6 +128,7 @@ __all__ = [
     "PackedTarget",
     "RequestKV",
     "RequestOutput",
+    "VerifyCorrection",
     "generate_batch",
     "parse_engine_policy",
     "ENGINE_POLICIES",
@@ -383,15 +389,36 @@ def _sps_value(sps, batch_tokens: int) -> float:
 
 
 class _CorrectedSPS:
-    """SPS'(B) = 1 / max(½ / SPS(B), 1/SPS(B) + offset + slope · (B − R)): the table's curve with the engine's
-    measured verify-time correction (non-increasing in B whenever SPS is, as slope ≥ 0)."""
+    """SPS'(B) = 1 / max(½ / SPS(B), t'(B)): the table's curve with the engine's measured verify-time correction
+    (module doc): t'(R) = 1/SPS(R) + o₀; t'(B) = max(t'(R), 1/SPS(B) + o₁ + s · (B − R − 1)) for B > R.
+    Non-increasing in B whenever SPS is, as s ≥ 0."""
 
-    def __init__(self, base, num_requests: int, offset: float, slope: float):
-        self.base, self.num_requests, self.offset, self.slope = base, num_requests, offset, slope
+    def __init__(self, base, num_requests: int, correction: "VerifyCorrection"):
+        self.base, self.num_requests, self.correction = base, num_requests, correction
+
+    def _seconds(self, batch_tokens: int) -> float:
+        t = 1.0 / _sps_value(self.base, batch_tokens)
+        c, extra = self.correction, batch_tokens - self.num_requests
+        if extra <= 0:
+            return max(0.5 * t, t + c.offset_none)
+        return max(0.5 * t, t + c.offset_draft + c.slope * (extra - 1), self._seconds(self.num_requests))
 
     def __call__(self, batch_tokens: int) -> float:
-        t = 1.0 / _sps_value(self.base, batch_tokens)
-        return 1.0 / max(0.5 * t, t + self.offset + self.slope * (batch_tokens - self.num_requests))
+        return 1.0 / self._seconds(batch_tokens)
+
+
+class VerifyCorrection(NamedTuple):
+    """Measured verify time over the SPS table's 1/SPS(B) at one R, in seconds (:meth:`DSparkEngine.verify_correction`).
+
+    Attributes:
+        offset_none: o₀, residual of rounds that verified no draft token (B = R).
+        offset_draft: o₁, residual at B = R + 1 of rounds that verified draft tokens.
+        slope: s ≥ 0, residual per further draft token (s per token).
+    """
+
+    offset_none: float
+    offset_draft: float
+    slope: float
 
 
 def _survival_row(conf: list[float]) -> list[float]:
@@ -603,6 +630,10 @@ class DSparkEngine:
     about 50 request-rounds, i.e. over several requests even at R = 1."""
     VERIFY_SLOPE_PRIOR = 1.0
     """Ridge weight (per round, in draft tokens²) pulling the fitted verify-time slope toward 0."""
+    VERIFY_STEP_PRIOR = 2.0
+    """Pseudo-rounds pulling the drafting rounds' verify-time offset o1 toward the B = R offset o0 (and damping the
+    slope): with both parts aging every round, a few stalled drafting rounds stop steering once only B = R rounds
+    follow (:meth:`DSparkEngine.verify_correction`)."""
     VERIFY_FIT_DECAY = 0.97
     """Per-round decay of the sums behind :meth:`DSparkEngine.verify_correction` (about the last 33 rounds at each
     R count)."""
@@ -697,8 +728,8 @@ class DSparkEngine:
         self._yield_prior_count: dict[int, int] = {}  # R -> drafted request-rounds folded into the prior
         self._perfect_cache: dict = {}  # (curve id, budgets, draft costs) -> would perfect drafts pay (gate)
         self.sps_correction = sps_correction
-        self._verify_fit: dict[int, tuple[float, float, float, float, float]] = {}  # R -> decayed LSQ sums
-        self._corrected: dict = {}  # (base curve id, R, rounded offset, slope) -> _CorrectedSPS
+        self._verify_fit: dict[int, tuple] = {}  # R -> decayed (weight, sum) at B = R, decayed LSQ sums at B > R
+        self._corrected: dict = {}  # (base curve id, R, rounded o0, o1, slope) -> _CorrectedSPS
         self._excess: dict[int, tuple[float, float]] = {}  # R -> decayed (weight, sum) of drafting-round residuals
         self._probe_state: dict[int, list[int]] = {}  # R -> [re-probe interval, gated rounds since the last probe]
         self.drafting_veto = drafting_veto
@@ -839,29 +870,43 @@ class DSparkEngine:
         fit = self.verify_correction(len(reqs))
         if fit is None:
             return base
-        offset, slope = fit
-        key = (id(base), len(reqs), round(offset, 4), round(slope, 5))
+        key = (id(base), len(reqs), *(round(v, 5 if i < 2 else 6) for i, v in enumerate(fit)))  # 10 µs, 1 µs/token
         curve = self._corrected.get(key)
         if curve is None:
             if len(self._corrected) > 1024:
                 self._corrected.clear()
                 self._perfect_cache.clear()  # keyed by curve ids: a freed curve's id may be reused
-            curve = self._corrected[key] = _CorrectedSPS(base, len(reqs), offset, slope)
+            rounded = VerifyCorrection(*(float(v) for v in key[2:]))
+            curve = self._corrected[key] = _CorrectedSPS(base, len(reqs), rounded)
         return curve
 
-    def verify_correction(self, num_requests: int) -> tuple[float, float] | None:
-        """(offset s, slope s per draft token) of the measured verify time over the SPS table's 1/SPS(B) at R =
-        ``num_requests``: a decayed least-squares line of the residual against B − R (slope ≥ 0; 0 while every
-        measured round had the same B). None when disabled or nothing was measured at this R yet."""
-        sums = self._verify_fit.get(num_requests) if self.sps_correction else None
-        if sums is None:
+    def verify_correction(self, num_requests: int) -> VerifyCorrection | None:
+        """The measured verify time over the SPS table's 1/SPS(B) at R = ``num_requests`` (module doc, "Measured
+        verify time"): o₀, the decayed mean residual of rounds with B = R; o₁ + s · (B − R − 1), a decayed
+        least-squares line over rounds with B > R (s ≥ 0, ridge-shrunk toward 0; 0 while every such round had the
+        same B). A part without rounds takes the other's offset. None when disabled or nothing was measured at this
+        R yet. Seconds (offsets) and seconds per draft token (slope)."""
+        parts = self._verify_fit.get(num_requests) if self.sps_correction else None
+        if parts is None:
             return None
-        w, sx, sy, sxx, sxy = sums
-        # ridge toward 0: VERIFY_SLOPE_PRIOR pseudo-rounds at unit spread, so a slope fitted from a few (possibly
-        # stalled) drafted rounds fades while only B = R rounds follow instead of freezing
-        sxx_c, sxy_c = sxx - sx * sx / w, sxy - sx * sy / w
-        slope = max(0.0, sxy_c / (sxx_c + self.VERIFY_SLOPE_PRIOR * w))
-        return (sy - slope * sx) / w, slope
+        none, draft = parts
+        offset_none = none[1] / none[0] if none[0] > 0 else None
+        offset_draft, slope = None, 0.0
+        w, sx, sy, sxx, sxy = draft
+        if w > 0:
+            # ridge toward 0 (VERIFY_SLOPE_PRIOR per round at unit spread, plus VERIFY_STEP_PRIOR rounds' worth):
+            # a slope fitted from a few (possibly stalled) drafted rounds is damped, and fades as its sums decay
+            sxx_c, sxy_c = sxx - sx * sx / w, sxy - sx * sy / w
+            slope = max(0.0, sxy_c / (sxx_c + self.VERIFY_SLOPE_PRIOR * (w + self.VERIFY_STEP_PRIOR)))
+            offset_draft = (sy - slope * sx) / w
+            if offset_none is not None:  # shrunk toward o0: stale drafting rounds fade while only B = R rounds run
+                k = self.VERIFY_STEP_PRIOR
+                offset_draft = (w * offset_draft + k * offset_none) / (w + k)
+        if offset_none is None:
+            offset_none = offset_draft
+        if offset_draft is None:
+            offset_draft = offset_none
+        return VerifyCorrection(offset_none, offset_draft, slope)
 
     def _record_verify_time(self, reqs: list[_Request], batch_tokens: int, seconds: float) -> None:
         if not self.sps_correction:
@@ -871,10 +916,17 @@ class DSparkEngine:
         except ValueError:  # outside the table: nothing to correct
             return
         num = len(reqs)
-        x, y = float(batch_tokens - num), min(seconds, 3.0 * profiled) - profiled  # a stall moves the fit less
+        y = min(seconds, 3.0 * profiled) - profiled  # a stall moves the fit less
         d = self.VERIFY_FIT_DECAY
-        w, sx, sy, sxx, sxy = self._verify_fit.get(num, (0.0, 0.0, 0.0, 0.0, 0.0))
-        self._verify_fit[num] = (d * w + 1, d * sx + x, d * sy + y, d * sxx + x * x, d * sxy + x * y)
+        none, draft = self._verify_fit.get(num, ((0.0, 0.0), (0.0, 0.0, 0.0, 0.0, 0.0)))
+        none, draft = tuple(d * v for v in none), tuple(d * v for v in draft)  # both parts age every round
+        if batch_tokens <= num:
+            none = (none[0] + 1, none[1] + y)
+        else:
+            x = float(batch_tokens - num - 1)
+            w, sx, sy, sxx, sxy = draft
+            draft = (w + 1, sx + x, sy + y, sxx + x * x, sxy + x * y)
+        self._verify_fit[num] = (none, draft)
 
     # ------------------------------------------------------------------ draft cost and draft gate
     def _draft_seconds(self, rows: int) -> float:

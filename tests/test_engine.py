@@ -528,45 +528,68 @@ def test_yield_estimate_shrinks_toward_prior(tiny):
 
 
 def test_verify_correction_fits_measured_times(tiny):
-    """The measured-verify-time correction: a decayed least-squares line of (measured − 1/SPS(B)) against B − R,
-    applied as SPS'(B) = 1 / (1/SPS(B) + offset + slope · (B − R)); slope clipped at 0; off when disabled."""
-    from generation.engine import _Request
+    """The measured-verify-time correction: the residual (measured − 1/SPS(B)) as a decayed mean o0 over rounds
+    with B = R and a decayed least-squares line o1 + s · (B − R − 1) over rounds with B > R, applied as
+    SPS'(B) = 1 / max(½ / SPS(B), t'(B)); slope clipped at 0; a step at the first draft token is not read as a
+    slope; off when disabled."""
+    from generation.engine import VerifyCorrection, _Request
 
     target, drafter, *_ = tiny
     sps = {b: 100.0 for b in range(1, 40)}  # the table says 10 ms whatever B
     engine = DSparkEngine(target, drafter, "scheduler", sps=sps)
     reqs = [_Request(i, [1], 4, engine.packed.new_cache(8)) for i in range(2)]
     assert engine.verify_correction(2) is None and engine._sps_curve(reqs) is sps
-    engine._record_verify_time(reqs, 2, 0.012)  # one B only: a pure offset
-    assert engine.verify_correction(2) == pytest.approx((0.002, 0.0))
+    engine._record_verify_time(reqs, 2, 0.012)  # B = R only: a pure offset, borrowed by the drafting part
+    assert engine.verify_correction(2) == pytest.approx((0.002, 0.002, 0.0))
     for _ in range(10):
-        for b in (2, 4, 6, 8):  # measured: 12 ms + 1 ms per draft token
-            engine._record_verify_time(reqs, b, 0.012 + 0.001 * (b - 2))
-    offset, slope = engine.verify_correction(2)
-    assert 0.0007 < slope < 0.001  # ridge-shrunk toward 0 (spread of B − R: 5 tokens², prior 1)
-    assert offset == pytest.approx(0.002, abs=0.0006)
+        for b in (3, 5, 7, 9):  # drafting rounds: 12 ms + 1 ms per draft token beyond the first
+            engine._record_verify_time(reqs, b, 0.012 + 0.001 * (b - 3))
+    fit = engine.verify_correction(2)
+    assert isinstance(fit, VerifyCorrection)
+    assert 0.0007 < fit.slope < 0.001  # ridge-shrunk toward 0 (spread of B − R − 1: 5 tokens², prior ~1)
+    assert fit.offset_draft == pytest.approx(0.002, abs=0.0006)
+    assert fit.offset_none == pytest.approx(0.002)  # the B = R mean is not moved by drafting rounds
     curve = engine._sps_curve(reqs)
-    assert curve(2) == pytest.approx(1 / (0.010 + offset))
-    assert curve(10) == pytest.approx(1 / (0.010 + offset + 8 * slope))
-    # a slope fitted from one stalled drafted round fades while only B = R rounds follow (no frozen skip)
+    assert curve(2) == pytest.approx(1 / 0.012, rel=1e-3)
+    assert curve(10) == pytest.approx(1 / (0.010 + fit.offset_draft + 7 * fit.slope), rel=1e-3)
+    # a step at the first draft token (B = R: 10 ms; any B > R: 15 ms flat) is an offset, not a slope
+    step = DSparkEngine(target, drafter, "scheduler", sps=sps)
+    for _ in range(20):
+        for b in (2, 2, 3, 5, 9):
+            step._record_verify_time(reqs, b, 0.010 if b == 2 else 0.015)
+    fit = step.verify_correction(2)
+    assert fit.slope == pytest.approx(0.0, abs=1e-9)
+    assert fit.offset_none == pytest.approx(0.0, abs=1e-9)
+    assert 0.0045 < fit.offset_draft < 0.005  # shrunk a little toward o0 (VERIFY_STEP_PRIOR pseudo-rounds)
+    curve = step._sps_curve(reqs)
+    assert curve(2) == pytest.approx(100.0)
+    assert curve(3) == pytest.approx(curve(10)) == pytest.approx(1 / (0.010 + fit.offset_draft), rel=1e-3)
+    # a stalled drafting round fades (slope and step) while only B = R rounds follow: no frozen skip
     stale = DSparkEngine(target, drafter, "scheduler", sps=sps)
     for _ in range(30):
         stale._record_verify_time(reqs, 2, 0.010)
-    stale._record_verify_time(reqs, 3, 0.5)  # a stall, clipped at 3x the table
-    assert stale.verify_correction(2)[1] > 0.0005  # already damped by the ridge
-    for _ in range(150):
+        stale._record_verify_time(reqs, 3, 0.010)
+    stale._record_verify_time(reqs, 4, 0.5)  # a stall, clipped at 3x the table
+    assert stale.verify_correction(2).slope > 0.0005  # already damped by the ridge
+    assert stale.verify_correction(2).offset_draft > 0.0005
+    for _ in range(200):
         stale._record_verify_time(reqs, 2, 0.010)
-    assert stale.verify_correction(2)[1] < 0.00005
+    assert stale.verify_correction(2).slope < 0.00005
+    assert stale.verify_correction(2).offset_draft == pytest.approx(0.0, abs=0.0002)
     assert engine.verify_correction(1) is None  # per R
     # the table over-states the time: the correction never makes a round faster than half the table's
     fast = DSparkEngine(target, drafter, "scheduler", sps=sps)
     fast._record_verify_time(reqs, 2, 0.001)
     assert fast._sps_curve(reqs)(2) == pytest.approx(200.0)
-    # falling measured times give slope 0 (SPS' stays non-increasing in B)
+    # falling measured times give slope 0, and a first draft token measured cheaper than B = R is priced as B = R
+    # (SPS' stays non-increasing in B)
     falling = DSparkEngine(target, drafter, "scheduler", sps=sps)
-    for b in (2, 6):
-        falling._record_verify_time(reqs, b, 0.010 - 0.001 * (b - 2))
-    assert falling.verify_correction(2)[1] == 0.0
+    falling._record_verify_time(reqs, 2, 0.012)
+    for b in (3, 7):
+        falling._record_verify_time(reqs, b, 0.010 - 0.001 * (b - 3))
+    assert falling.verify_correction(2).slope == 0.0
+    curve = falling._sps_curve(reqs)
+    assert [curve(b) for b in (2, 3, 7)] == pytest.approx([1 / 0.012] * 3)
     off = DSparkEngine(target, drafter, "scheduler", sps=sps, sps_correction=False)
     off._record_verify_time(reqs, 2, 0.5)
     assert off.verify_correction(2) is None and off._sps_curve(reqs) is sps
