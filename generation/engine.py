@@ -37,10 +37,11 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   its prefill or a run of gated rounds, is not measured: that catch-up is paid once whenever it drafts); the first
   steady drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour),
   also work.
-* **Draft excess.** The two measured parts above are taken apart (verify times mostly from rounds where nothing was
-  drafted, drafting time from steady rounds only), so a drafting round can cost more than their sum: on SmolLM2-135M
-  at R = 4 a verify batch that holds any draft token took ~5 ms more than the table's slope gives, and a request
-  drafting after gated rounds first catches up. :meth:`~DSparkEngine.draft_excess` keeps, per R, a decayed mean
+* **Draft excess.** The measured parts of the model are taken apart (verify times per kind of round below, drafting
+  time from steady rounds only), so a drafting round can cost more than their sum: a request drafting after gated
+  rounds first catches up, and the round's bookkeeping grows with its draft tokens. (The step that a verify batch
+  pays for holding any draft token, ~5 ms on SmolLM2-135M at R = 4, is priced by the verify-time correction's
+  offset o₁ since that correction fits it apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a decayed mean
   (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the gate and the
   policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only).
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
@@ -52,8 +53,9 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   token costs a step more than the table's slope gives, and one line through both kinds of round reads that step
   as a per-token slope, pricing every draft token too high. Decisions use SPS'(B) = 1 / max(½ / SPS(B), t'(B))
   with t'(R) = 1/SPS(R) + o₀ and, for B > R, t'(B) = max(t'(R), 1/SPS(B) + o₁ + s · (B − R − 1)):
-  non-increasing like SPS. A part with no rounds yet borrows the other's offset. Timing only steers decisions,
-  never the output.
+  non-increasing like SPS. o₁ is shrunk toward o₀ (:attr:`~DSparkEngine.VERIFY_STEP_PRIOR` pseudo-rounds) and the
+  drafting part ages every round, so a few stalled drafting rounds stop steering while only B = R rounds follow; a
+  part with no rounds yet borrows the other's offset. Timing only steers decisions, never the output.
 * **Draft gate.** Before drafting, the engine decides from PAST rounds only whether drafting is expected to pay,
   per request: each request keeps decayed sums (:attr:`~DSparkEngine.YIELD_DECAY`) of its realized yield in the
   rounds it drafted, [accepted, verified] draft tokens under the policy's own ℓ (so the option of verifying little
@@ -412,8 +414,9 @@ class VerifyCorrection(NamedTuple):
 
     Attributes:
         offset_none: o₀, residual of rounds that verified no draft token (B = R).
-        offset_draft: o₁, residual at B = R + 1 of rounds that verified draft tokens.
-        slope: s ≥ 0, residual per further draft token (s per token).
+        offset_draft: o₁, residual at B = R + 1 of rounds that verified draft tokens (shrunk toward o₀ by
+            :attr:`DSparkEngine.VERIFY_STEP_PRIOR` pseudo-rounds).
+        slope: s ≥ 0, residual per further draft token, in seconds per token.
     """
 
     offset_none: float
@@ -629,7 +632,8 @@ class DSparkEngine:
     """Weight of each drafted request-round in the engine-wide yield prior per concurrency R: a slow average over
     about 50 request-rounds, i.e. over several requests even at R = 1."""
     VERIFY_SLOPE_PRIOR = 1.0
-    """Ridge weight (per round, in draft tokens²) pulling the fitted verify-time slope toward 0."""
+    """Ridge weight (draft tokens² per round of weight, the drafting rounds' decayed weight plus
+    :attr:`VERIFY_STEP_PRIOR`) pulling the fitted verify-time slope toward 0."""
     VERIFY_STEP_PRIOR = 2.0
     """Pseudo-rounds pulling the drafting rounds' verify-time offset o1 toward the B = R offset o0 (and damping the
     slope): with both parts aging every round, a few stalled drafting rounds stop steering once only B = R rounds
@@ -919,9 +923,11 @@ class DSparkEngine:
         y = min(seconds, 3.0 * profiled) - profiled  # a stall moves the fit less
         d = self.VERIFY_FIT_DECAY
         none, draft = self._verify_fit.get(num, ((0.0, 0.0), (0.0, 0.0, 0.0, 0.0, 0.0)))
-        none, draft = tuple(d * v for v in none), tuple(d * v for v in draft)  # both parts age every round
+        # the drafting part ages every round (o1 shrinks back toward o0 while only B = R rounds run); the B = R part
+        # is a mean, which uniform aging would not move, so it ages on its own rounds only
+        draft = tuple(d * v for v in draft) if draft[0] * d > 1e-6 else (0.0, 0.0, 0.0, 0.0, 0.0)  # no underflow
         if batch_tokens <= num:
-            none = (none[0] + 1, none[1] + y)
+            none = (d * none[0] + 1, d * none[1] + y)
         else:
             x = float(batch_tokens - num - 1)
             w, sx, sy, sxx, sxy = draft
@@ -945,10 +951,9 @@ class DSparkEngine:
         """Seconds by which this engine's rounds that drafted at R = ``num_requests`` outlasted the cost model,
         1/SPS'(B) + t_draft(n): a decayed mean (:attr:`EXCESS_DECAY`) of measured − modelled round time (0 before
         any such round, or unless ``draft_cost_ms="auto"``). Added to t_draft(n) wherever the gate and the policies
-        price a drafting round (:meth:`_draft_price`). The model's parts are measured apart (verify times mostly
-        in rounds where nothing was drafted, drafting time in steady rounds only), so what drafting costs beyond
-        them would otherwise go unpriced: a verify batch that holds draft tokens at all (on SmolLM2-135M at R = 4,
-        ~5 ms more than the table's slope gives), catch-up after gated rounds, bookkeeping."""
+        price a drafting round (:meth:`_draft_price`). The model's parts are measured apart (verify times per kind
+        of round, :meth:`verify_correction`; drafting time in steady rounds only), so what a drafting round costs
+        beyond them would otherwise go unpriced: catch-up after gated rounds, bookkeeping."""
         sums = self._excess.get(num_requests)
         return 0.0 if sums is None or self.draft_cost_ms != "auto" else sums[1] / sums[0]
 
