@@ -41,7 +41,7 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   time from steady rounds only), so a drafting round can cost more than their sum: a request drafting after gated
   rounds first catches up, and the round's bookkeeping grows with its draft tokens. (The step that a verify batch
   pays for holding any draft token, ~5 ms on SmolLM2-135M at R = 4, is priced by the verify-time correction's
-  offset o₁ since that correction fits it apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a decayed mean
+  offset o₁, fitted apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a decayed mean
   (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the gate and the
   policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only).
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
@@ -636,11 +636,11 @@ class DSparkEngine:
     :attr:`VERIFY_STEP_PRIOR`) pulling the fitted verify-time slope toward 0."""
     VERIFY_STEP_PRIOR = 2.0
     """Pseudo-rounds pulling the drafting rounds' verify-time offset o1 toward the B = R offset o0 (and damping the
-    slope): with both parts aging every round, a few stalled drafting rounds stop steering once only B = R rounds
-    follow (:meth:`DSparkEngine.verify_correction`)."""
+    slope): with the drafting part aging every round, a few stalled drafting rounds stop steering once only B = R
+    rounds follow (:meth:`DSparkEngine.verify_correction`)."""
     VERIFY_FIT_DECAY = 0.97
-    """Per-round decay of the sums behind :meth:`DSparkEngine.verify_correction` (about the last 33 rounds at each
-    R count)."""
+    """Per-round decay of the sums behind :meth:`DSparkEngine.verify_correction` (about the last 33 rounds count):
+    the drafting part decays every round at its R, the B = R part on its own rounds."""
     DRAFT_TIME_EMA = 0.3
     """Weight of the newest measurement in the moving average of drafting time (``draft_cost_ms="auto"``)."""
     EXCESS_DECAY = 0.9
