@@ -210,6 +210,9 @@ def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
         "skipped_draft_rounds": summ["skipped_draft_rounds"],
         "gated_request_rounds": summ["gated_request_rounds"],
         "probe_rounds": summ["probe_rounds"],
+        "veto_skip_rounds": summ["veto_skip_rounds"],
+        "veto_pair_rounds": summ["veto_pair_rounds"],
+        "veto_probe_rounds": summ["veto_probe_rounds"],
     }, [o.output_ids for o in outs]
 
 

@@ -216,6 +216,11 @@ def run(args) -> int:
         (Path(args.output_dir) / "training_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
         print(json.dumps({k: manifest[k] for k in ("global_step", "wall_s_this_run", "blocks_per_s_mean",
                                                     "last_log")}, indent=2, default=str))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # under `accelerate launch`: tear the process group down before exit (left to the interpreter's exit, gloo's
+        # threads can abort a rank with "terminate called without an active exception" after a finished run)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 

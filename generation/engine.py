@@ -76,13 +76,18 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   as in a long-running server. Nothing is drafted when, before any yield estimate, even perfect drafts (all a = 1)
   could not pay.
 * **Drafting veto.** The gate's cost model is measured in parts and can still miss what a drafting round costs as
-  a whole. :class:`generation.round_rates.RoundRates` keeps, per R, the decayed committed tokens per wall second of
-  the engine's rounds that drafted and of those that did not; while the drafting rounds at this R are the slower
-  ones by more than :attr:`~generation.round_rates.RoundRates.MARGIN` (3 %; R·SPS'(R) stands in for the
-  non-drafting rate until such rounds are measured), the gate skips drafting at this R, re-probing with its
-  back-off (``drafting_veto``, default True). On SmolLM2-135M (bf16, 2 threads) the model-gated scheduler without it
-  drafted in 37 of 69 rounds at R = 4, where drafting does not pay, and lost 6 % to no speculation (``dspark bench
-  serve``, README).
+  a whole. :class:`generation.round_rates.RoundRates` compares, per R, the committed tokens per wall second of the
+  engine's rounds that drafted with those of the rounds that did not, paired in time (windows of at least a
+  second and 16 mean rounds, so that the machine's drift cancels); while the drafting rounds at this R (or, before it is measured, at
+  the largest smaller R measured) are the slower ones with one standard error to spare
+  (:meth:`~generation.round_rates.RoundRates.ratio_upper` below 1), the gate skips drafting at this R, re-probing
+  with its back-off (up to ``probe_max_interval`` rounds): a probe drafts the request skipped longest, for
+  :attr:`DSparkEngine.VETO_PROBE_ROUNDS` rounds in a row, and asks whether drafting even one request pays at this
+  R (``drafting_veto``, default True). To keep the two kinds paired, a window half over with drafting rounds only
+  skips drafting for one round (at most one per window).
+  :class:`EngineRound` records the veto's part in a round (``veto``), :meth:`EngineStats.summary` the counts. On
+  SmolLM2-135M (bf16, 2 threads) the model-gated scheduler without the veto drafted in 37 of 69 rounds at R = 4,
+  where drafting does not pay, and lost 6 % to no speculation (``dspark bench serve``, README).
 
 Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
 for token in float32; no logits processors). Not thread-safe: while :meth:`DSparkEngine.step` runs, the target
@@ -484,8 +489,12 @@ class EngineRound:
         committed: tokens appended per request.
         t_draft_ms, t_verify_ms: drafter time (all requests) and verify forward + acceptance time.
         gated: per request, True when the draft gate (scheduler / lagged) skipped drafting it this round although
-            it could have drafted (empty for the other policies).
-        probe: the round drafted a request the gate would have skipped (periodic re-probe, see the module doc).
+            it could have drafted, by its cost model or by the drafting veto (empty for the other policies).
+        probe: the round drafted a request the gate would have skipped (periodic re-probe of the cost model or of
+            the veto, see the module doc).
+        veto: the drafting veto's part in this round (module doc, "Drafting veto"): ``"skip"`` (vetoed: nothing
+            drafted), ``"pair"`` (nothing drafted, to pair a window of drafting rounds), ``"probe"`` (a re-probe of
+            a vetoed R: one request drafts), or ``""``.
     """
 
     requests: int
@@ -498,6 +507,7 @@ class EngineRound:
     t_verify_ms: float
     gated: list[bool] = field(default_factory=list)
     probe: bool = False
+    veto: str = ""
 
     @property
     def drafted_any(self) -> bool:
@@ -531,6 +541,9 @@ class EngineStats:
             "skipped_draft_rounds": sum(not r.drafted_any for r in self.rounds),
             "gated_request_rounds": sum(sum(r.gated) for r in self.rounds),
             "probe_rounds": sum(r.probe for r in self.rounds),
+            "veto_skip_rounds": sum(r.veto == "skip" for r in self.rounds),
+            "veto_pair_rounds": sum(r.veto == "pair" for r in self.rounds),
+            "veto_probe_rounds": sum(r.veto == "probe" for r in self.rounds),
             "prefill_tokens": self.prefill_tokens,
             "prefill_ms": self.prefill_ms,
             "step_time_s": self.step_time_s,
@@ -604,14 +617,15 @@ class DSparkEngine:
             paper's Algorithm 1).
         draft_gating: ``scheduler`` / ``lagged`` only: before each round decide from past rounds whether drafting a
             request is expected to pay, and skip the drafter for those where it does not (default True).
-        probe_max_interval: longest run of gated rounds before the gate re-probes (drafts anyway) to refresh its
-            estimates; the interval doubles from 1 up to this (default 32).
+        probe_max_interval: longest run of gated (or vetoed) rounds before the gate re-probes (drafts anyway) to
+            refresh its estimates; the interval doubles from 1 up to this (default 32).
         sps_correction: ``scheduler`` / ``lagged`` only: correct the SPS table by this engine's measured verify
             times (module doc, "Measured verify time"; default True).
         drafting_veto: ``scheduler`` / ``lagged`` with ``draft_gating`` only: skip drafting (re-probing with the
             gate's back-off) at an R where this engine's drafting rounds committed fewer tokens per second than its
-            rounds without drafting (module doc, "Drafting veto"; :class:`generation.round_rates.RoundRates`;
-            default True).
+            rounds without drafting, measured in the same windows of about a second; costs at most one round
+            without drafting per window where drafting pays, to pair it (module doc, "Drafting veto";
+            :class:`generation.round_rates.RoundRates`; default True).
 
     Raises:
         ValueError: unknown policy, a policy that needs a drafter / confidence head / SPS table without one,
@@ -622,6 +636,10 @@ class DSparkEngine:
     YIELD_DECAY = 0.8
     """Per-drafted-round decay of a request's sums of realized yield (accepted, verified draft tokens; draft gate):
     about the last 1 / (1 - 0.8) = 5 drafted rounds count."""
+    VETO_PROBE_ROUNDS = 2
+    """Consecutive rounds a re-probe of a vetoed R drafts one request (the same one): the first pays its drafter's
+    catch-up on the positions it skipped and is not recorded by the veto (:mod:`generation.round_rates`); the
+    second measures a drafting round."""
     YIELD_PRIOR_ROUNDS = 12.0
     """Pseudo-rounds of the engine-wide prior mixed into every request's yield estimate (shrinkage). Acceptance is
     bursty, so a request's own recent rounds predict its next round only weakly: on SmolLM2-135M with the shipped
@@ -737,7 +755,11 @@ class DSparkEngine:
         self._excess: dict[int, tuple[float, float]] = {}  # R -> decayed (weight, sum) of drafting-round residuals
         self._probe_state: dict[int, list[int]] = {}  # R -> [re-probe interval, gated rounds since the last probe]
         self.drafting_veto = drafting_veto
-        self.round_rates = RoundRates()  # per R: measured tokens/s of drafting vs non-drafting rounds (veto)
+        self.round_rates = RoundRates()  # per R: time-paired tokens/s of drafting vs non-drafting rounds (veto)
+        self._veto_probe_state: dict[int, list[int]] = {}  # R -> [veto re-probe interval, vetoed rounds since]
+        self._veto_probe: list = [0, 0, None]  # [R, rounds still to go, request id] of a veto probe in progress
+        self._veto_mark = ""  # the veto's part in the current round: "", "skip", "pair" or "probe" (EngineRound.veto)
+        self._veto_probe_first = False  # the current round is the first of a veto probe (not recorded)
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ public API
@@ -1029,11 +1051,13 @@ class DSparkEngine:
         """Which requests draft this round (scheduler / lagged). Returns (budgets, gated per request, probe).
 
         Uses only information from earlier rounds (the SPS curve and its measured correction, the measured draft
-        cost, the requests' realized yields and the per-R yield prior), never this round's draft: non-anticipating,
-        hence lossless. See the module doc.
+        cost, the requests' realized yields and the per-R yield prior, the drafting veto's measured round rates)
+        and the clock (the veto's windows), never this round's confidences or draft: non-anticipating, hence
+        lossless. See the module doc.
         """
         kind = self.policy.kind
         none = [False] * len(reqs)
+        self._veto_mark = ""
         if kind not in ("scheduler", "lagged") or not any(budgets):
             return budgets, none, False
         sps = self._sps_curve(reqs)
@@ -1050,8 +1074,46 @@ class DSparkEngine:
                 return self._skip_or_probe(reqs, budgets, skip_all, can)  # measured costs: re-probe now and then
         if not self.draft_gating:
             return budgets, none, False
-        if self._vetoed(reqs, sps):
-            return self._skip_or_probe(reqs, budgets, skip_all, can)
+        if self.drafting_veto:
+            ids = [r.id for r in reqs]
+            num_left, left, probe_id = self._veto_probe
+            if left > 0 and num_left == num and probe_id in ids and budgets[ids.index(probe_id)] > 0:
+                self._veto_probe[1] -= 1  # the next round of a veto probe: the same request drafts again
+                return self._veto_probe_round(budgets, can, ids.index(probe_id), first=False)
+            self._veto_probe = [num, 0, None]  # none in progress (or abandoned: R changed, the request left)
+            if self.round_rates.drafting_loses(num):
+                state = self._veto_probe_state.setdefault(num, [1, 0])
+                state[1] += 1
+                if state[1] <= state[0]:
+                    self._veto_mark = "skip"
+                    return skip_all, can, False
+                state[:] = [min(2 * state[0], self.probe_max_interval), 0]
+                # one request drafts (the one skipped longest; ties: first), for VETO_PROBE_ROUNDS rounds in a row:
+                # its paired rounds say whether drafting even one request pays at this R, at a fraction of the
+                # cost of drafting them all
+                i = max((j for j, c in enumerate(can) if c), key=lambda j: (reqs[j].gated_rounds, -j))
+                self._veto_probe = [num, self.VETO_PROBE_ROUNDS - 1, reqs[i].id]
+                return self._veto_probe_round(budgets, can, i, first=True)
+            self._veto_probe_state.pop(num, None)  # a later veto starts its back-off afresh
+            if self.round_rates.plain_round_due(num):  # pair this window's drafting rounds with a plain one
+                self._veto_mark = "pair"
+                return skip_all, can, False
+        return self._model_gate(reqs, budgets, sps)
+
+    def _veto_probe_round(self, budgets: list[int], can: list[bool], i: int, first: bool):
+        """A round of a veto probe: request ``i`` drafts, the others are skipped (gated). The ``first`` round pays the
+        request's drafter catch-up and is not recorded by the veto."""
+        self._veto_mark = "probe"
+        self._veto_probe_first = first
+        return [b if j == i else 0 for j, b in enumerate(budgets)], [c and j != i for j, c in enumerate(can)], True
+
+    def _model_gate(self, reqs: list[_Request], budgets: list[int], sps) -> tuple[list[int], list[bool], bool]:
+        """The gate's cost model (module doc, "Draft gate"): which requests draft, from the SPS curve, the measured
+        draft cost and the requests' realized yields. Returns (budgets, gated per request, probe)."""
+        num = len(reqs)
+        none = [False] * num
+        can = [b > 0 for b in budgets]
+        skip_all = [0] * num
 
         def price(n: int) -> float:
             return self._draft_price(num, n)
@@ -1080,18 +1142,6 @@ class DSparkEngine:
             self._probe_state[num] = [1, 0]
             return budgets, none, False
         return self._skip_or_probe(reqs, budgets, [b if d else 0 for b, d in zip(budgets, decision.draft)], gated)
-
-    def _vetoed(self, reqs: list[_Request], sps) -> bool:
-        """Drafting veto (module doc): this engine's drafting rounds at this R committed fewer tokens per second than
-        its rounds without drafting (before enough of those, R·SPS'(R) of the corrected table stands in)."""
-        if not self.drafting_veto:
-            return False
-        num = len(reqs)
-        plain = None
-        if self.round_rates.rate(num, False) is None:
-            with contextlib.suppress(ValueError):
-                plain = num * _sps_value(sps, num)
-        return self.round_rates.drafting_loses(num, plain)
 
     def _skip_or_probe(self, reqs: list[_Request], budgets: list[int], gated_budgets: list[int], gated: list[bool]):
         """Apply a gate decision, unless this gated round is due a re-probe (back-off 1, 2, 4, … rounds): then the
@@ -1242,17 +1292,22 @@ class DSparkEngine:
         t0 = time.perf_counter()
         budgets = [max(0, min(self.block_size, r.remaining - 1)) for r in reqs]
         gated, probe = [False] * num, False
+        self._veto_mark = ""
         if self.drafter is not None:
             budgets, gated, probe = self._gate(reqs, budgets)
         rows = sum(b > 0 for b in budgets)
         gating = self.policy.kind in ("scheduler", "lagged")
         if gating and rows:  # the cost model of this round, before its own measurements update it
             curve, modelled_draft = self._sps_curve(reqs), self._draft_seconds(rows)
+        long_catch_up = False
         if self.drafter is not None and rows:
             # a drafting request that must first catch up on many positions (just prefilled, or gated for a while)
             # makes this round's drafting time unrepresentative: the catch-up is paid once whenever it drafts
-            catch_up = any(sum(f.shape[1] for f in r.pending_feats) > self.block_size + 1
-                           for r, b in zip(reqs, budgets) if b > 0)
+            pending = [sum(f.shape[1] for f in r.pending_feats) for r, b in zip(reqs, budgets) if b > 0]
+            catch_up = any(n > self.block_size + 1 for n in pending)
+            # the drafting veto leaves out only catch-ups of more than two rounds' worth: one non-drafting round
+            # (a pairing round) before a drafting one is part of what drafting costs (round_rates module doc)
+            long_catch_up = any(n > 2 * (self.block_size + 1) for n in pending)
             tokens, conf, lengths = self._draft(reqs, budgets)
             t1 = time.perf_counter()
             if not catch_up:
@@ -1309,7 +1364,9 @@ class DSparkEngine:
                 with contextlib.suppress(ValueError):  # B outside the table: no model to compare with
                     self._record_excess(num, t2 - t0, 1.0 / _sps_value(curve, off) + modelled_draft)
             self._record_verify_time(reqs, off, t2 - t1)
-            self.round_rates.record(num, rows > 0, t2 - t0, sum(committed_all))
+            first_probe = self._veto_mark == "probe" and self._veto_probe_first
+            if not (long_catch_up or first_probe):  # what a catch-up costs, the next drafting round does not
+                self.round_rates.record(num, rows > 0, t2 - t0, sum(committed_all), now=t2)
         for r in reqs:
             r.stats.rounds[-1].t_verify_ms = (t2 - t1) * 1e3
         self.stats.rounds.append(
@@ -1324,6 +1381,7 @@ class DSparkEngine:
                 t_verify_ms=(t2 - t1) * 1e3,
                 gated=list(gated) if self.policy.kind in ("scheduler", "lagged") else [],
                 probe=probe,
+                veto=self._veto_mark,
             )
         )
 

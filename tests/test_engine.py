@@ -101,6 +101,9 @@ class ScriptedEngine(DSparkEngine):
                 toks.append(true if j < good else (true + 1) % self.target.config.vocab_size)
             tokens.append(toks)
             conf.append([0.9 if j < good else 0.2 for j in range(self.block_size)])
+        for r, budget in zip(reqs, budgets):
+            if budget > 0:
+                r.pending_feats = []  # ingested, as the real drafter does (catch-up detection sees the same)
         sps = self._sps_curve(reqs) if self.policy.kind in ("scheduler", "lagged") else None
         lengths = self._policy_lengths(conf, budgets, sps, sum(budgets) // 2)
         lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
@@ -442,8 +445,8 @@ def test_gate_keeps_drafting_oracle(tiny, long_refs, policy):
     target, drafter, prompts, _, _ = tiny
     max_new, refs = long_refs
     engine = OracleEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
-                          references=dict(enumerate(refs)))
-    for p, n in zip(prompts, max_new):
+                          references=dict(enumerate(refs)), drafting_veto=False)  # the cost model alone (the
+    for p, n in zip(prompts, max_new):                                          # veto's windows read the clock)
         engine.add_request(p, n)
     assert [o.output_ids for o in engine.run()] == refs
     summ = engine.stats.summary()
@@ -463,7 +466,8 @@ def test_gate_uses_past_rounds_only(tiny, long_refs):
     runs = []
     for conf_fn in (lambda t: 0.9, lambda t: 0.9 if t < switch else 0.0):
         engine = OracleEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
-                              references=dict(enumerate(refs)), conf_fn=conf_fn)
+                              references=dict(enumerate(refs)), conf_fn=conf_fn,
+                              drafting_veto=False)  # the veto's windows read the clock: not reproducible
         for p, n in zip(prompts, max_new):
             engine.add_request(p, n)
         assert [o.output_ids for o in engine.run()] == refs
@@ -729,61 +733,143 @@ class SlowOracleEngine(OracleEngine):
         return super()._draft(reqs, budgets)
 
 
-def test_drafting_veto_stops_drafting_that_measures_slower(tiny):
-    """Drafting that the cost model prices as free but that measures slower than rounds without drafting: after
-    RoundRates.MIN_ROUNDS drafting rounds at R = 2 the veto skips the drafter, re-probing with the gate's back-off;
-    without the veto the model-gated engine drafts every round. Outputs stay exact either way."""
+def test_drafting_veto_stops_drafting_that_measures_slower_and_lifts(tiny):
+    """Drafting that the cost model prices as free but that measures slower than rounds without drafting: the
+    engine pairs each window's drafting rounds with a round without drafting, and once RoundRates.MIN_WINDOWS windows
+    measured drafting slower the veto skips the drafter at R = 2, re-probing with the back-off (one request for
+    VETO_PROBE_ROUNDS rounds at a time); without the veto the model-gated engine drafts every round. When drafting
+    then gets fast, the probes lift the veto. Outputs stay exact throughout."""
     from generation.round_rates import RoundRates
 
     target, drafter, prompts, _, _ = tiny
-    prompts, max_new = prompts[1:3], [150, 150]
+    prompts, max_new = prompts[1:3] * 2, [400] * 4
     refs = [_reference(target, p, n) for p, n in zip(prompts, max_new)]
     runs = {}
     for veto in (True, False):
         engine = SlowOracleEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=2, draft_cost_ms=0.0,
-                                  references=dict(enumerate(refs)), drafting_veto=veto)
-        for p, n in zip(prompts, max_new):
+                                  references=dict(enumerate(refs)), drafting_veto=veto, probe_max_interval=4)
+        engine.round_rates.WINDOW_S = 0.25  # windows of ~2 drafting rounds at 0.1 s each: a short test
+        engine.round_rates.WINDOW_ROUNDS = 2
+        for p, n in zip(prompts[:2], max_new[:2]):
             engine.add_request(p, n)
-        assert [o.output_ids for o in engine.run()] == refs
+        assert [o.output_ids for o in engine.run()] == refs[:2]
         runs[veto] = engine
     vetoed, free = runs[True], runs[False]
-    summ = vetoed.stats.summary()
+    rounds = list(vetoed.stats.rounds)
     assert vetoed.round_rates.drafting_loses(2)
-    assert vetoed.round_rates.rate(2, True) < vetoed.round_rates.rate(2, False)
-    assert summ["probe_rounds"] >= 1
-    assert summ["draft_rounds"] <= RoundRates.MIN_ROUNDS + summ["probe_rounds"] + 1  # + a round at R = 1 at the end
-    assert summ["skipped_draft_rounds"] >= 0.8 * summ["rounds"]
-    first = next(i for i, r in enumerate(vetoed.stats.rounds) if not r.drafted_any)
-    assert first >= RoundRates.MIN_ROUNDS  # vetoed only once enough drafting rounds were measured
+    assert vetoed.round_rates.ratio(2) < 1.0 - RoundRates.MARGIN
+    assert vetoed.round_rates.paired_windows(2) >= RoundRates.MIN_WINDOWS
     assert free.stats.summary()["skipped_draft_rounds"] == 0  # the model alone never sees the cost
+    # before the veto, rounds without drafting come one at a time, to pair the windows ...
+    first_skip = next((i for i, r in enumerate(rounds) if r.veto == "skip"), None)
+    assert first_skip is not None
+    before = rounds[:first_skip]
+    assert any(r.drafted_any for r in before)
+    assert all(r.veto == "pair" for r in before if not r.drafted_any)
+    assert all(before[i + 1].drafted_any for i, r in enumerate(before) if r.veto == "pair" and i + 1 < len(before))
+    # ... after it, drafting only in probes of VETO_PROBE_ROUNDS consecutive rounds, with a growing back-off
+    vetoed_rounds = [r for r in rounds[first_skip:] if r.requests == 2 and (any(r.gated) or r.drafted_any)]
+    marks = "".join({"skip": ".", "probe": "P"}.get(r.veto, "?") for r in vetoed_rounds)  # (not: no room to draft)
+    assert set(marks) <= {".", "P"}, marks
+    runs_of_p = [len(x) for x in marks.strip(".").split(".") if x]
+    assert runs_of_p and all(n == vetoed.VETO_PROBE_ROUNDS for n in runs_of_p[:-1]), marks
+    gaps = [len(x) for x in marks.strip(".").split("P") if x]
+    assert gaps == sorted(gaps) and max(gaps, default=0) <= vetoed.probe_max_interval, marks
+    assert all(r.drafted_any == (r.veto == "probe") for r in vetoed_rounds)
+    # drafting gets fast: the probes' paired samples lift the veto, and the engine drafts again
+    vetoed.DRAFT_SLEEP_S = 0.0
+    vetoed.round_rates.WINDOW_S = 0.05  # rounds of a few ms now: windows of several rounds, which the slow
+    vetoed.round_rates.MEAN_DECAY = 0.5  # rounds of before would stretch (WINDOW_ROUNDS) for a while
+    for p, n in zip(prompts[2:], max_new[2:]):
+        vetoed.add_request(p, n)
+    assert [o.output_ids for o in vetoed.run()] == refs[2:]
+    assert not vetoed.round_rates.drafting_loses(2)
+    later = [r for r in vetoed.stats.rounds[len(rounds):] if r.requests == 2]
+    lifted = later[max((i for i, r in enumerate(later) if r.veto in ("skip", "probe")), default=-1) + 1:]
+    assert len(lifted) >= 8  # the veto lifted well before the end and stayed lifted
+    assert sum(r.drafted_any for r in lifted) >= 0.6 * len(lifted)  # the rest: pairing rounds, one per window
 
 
-def test_round_rates_decayed_per_concurrency_and_kind():
-    """RoundRates: None before MIN_ROUNDS rounds of a kind; decayed tokens / seconds; a stall counts at most
-    STALL_FACTOR mean rounds; kinds and R values kept apart; the veto needs drafting slower by more than MARGIN; the
-    estimate stands in only for unmeasured plain rounds."""
+def test_round_rates_pair_drafting_and_plain_rounds_within_a_window():
+    """RoundRates: a window's sample is the log ratio of its drafting and plain rates, weighted n_d·n_p/(n_d + n_p);
+    the veto needs the upper confidence bound of the decayed weighted mean below 1 - MARGIN; windows with one kind
+    only give none; the machine's speed changing between windows (drift) does not move the
+    ratio, where pooling the rounds would; None before MIN_WINDOWS paired windows; at an unmeasured R the largest
+    smaller measured R stands in; a stall counts at most STALL_FACTOR mean rounds; a plain round is due from half-way
+    through a drafting-only window until it ends; slow rounds stretch the windows."""
+    import math
+
     from generation.round_rates import RoundRates
 
     rates = RoundRates()
-    n = RoundRates.MIN_ROUNDS
-    for _ in range(n - 1):
-        rates.record(2, True, 0.05, 3)
-    assert rates.rate(2, True) is None and rates.rounds(2, True) == n - 1
-    assert not rates.drafting_loses(2, plain_estimate=1000.0)  # drafting rate unknown: no verdict
-    rates.record(2, True, 0.05, 3)
-    assert rates.rate(2, True) == pytest.approx(60.0)  # 3 tokens / 50 ms
-    assert rates.rate(4, True) is None and rates.rate(2, False) is None
-    m = RoundRates.MARGIN
-    assert rates.drafting_loses(2, plain_estimate=60.0 / (1 - m) + 0.1)
-    assert not rates.drafting_loses(2, plain_estimate=60.0 / (1 - m) - 0.1)  # slower, but within the margin
-    assert not rates.drafting_loses(2)  # nothing to compare with
-    for _ in range(n):
-        rates.record(2, False, 0.04, 2)  # 50 tokens/s measured: the estimate no longer counts
-    assert rates.rate(2, False) == pytest.approx(50.0)
-    assert not rates.drafting_loses(2, plain_estimate=1000.0)
-    d, w = RoundRates.DECAY, sum(RoundRates.DECAY**i for i in range(n))
-    rates.record(2, True, 10.0, 3)  # a stall: counted as STALL_FACTOR x 50 ms
-    assert rates.rate(2, True) == pytest.approx((d * w * 3 + 3) / (d * w * 0.05 + RoundRates.STALL_FACTOR * 0.05))
+    t, win = 100.0, RoundRates.WINDOW_S
+
+    def window(r, num, speed, drafting, plain):
+        nonlocal t
+        for kind, (n, sec, tok) in ((True, drafting), (False, plain)):
+            for _ in range(n):
+                t += sec / speed
+                r.record(num, kind, sec / speed, tok, now=t)
+        t += 2 * win  # the next round opens (and closes this) window
+
+    assert rates.ratio(2) is None and not rates.drafting_loses(2)
+    window(rates, 2, 1.0, drafting=(3, 0.05, 6), plain=(0, 0.05, 4))  # drafting rounds only: no sample
+    # drifting machine: drafting is 1.5x as fast as plain in every window, but the slow windows hold more drafting
+    # rounds and the fast ones more plain rounds (pooled: 26.1 vs 30.9 tokens/s, drafting would look slower)
+    for speed, n_d, n_p in ((1.0, 2, 2), (0.5, 6, 1), (2.0, 1, 6)):
+        window(rates, 2, speed, drafting=(n_d, 0.05, 6), plain=(n_p, 0.05, 4))
+    assert rates.paired_windows(2) == 2 and rates.ratio(2) is None  # the last window is still open
+    rates.record(2, False, 0.05, 4, now=t)  # closes it
+    assert rates.paired_windows(2) == RoundRates.MIN_WINDOWS and rates.ratio(2) == pytest.approx(1.5)
+    assert not rates.drafting_loses(2)
+    # R = 4: drafting slower in two windows, faster in one, windows of different sizes and speeds
+    window(rates, 4, 1.0, drafting=(1, 0.05, 4), plain=(5, 0.05, 5))   # weight 5/6, ratio 0.8
+    window(rates, 4, 1.6, drafting=(4, 0.05, 4), plain=(4, 0.05, 5))   # weight 2, ratio 0.8
+    window(rates, 4, 0.7, drafting=(2, 0.05, 8), plain=(2, 0.05, 5))   # weight 1, ratio 1.6
+    rates.record(4, False, 0.05, 5, now=t)
+    d = RoundRates.DECAY
+
+    def expected(samples):  # (weight, ratio), oldest first -> (ratio, upper bound)
+        ws = [w * d ** (len(samples) - 1 - i) for i, (w, _) in enumerate(samples)]
+        xs = [math.log(r) for _, r in samples]
+        mean = sum(w * x for w, x in zip(ws, xs)) / sum(ws)
+        var = sum(w * (x - mean) ** 2 for w, x in zip(ws, xs)) / (sum(ws) - sum(w * w for w in ws) / sum(ws))
+        se = math.sqrt(var * sum(w * w for w in ws)) / sum(ws)
+        return math.exp(mean), math.exp(mean + RoundRates.CONFIDENCE_Z * se)
+
+    samples = [(5 / 6, 0.8), (2, 0.8), (1, 1.6)]
+    assert (rates.ratio(4), rates.ratio_upper(4)) == pytest.approx(expected(samples))
+    assert rates.ratio(4) < 1 - RoundRates.MARGIN < rates.ratio_upper(4)
+    assert not rates.drafting_loses(4)  # slower on average, but too noisy to be sure
+    for _ in range(3):
+        window(rates, 4, 1.0, drafting=(4, 0.05, 4), plain=(4, 0.05, 5))
+    rates.record(4, False, 0.05, 5, now=t)
+    samples += [(4 * 5 / 9, 0.8), (2, 0.8), (2, 0.8)]  # the first also holds the plain round that closed the last
+    assert (rates.ratio(4), rates.ratio_upper(4)) == pytest.approx(expected(samples))
+    assert rates.ratio_upper(4) < 1 - RoundRates.MARGIN and rates.drafting_loses(4)
+    assert rates.drafting_loses(5) and rates.drafting_loses(16)  # the largest smaller measured R: 4
+    assert not rates.drafting_loses(3) and not rates.drafting_loses(1)  # 2 (drafting pays), none
+    # a stall counts at most STALL_FACTOR x the kind's mean round time
+    stalled = RoundRates()
+    for i in range(4):
+        stalled.record(1, True, 0.05, 2, now=10.0 + 0.05 * i)
+    stalled.record(1, True, 30.0, 2, now=10.3)
+    assert stalled._windows[1]["sums"][True][0] == pytest.approx(4 * 0.05 + RoundRates.STALL_FACTOR * 0.05)
+    # plain round due: drafting-only window, from half-way to its end; not once a plain round ran
+    due = RoundRates()
+    due.record(1, True, 0.05, 2, now=5.0)
+    start = 5.0 - 0.05
+    assert not due.plain_round_due(1, now=start + 0.3 * win)
+    assert due.plain_round_due(1, now=start + 0.5 * win) and due.plain_round_due(1, now=start + win)
+    assert not due.plain_round_due(1, now=start + 1.1 * win)  # the window is over: the next round opens another
+    due.record(1, False, 0.05, 1, now=start + 0.6 * win)
+    assert not due.plain_round_due(1, now=start + 0.9 * win)
+    # slow rounds (0.5 s): a window spans WINDOW_ROUNDS of them, not WINDOW_S
+    slow = RoundRates()
+    for i in range(8):
+        slow.record(1, True, 0.5, 3, now=20.0 + 0.5 * (i + 1))
+    assert len(slow._windows) == 1 and slow._windows[1]["sums"][True][2] == 8  # 4 s > WINDOW_S, one window
+    assert not slow.plain_round_due(1, now=23.0) and slow.plain_round_due(1, now=24.0)  # half of 16 x 0.5 s
     for bad in ((0, True, 0.1, 1), (2, True, 0.0, 1), (2, True, 0.1, -1)):
         with pytest.raises(ValueError, match="bad round"):
             rates.record(*bad)
@@ -798,3 +884,4 @@ def test_bench_serve_engines_without_the_veto(tiny):
     assert bench_cmd._engine(target, drafter, "scheduler", 6, SPS).drafting_veto is True
     assert bench_cmd._engine(target, drafter, "scheduler", 6, SPS, drafting_veto=False).drafting_veto is False
     assert build_parser().parse_args(["bench", "serve", "--no-drafting-veto"]).no_drafting_veto is True
+
