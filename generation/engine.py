@@ -1057,7 +1057,6 @@ class DSparkEngine:
         """
         kind = self.policy.kind
         none = [False] * len(reqs)
-        self._veto_mark = ""
         if kind not in ("scheduler", "lagged") or not any(budgets):
             return budgets, none, False
         sps = self._sps_curve(reqs)
@@ -1098,7 +1097,7 @@ class DSparkEngine:
             if self.round_rates.plain_round_due(num):  # pair this window's drafting rounds with a plain one
                 self._veto_mark = "pair"
                 return skip_all, can, False
-        return self._model_gate(reqs, budgets, sps)
+        return self._model_gate(reqs, budgets, sps, can, skip_all)
 
     def _veto_probe_round(self, budgets: list[int], can: list[bool], i: int, first: bool):
         """A round of a veto probe: request ``i`` drafts, the others are skipped (gated). The ``first`` round pays the
@@ -1107,13 +1106,13 @@ class DSparkEngine:
         self._veto_probe_first = first
         return [b if j == i else 0 for j, b in enumerate(budgets)], [c and j != i for j, c in enumerate(can)], True
 
-    def _model_gate(self, reqs: list[_Request], budgets: list[int], sps) -> tuple[list[int], list[bool], bool]:
+    def _model_gate(self, reqs: list[_Request], budgets: list[int], sps, can: list[bool], skip_all: list[int]
+                    ) -> tuple[list[int], list[bool], bool]:
         """The gate's cost model (module doc, "Draft gate"): which requests draft, from the SPS curve, the measured
-        draft cost and the requests' realized yields. Returns (budgets, gated per request, probe)."""
+        draft cost and the requests' realized yields. ``can``: which requests have room to draft; ``skip_all``: zero
+        budgets. Returns (budgets, gated per request, probe)."""
         num = len(reqs)
         none = [False] * num
-        can = [b > 0 for b in budgets]
-        skip_all = [0] * num
 
         def price(n: int) -> float:
             return self._draft_price(num, n)
