@@ -759,7 +759,6 @@ class DSparkEngine:
         self._veto_probe_state: dict[int, list[int]] = {}  # R -> [veto re-probe interval, vetoed rounds since]
         self._veto_probe: list = [0, 0, None]  # [R, rounds still to go, request id] of a veto probe in progress
         self._veto_mark = ""  # the veto's part in the current round: "", "skip", "pair" or "probe" (EngineRound.veto)
-        self._veto_probe_first = False  # the current round is the first of a veto probe (not recorded)
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ public API
@@ -1078,32 +1077,27 @@ class DSparkEngine:
             num_left, left, probe_id = self._veto_probe
             if left > 0 and num_left == num and probe_id in ids and budgets[ids.index(probe_id)] > 0:
                 self._veto_probe[1] -= 1  # the next round of a veto probe: the same request drafts again
-                return self._veto_probe_round(budgets, can, ids.index(probe_id), first=False)
+                return self._veto_probe_round(budgets, can, ids.index(probe_id))
             self._veto_probe = [num, 0, None]  # none in progress (or abandoned: R changed, the request left)
             if self.round_rates.drafting_loses(num):
-                state = self._veto_probe_state.setdefault(num, [1, 0])
-                state[1] += 1
-                if state[1] <= state[0]:
+                if not self._probe_due(self._veto_probe_state, num):
                     self._veto_mark = "skip"
                     return skip_all, can, False
-                state[:] = [min(2 * state[0], self.probe_max_interval), 0]
                 # one request drafts (the one skipped longest; ties: first), for VETO_PROBE_ROUNDS rounds in a row:
                 # its paired rounds say whether drafting even one request pays at this R, at a fraction of the
                 # cost of drafting them all
-                i = max((j for j, c in enumerate(can) if c), key=lambda j: (reqs[j].gated_rounds, -j))
+                i = _longest_gated(reqs, can)
                 self._veto_probe = [num, self.VETO_PROBE_ROUNDS - 1, reqs[i].id]
-                return self._veto_probe_round(budgets, can, i, first=True)
+                return self._veto_probe_round(budgets, can, i)
             self._veto_probe_state.pop(num, None)  # a later veto starts its back-off afresh
             if self.round_rates.plain_round_due(num):  # pair this window's drafting rounds with a plain one
                 self._veto_mark = "pair"
                 return skip_all, can, False
         return self._model_gate(reqs, budgets, sps, can, skip_all)
 
-    def _veto_probe_round(self, budgets: list[int], can: list[bool], i: int, first: bool):
-        """A round of a veto probe: request ``i`` drafts, the others are skipped (gated). The ``first`` round pays the
-        request's drafter catch-up and is not recorded by the veto."""
+    def _veto_probe_round(self, budgets: list[int], can: list[bool], i: int):
+        """A round of a veto probe: request ``i`` drafts, the others are skipped (gated)."""
         self._veto_mark = "probe"
-        self._veto_probe_first = first
         return [b if j == i else 0 for j, b in enumerate(budgets)], [c and j != i for j, c in enumerate(can)], True
 
     def _model_gate(self, reqs: list[_Request], budgets: list[int], sps, can: list[bool], skip_all: list[int]
@@ -1142,14 +1136,21 @@ class DSparkEngine:
             return budgets, none, False
         return self._skip_or_probe(reqs, budgets, [b if d else 0 for b, d in zip(budgets, decision.draft)], gated)
 
+    def _probe_due(self, states: dict[int, list[int]], num: int) -> bool:
+        """Count one more skipped round at R = ``num`` in ``states`` (R -> [interval, skipped rounds since the last
+        probe]); True when it is due a re-probe, which doubles the interval (from 1, up to ``probe_max_interval``)."""
+        state = states.setdefault(num, [1, 0])
+        state[1] += 1
+        if state[1] <= state[0]:
+            return False
+        state[:] = [min(2 * state[0], self.probe_max_interval), 0]
+        return True
+
     def _skip_or_probe(self, reqs: list[_Request], budgets: list[int], gated_budgets: list[int], gated: list[bool]):
         """Apply a gate decision, unless this gated round is due a re-probe (back-off 1, 2, 4, … rounds): then the
         gated request skipped longest (ties: first) drafts too, refreshing its yield estimate."""
-        state = self._probe_state.setdefault(len(reqs), [1, 0])  # per R: what pays at one R says little of another
-        state[1] += 1
-        if state[1] > state[0]:
-            state[:] = [min(2 * state[0], self.probe_max_interval), 0]
-            probe = max((i for i, g in enumerate(gated) if g), key=lambda i: (reqs[i].gated_rounds, -i))
+        if self._probe_due(self._probe_state, len(reqs)):  # per R: what pays at one R says little of another
+            probe = _longest_gated(reqs, gated)
             gated_budgets, gated = list(gated_budgets), list(gated)
             gated_budgets[probe], gated[probe] = budgets[probe], False
             return gated_budgets, gated, True
@@ -1363,7 +1364,7 @@ class DSparkEngine:
                 with contextlib.suppress(ValueError):  # B outside the table: no model to compare with
                     self._record_excess(num, t2 - t0, 1.0 / _sps_value(curve, off) + modelled_draft)
             self._record_verify_time(reqs, off, t2 - t1)
-            first_probe = self._veto_mark == "probe" and self._veto_probe_first
+            first_probe = self._veto_mark == "probe" and self._veto_probe[1] == self.VETO_PROBE_ROUNDS - 1
             if not (long_catch_up or first_probe):  # what a catch-up costs, the next drafting round does not
                 self.round_rates.record(num, rows > 0, t2 - t0, sum(committed_all), now=t2)
         for r in reqs:
@@ -1383,6 +1384,11 @@ class DSparkEngine:
                 veto=self._veto_mark,
             )
         )
+
+
+def _longest_gated(reqs: list[_Request], flags: list[bool]) -> int:
+    """Index of the flagged request skipped by the gate for the most consecutive rounds (ties: the first)."""
+    return max((i for i, f in enumerate(flags) if f), key=lambda i: (reqs[i].gated_rounds, -i))
 
 
 def generate_batch(

@@ -115,7 +115,7 @@ class RoundRates:
     def _span(self, num: int) -> float:
         """Seconds a window at R = ``num`` spans: :attr:`WINDOW_S`, or :attr:`WINDOW_ROUNDS` mean rounds of the slower
         kind when that is longer."""
-        means = [m[2] / m[1] for (n, _), m in self._mean.items() if n == num and m[1] > 0]
+        means = [m[2] / m[1] for m in (self._mean.get((num, True)), self._mean.get((num, False))) if m]
         return max([self.WINDOW_S] + [self.WINDOW_ROUNDS * m for m in means])
 
     def _close(self, num: int, window: dict) -> None:
@@ -128,20 +128,23 @@ class RoundRates:
         d = self.DECAY
         self._paired[num] = [d * s0 + w, d * s1 + w * x, d * s2 + w * x * x, d * d * q + w * w, k + 1]
 
+    def _trusted(self, num_requests: int) -> list[float] | None:
+        """The paired sums at this R once :attr:`MIN_WINDOWS` windows went into them, else None."""
+        paired = self._paired.get(int(num_requests))
+        return paired if paired is not None and paired[4] >= self.MIN_WINDOWS else None
+
     def ratio(self, num_requests: int) -> float | None:
         """Drafting rounds' committed tokens per second over non-drafting rounds', at R = ``num_requests``, from the
         closed windows that held both kinds; None before :attr:`MIN_WINDOWS` of them."""
-        paired = self._paired.get(int(num_requests))
-        if paired is None or paired[4] < self.MIN_WINDOWS:
-            return None
-        return math.exp(paired[1] / paired[0])
+        paired = self._trusted(num_requests)
+        return None if paired is None else math.exp(paired[1] / paired[0])
 
     def ratio_upper(self, num_requests: int) -> float | None:
         """:meth:`ratio` times exp(:attr:`CONFIDENCE_Z` standard errors) of the weighted mean log ratio (unbiased
         weighted variance, Σ w (x − m)² / (Σ w − Σ w² / Σ w), over the effective number of windows,
         (Σ w)² / Σ w²); None when :meth:`ratio` is."""
-        paired = self._paired.get(int(num_requests))
-        if paired is None or paired[4] < self.MIN_WINDOWS:
+        paired = self._trusted(num_requests)
+        if paired is None:
             return None
         s0, s1, s2, q, _ = paired
         mean = s1 / s0
