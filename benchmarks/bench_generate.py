@@ -68,12 +68,9 @@ def machine_info(threads: int) -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from generation.profiling import cpu_model
+
+    cpu = cpu_model()
     try:
         load = os.getloadavg()
     except OSError:

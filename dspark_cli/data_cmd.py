@@ -32,6 +32,11 @@ def _add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude-data", action="append", default=[], metavar="DIR",
                    help="an earlier data build whose prompts (by id) are left out, to extend a data set without "
                         "repeats (repeatable)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="write the prompt selection (plan.json, manifest.json) and stop, generating no response: "
+                        "enough for --exclude-data elsewhere when the build itself is not on this machine (a plan "
+                        "rebuilt after the prompt pools or filters changed can differ: keep the original plan.json "
+                        "where you can)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -78,6 +83,7 @@ def run(args) -> int:
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
         overlap_threshold=args.overlap_threshold or None, max_prompt_tokens=args.max_prompt_tokens,
         shard_size=args.shard_size, progress=not args.no_progress, exclude=args.exclude_data,
+        max_shards=0 if args.plan_only else None,
     )
     summary = {k: manifest[k] for k in ("prompts", "eval_overlap_dropped_total", "num_prompts", "generation")}
     print(json.dumps(summary, indent=2))

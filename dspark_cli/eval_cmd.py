@@ -449,6 +449,8 @@ def _run(args) -> int:
     import transformers
     from transformers.utils import logging as hf_logging
 
+    from generation.profiling import cpu_model
+
     hf_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -476,7 +478,7 @@ def _run(args) -> int:
         "sts_biases": list(drafter.config.sts_biases),
         "command": "dspark " + " ".join(sys.argv[1:]) if "eval" in sys.argv[1:2] else " ".join(sys.argv),
         "seconds": time.perf_counter() - t0,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(),
                     "cuda": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
                     "torch": torch.__version__, "transformers": transformers.__version__},

@@ -96,7 +96,7 @@ def run(args) -> int:
     path = Path(args.out) if args.out else profiling.default_profile_path()
     if args.show:
         try:
-            prof = profiling.load_profile(name, args.dtype, threads, path)
+            prof = profiling.load_profile(name, args.dtype, threads, path, device=target.device)
         except (FileNotFoundError, ValueError) as err:
             return _fail(str(err))
         _print_tables(prof, args.json)
@@ -110,7 +110,7 @@ def run(args) -> int:
             warmup=args.warmup, repeats=args.repeats, progress=lambda s: print("  " + s, file=sys.stderr),
         )
         profiling.save_profile(result, path)
-        prof = profiling.load_profile(name, args.dtype, threads, path)
+        prof = profiling.load_profile(name, args.dtype, threads, path, device=target.device)
     except ValueError as err:
         return _fail(str(err))
     print(f"saved to {path} ({result['meta']['seconds']} s)", file=sys.stderr)

@@ -81,6 +81,47 @@ def default_profile_path() -> Path:
     return profile_dir() / "sps.json"
 
 
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""Instruction-set flags that change the target's speed most (bf16 and wide matrix units); part of the name."""
+
+
+def cpu_model() -> str:
+    """This machine's processor: ``/proc/cpuinfo``'s "model name" (else ``platform.processor()`` or the
+    architecture) with the flags of :data:`_CPU_FLAGS` it has and its logical core count, e.g.
+    ``"AMD EPYC [avx2] x2"``. Virtual machines often report a generic model name, hence the flags. Profiles record
+    it: an SPS table measured on another processor is not used (:func:`load_profile`)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name") and name == (platform.processor() or platform.machine()):
+                    name = ln.split(":", 1)[1].strip()
+                elif ln.startswith("flags") and not flags:
+                    flags = set(ln.split(":", 1)[1].split())
+    except OSError:
+        pass
+    have = " ".join(f for f in _CPU_FLAGS if f in flags)
+    return f"{name} [{have}] x{os.cpu_count() or 1}" if have else f"{name} x{os.cpu_count() or 1}"
+
+
+def device_model(device) -> str:
+    """What an SPS table depends on besides the model: :func:`cpu_model` on CPU, the GPU's name on CUDA."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return cpu_model()
+
+
+def _stale_entries(data: Mapping, model: str, dtype: str, threads: str, processor: str) -> list[str]:
+    """Tables of (model, dtype, threads) not known to be measured on ``processor`` (meta keys
+    ``MODEL|DTYPE|THREADS|CONTEXT|R``): measured on another one, or with no processor recorded (files written before
+    processors were, hand-written tables)."""
+    node = data.get("profiles", {}).get(model, {}).get(dtype, {}).get(threads, {})
+    meta = data.get("meta", {})
+    keys = [f"{model}|{dtype}|{threads}|{c}|{r}" for c, per_r in node.items() for r in per_r]
+    return [k for k in keys if meta.get(k, {}).get("cpu_model") != processor]
+
+
 def target_name(target) -> str:
     """A stable name for a target: the checkpoint directory's name, else ``family-h…-l…-v…``."""
     cfg = target.config
@@ -358,6 +399,7 @@ def profile_target(
             "device": str(target.device),
             "host": platform.node(),
             "cpu": platform.processor() or platform.machine(),
+            "cpu_model": device_model(target.device),
             "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "seconds": round(time.perf_counter() - t_start, 2),
@@ -389,6 +431,11 @@ def save_profile(result: Mapping, path: str | os.PathLike | None = None) -> Path
     path = Path(path) if path is not None else default_profile_path()
     data = _read(path)
     model, dtype, threads = result["model"], result["dtype"], str(result["threads"])
+    cpu = result.get("meta", {}).get("cpu_model")
+    if cpu is not None and _stale_entries(data, model, dtype, threads, cpu):  # measured elsewhere (or unknown):
+        data["profiles"].get(model, {}).get(dtype, {}).pop(threads, None)  # replace, never mix, the tables
+        for k in [k for k in data["meta"] if k.startswith(f"{model}|{dtype}|{threads}|")]:
+            del data["meta"][k]
     node = data["profiles"].setdefault(model, {}).setdefault(dtype, {}).setdefault(threads, {})
     for ctx, per_r in result["tables"].items():
         for r, table in per_r.items():
@@ -406,13 +453,14 @@ def save_profile(result: Mapping, path: str | os.PathLike | None = None) -> Path
 
 
 def load_profile(
-    target_name: str, dtype, threads: int, path: str | os.PathLike | None = None
+    target_name: str, dtype, threads: int, path: str | os.PathLike | None = None, device="cpu"
 ) -> SPSProfile:
-    """The stored :class:`SPSProfile` of (model, dtype, threads).
+    """The stored :class:`SPSProfile` of (model, dtype, threads), measured on this processor (:func:`device_model`
+    of ``device``: the CPU, or the GPU for a CUDA device).
 
     Raises:
-        FileNotFoundError: no profile file, or none for this (model, dtype, threads) — the message says how to
-            make one.
+        FileNotFoundError: no profile file, none for this (model, dtype, threads), or one measured on another
+            processor (a copied cache, a home directory shared across machines) — the message says how to make one.
         ValueError: a corrupt file.
     """
     path = Path(path) if path is not None else default_profile_path()
@@ -427,6 +475,14 @@ def load_profile(
         raise FileNotFoundError(
             f"no SPS profile for {target_name!r} / {dtype} / {threads} threads in {str(path)!r}; {hint}"
         ) from None
+    here = device_model(device)
+    stale = _stale_entries(data, target_name, dtype, str(int(threads)), here)
+    if stale:
+        raise FileNotFoundError(
+            f"the SPS profile for {target_name!r} / {dtype} / {threads} threads in {str(path)!r} was measured on "
+            f"another processor ({data['meta'].get(stale[0], {}).get('cpu_model') or 'not recorded'}; this one is "
+            f"{here!r}); {hint}"
+        )
     tables = {int(c): {int(r): t for r, t in rs.items()} for c, rs in node.items()}
     return SPSProfile(target_name, dtype, threads, tables)
 
@@ -472,7 +528,7 @@ def ensure_profile(
     requests = sorted({int(r) for r in requests})
     need_q = max(tokens) if tokens else None
     try:
-        prof = load_profile(name, dtype, threads, path)
+        prof = load_profile(name, dtype, threads, path, device=target.device)
     except FileNotFoundError:
         prof = None
     missing_ctx: dict[int, list[int]] = {}
@@ -488,7 +544,7 @@ def ensure_profile(
             progress=progress,
         )
         save_profile(result, path)
-    return load_profile(name, dtype, threads, path)
+    return load_profile(name, dtype, threads, path, device=target.device)
 
 
 def sps_for_generate(
@@ -516,7 +572,7 @@ def sps_for_generate(
     threads = int(threads or torch.get_num_threads())
     name, dtype = target_name(target), dtype_name(target.dtype)
     try:
-        prof = load_profile(name, dtype, threads, path)
+        prof = load_profile(name, dtype, threads, path, device=target.device)
     except (FileNotFoundError, ValueError):
         prof = None
     if prof is not None and not prof.covers(1, gamma + 1, context_len):

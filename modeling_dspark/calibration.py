@@ -9,11 +9,15 @@ temperature per position, left to right, on held-out data:
     c_k(T_k) = σ(logit_k / T_k),   a_k = Π_{i≤k} c_i(T_i),
     T_k = argmin_{T ∈ grid} ECE(a_k, accepted[:, k])   with T_1..T_{k−1} fixed.
 
-Extension (not in the paper): :func:`fit_sts_bias` also fits one logit offset per position,
-c_k = σ(logit_k / T_k + b_k), by the same sequential grid search over (T_k, b_k). A temperature alone cannot
-remove a constant over- or under-confidence: on the shipped SmolLM2 drafter, position 1 predicts ~4 points more
-survival than observed across the middle of its range, and the best T leaves an ECE near 4 %. The map stays
-strictly increasing in the logit, so the ranking (AUROC of c_k) is unchanged.
+Extension (not in the paper): :func:`fit_sts_bias` fits a temperature *and* a logit offset per position,
+c_k = σ(logit_k / T_k + b_k). A temperature alone cannot remove a constant over- or under-confidence: on the
+shipped SmolLM2 drafter, position 1 predicts ~4 points more survival than observed across the middle of its
+range, and the best T leaves an ECE near 4 %. Two parameters are fitted by maximum likelihood (Platt scaling of
+each conditional c_k on the blocks whose first k−1 tokens survived), not by minimising the binned ECE: a search
+over a (T, b) grid fits the bins' sampling noise (on the shipped drafter's 16,939 calibration blocks it reached an
+in-sample ECE of 0.86 % at position 1 but 3.45 % on held-out prompts, against 2.65 % for the likelihood fit; two-fold
+split by prompt). The map stays strictly increasing in the logit (T_k > 0), so the ranking (AUROC of c_k) is
+unchanged.
 
 Data layout used throughout (positions are 0-based in arrays, 1-based in the
 paper and in reports):
@@ -52,7 +56,6 @@ __all__ = [
     "default_sts_grid",
     "fit_sts",
     "fit_sts_bias",
-    "default_bias_grid",
     "apply_sts",
     "calibration_report",
     "plot_reliability",
@@ -233,17 +236,6 @@ def default_sts_grid(n: int = 301, low: float = 0.05, high: float = 20.0) -> np.
 _DEFAULT_GRID = default_sts_grid()
 
 
-def default_bias_grid(n: int = 81, limit: float = 2.0) -> np.ndarray:
-    """Logit-offset grid of :func:`fit_sts_bias`: ``n`` evenly spaced points in [−limit, limit], plus exactly 0.
-    Sorted float64 array."""
-    if not (limit > 0) or n < 2:
-        raise ValueError(f"need limit > 0 and n >= 2, got limit={limit}, n={n}")
-    return np.unique(np.round(np.concatenate([np.linspace(-limit, limit, n), [0.0]]), 12))
-
-
-_DEFAULT_BIAS_GRID = default_bias_grid()
-
-
 def _check_grid(grid, default: np.ndarray, what: str, positive: bool) -> np.ndarray:
     arr = default if grid is None else np.asarray(grid, dtype=np.float64).ravel()
     if arr.size == 0 or not np.all(np.isfinite(arr)) or (positive and not np.all(arr > 0)):
@@ -252,37 +244,29 @@ def _check_grid(grid, default: np.ndarray, what: str, positive: bool) -> np.ndar
 
 
 def _fit_sequential(logits: np.ndarray, acc: np.ndarray, ok: np.ndarray, temps_grid: np.ndarray,
-                    bias_grid: np.ndarray, n_bins: int) -> tuple[list[float], list[float]]:
-    """The sequential grid search of STS over (T, b) pairs; ties go to the pair closest to (1, 0)."""
-    pairs_t = np.repeat(temps_grid, bias_grid.size)  # [G] candidate (T, b) pairs
-    pairs_b = np.tile(bias_grid, temps_grid.size)
-    tie_break = np.abs(np.log(pairs_t)) + np.abs(pairs_b)
+                    n_bins: int) -> list[float]:
+    """The sequential grid search of STS; ties go to the temperature closest to 1 (log scale)."""
+    tie_break = np.abs(np.log(temps_grid))
     n, gamma = logits.shape
     temps: list[float] = []
-    biases: list[float] = []
     prefix = np.ones(n, dtype=np.float64)  # calibrated a_{k−1} per row
     for k in range(gamma):
         rows = ok[:, k]
         if not rows.any():
-            t_best, b_best = 1.0, 0.0
+            t_best = 1.0
         else:
             pre, lk, yk = prefix[rows], logits[rows, k], acc[rows, k]
-            m = lk.size
-            chunk = max(1, (1 << 22) // m)
-            eces = np.empty(pairs_t.size, dtype=np.float64)
-            for s in range(0, pairs_t.size, chunk):
-                ts, bs = pairs_t[s : s + chunk], pairs_b[s : s + chunk]
-                a = pre[None, :] * _sigmoid(lk[None, :] / ts[:, None] + bs[:, None])  # [G, m]
-                eces[s : s + chunk] = _ece_rows(a, yk, n_bins)
-            best = eces.min()
+            chunk = max(1, (1 << 22) // lk.size)
+            eces = np.empty(temps_grid.size, dtype=np.float64)
+            for s in range(0, temps_grid.size, chunk):
+                ts = temps_grid[s : s + chunk]
+                eces[s : s + chunk] = _ece_rows(pre[None, :] * _sigmoid(lk[None, :] / ts[:, None]), yk, n_bins)
             # tolerance absorbs float noise so the tie-break is meaningful
-            cand = np.flatnonzero(eces <= best + 1e-12)
-            i = cand[np.argmin(tie_break[cand])]
-            t_best, b_best = float(pairs_t[i]), float(pairs_b[i])
+            cand = np.flatnonzero(eces <= eces.min() + 1e-12)
+            t_best = float(temps_grid[cand[np.argmin(tie_break[cand])]])
         temps.append(t_best)
-        biases.append(b_best)
-        prefix = prefix * _sigmoid(logits[:, k] / t_best + b_best)
-    return temps, biases
+        prefix = prefix * _sigmoid(logits[:, k] / t_best)
+    return temps
 
 
 def fit_sts(
@@ -314,37 +298,103 @@ def fit_sts(
     """
     logits, acc, ok = _prepare(confidence_logits, accepted, valid)
     grid_arr = _check_grid(grid, _DEFAULT_GRID, "temperatures > 0", positive=True)
-    return _fit_sequential(logits, acc, ok, grid_arr, np.zeros(1), n_bins)[0]
+    return _fit_sequential(logits, acc, ok, grid_arr, n_bins)
+
+
+def _logistic_fit(x: np.ndarray, y: np.ndarray, min_slope: float, max_slope: float,
+                  iters: int = 100) -> tuple[float, float]:
+    """Platt's fit of P(y = 1 | x) = σ(w·x + c): Newton's method on the log-loss with Platt's smoothed targets
+    (positives (N₊+1)/(N₊+2), negatives 1/(N₋+2); keeps separable and one-class data finite), x standardised
+    internally; then w is clamped to [min_slope, max_slope] (c refitted alone if it was). Convex, so the clamped
+    result is the constrained optimum."""
+    n_pos = float(y.sum())
+    n_neg = float(y.size) - n_pos
+    t = np.where(y > 0.5, (n_pos + 1.0) / (n_pos + 2.0), 1.0 / (n_neg + 2.0))
+    scale = float(np.std(x)) or 1.0
+    u = x / scale
+
+    def loss(w: float, c: float) -> float:
+        z = w * u + c
+        return float(np.mean(np.logaddexp(0.0, z) - t * z))
+
+    def newton(w: float, c: float, fit_w: bool) -> tuple[float, float]:
+        f = loss(w, c)
+        for _ in range(iters):
+            p = _sigmoid(w * u + c)
+            r, h = p - t, np.maximum(p * (1.0 - p), 1e-12)
+            g = np.array([np.mean(r * u), np.mean(r)])
+            hess = np.array([[np.mean(h * u * u), np.mean(h * u)], [np.mean(h * u), np.mean(h)]])
+            if fit_w:
+                step = np.linalg.lstsq(hess, g, rcond=None)[0]
+            else:
+                step = np.array([0.0, g[1] / hess[1, 1]])
+            eta, f_new = 1.0, f
+            while eta > 1e-10:
+                w_new, c_new = w - eta * step[0], c - eta * step[1]
+                f_new = loss(w_new, c_new)
+                if f_new <= f:
+                    break
+                eta *= 0.5
+            else:
+                break  # no descent left: at the optimum up to rounding
+            converged = f - f_new < 1e-13
+            w, c, f = w_new, c_new, f_new
+            if converged:
+                break
+        return w, c
+
+    prior = (n_pos + 1.0) / (y.size + 2.0)
+    w, c = newton(0.0, math.log(prior / (1.0 - prior)), fit_w=True)  # start: no slope, the smoothed base rate
+    lo, hi = min_slope * scale, max_slope * scale  # slope bounds in the standardised units
+    if not lo <= w <= hi:
+        w, c = newton(min(max(w, lo), hi), c, fit_w=False)
+    return float(w / scale), float(c)
 
 
 def fit_sts_bias(
     confidence_logits: Any,
     accepted: Any,
-    grid: Sequence[float] | np.ndarray | None = None,
-    bias_grid: Sequence[float] | np.ndarray | None = None,
+    *,
     valid: Any | None = None,
-    n_bins: int = 15,
+    min_temperature: float = 0.05,
+    max_temperature: float = 20.0,
 ) -> tuple[list[float], list[float]]:
-    """STS with a logit offset per position (extension, module doc): c_k = σ(logit_k / T_k + b_k).
+    """Temperature and logit offset per position by maximum likelihood (extension, module doc):
+    c_k = σ(logit_k / T_k + b_k).
 
-    The same sequential search as :func:`fit_sts`, over every (T, b) pair of ``grid`` × ``bias_grid``; ties go to
-    the pair closest to (1, 0) (|log T| + |b|). ``bias_grid=[0]`` gives :func:`fit_sts`'s temperatures.
+    For each position k, (1/T_k, b_k) is Platt scaling (logistic regression with Platt's smoothed targets) of
+    "token k survives" on logit_k over the blocks whose tokens 1..k−1 survived (and are valid at k): the
+    conditional probability that c_k stands for (SPEC eq. 7). The product a_k = Π c_i is then checked, not
+    guaranteed, to be calibrated: :func:`calibration_report` measures its ECE. T_k is kept in
+    [``min_temperature``, ``max_temperature``] (the map stays increasing, and a handful of separable rows cannot
+    drive it to a step); a position that no block reaches gets (1, 0).
 
     Args:
-        confidence_logits, accepted, valid, n_bins: as :func:`fit_sts`.
-        grid: candidate temperatures (> 0); default :func:`default_sts_grid`.
-        bias_grid: candidate offsets (logit units); default :func:`default_bias_grid` (−2…2 in steps of 0.05).
+        confidence_logits, accepted, valid: as :func:`fit_sts`.
+        min_temperature, max_temperature: bounds of T_k (default 0.05 and 20, the range of
+            :func:`default_sts_grid`).
 
     Returns:
         (temperatures, biases): two lists of γ Python floats.
 
     Raises:
-        ValueError: bad shapes, a bad grid.
+        ValueError: bad shapes or values, bounds not 0 < min_temperature ≤ max_temperature.
     """
     logits, acc, ok = _prepare(confidence_logits, accepted, valid)
-    temps_grid = _check_grid(grid, _DEFAULT_GRID, "temperatures > 0", positive=True)
-    b_grid = _check_grid(bias_grid, _DEFAULT_BIAS_GRID, "logit offsets", positive=False)
-    return _fit_sequential(logits, acc, ok, temps_grid, b_grid, n_bins)
+    if not 0 < min_temperature <= max_temperature:
+        raise ValueError(f"need 0 < min_temperature <= max_temperature, got {min_temperature}, {max_temperature}")
+    temps: list[float] = []
+    biases: list[float] = []
+    for k in range(logits.shape[1]):
+        rows = ok[:, k] & (acc[:, k - 1] == 1) if k else ok[:, 0]
+        if not rows.any():
+            temps.append(1.0)
+            biases.append(0.0)
+            continue
+        w, c = _logistic_fit(logits[rows, k], acc[rows, k], 1.0 / max_temperature, 1.0 / min_temperature)
+        temps.append(1.0 / w)
+        biases.append(c)
+    return temps, biases
 
 
 def _check_biases(biases: Sequence[float] | None, gamma: int) -> np.ndarray:

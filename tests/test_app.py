@@ -201,11 +201,15 @@ def _write_profile(directory: Path, model: str, dtype: str = "float32", max_b: i
 
     import torch
 
+    from generation.profiling import cpu_model
+
     curve = {str(b): 100.0 / (1 + 0.05 * (b - 1)) for b in range(1, max_b + 1)}
-    node = {str(torch.get_num_threads()): {"256": {"1": curve}}}
+    threads = str(torch.get_num_threads())
+    node = {threads: {"256": {"1": curve}}}
+    meta = {f"{model}|{dtype}|{threads}|256|1": {"cpu_model": cpu_model()}}  # measured "here"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "sps.json").write_text(json.dumps(
-        {"format": "dspark-sps-profile/1", "profiles": {model: {dtype: node}}, "meta": {}}))
+        {"format": "dspark-sps-profile/1", "profiles": {model: {dtype: node}}, "meta": meta}))
 
 
 def test_resolve_sps_says_why_the_scheduler_is_off(monkeypatch, tmp_path):

@@ -69,6 +69,88 @@ def test_calibration_prompts_share_nothing_with_eval_sets(tmp_path):
     assert recs[0]["id"] not in {r["id"] for r in again} and info2["dropped_training_data"] == 1
 
 
+def test_calibration_prompts_after_extends_with_new_prompts_only():
+    first, _ = calibrate_cmd.calibration_prompts("sharegpt,gsm_symbolic", limit=12)
+    both, _ = calibrate_cmd.calibration_prompts("sharegpt,gsm_symbolic", limit=30)
+    extra, info = calibrate_cmd.calibration_prompts("sharegpt,gsm_symbolic", limit=30, after=12)
+    ids = [r["id"] for r in extra]
+    assert not set(ids) & {r["id"] for r in first}
+    assert set(ids) | {r["id"] for r in first} == {r["id"] for r in both} and len(ids) == 18
+    assert ids == [r["id"] for r in both if r not in first]  # same order as the longer selection
+    assert info["after"] == {"limit": 12, "left_out": 12}
+    assert info["per_source"] == {"sharegpt": 9, "gsm_symbolic": 9}
+    with pytest.raises(calibrate_cmd.CLIError, match="--after"):
+        calibrate_cmd.calibration_prompts("sharegpt", limit=4, after=4)
+
+
+def _fake_pairs(path, n_prompts, rows_per_prompt, gamma, seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = n_prompts * rows_per_prompt
+    logits = rng.normal(size=(n, gamma))
+    accepted = np.cumprod(rng.random((n, gamma)) < 1 / (1 + np.exp(-logits)), axis=1).astype(np.int8)
+    np.savez_compressed(path, logits=logits, accepted=accepted, valid=np.ones((n, gamma), bool),
+                        prompt_index=np.repeat(np.arange(n_prompts), rows_per_prompt))
+
+
+def test_calibrate_merges_several_pairs_files(tmp_path, capsys):
+    import numpy as np
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    _fake_pairs(a, 7, 20, BLOCK, 0)
+    _fake_pairs(b, 5, 20, BLOCK, 1)
+    merged = calibrate_cmd.load_pairs([a, b])
+    assert merged["logits"].shape == (240, BLOCK)
+    # the second file's prompts come after the first's: 12 distinct prompts, none shared
+    assert np.array_equal(np.unique(merged["prompt_index"]), np.arange(12))
+    assert np.array_equal(merged["prompt_index"][140:], np.load(b)["prompt_index"] + 7)
+    # a refit from both files is the fit of the concatenated pairs
+    both = tmp_path / "both.npz"
+    np.savez_compressed(both, **merged)
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(a), "--pairs", str(b),
+                 "--out-dir", str(tmp_path / "m")]) == 0
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(both),
+                 "--out-dir", str(tmp_path / "c")]) == 0
+    rep_m = json.loads((tmp_path / "m" / "calibration.json").read_text())
+    rep_c = json.loads((tmp_path / "c" / "calibration.json").read_text())
+    assert rep_m["pairs_from"] == [str(a), str(b)] and rep_m["n_blocks"] == 240
+    assert rep_m["temperatures"] == rep_c["temperatures"]
+    assert rep_m["two_fold_ece_after"] == rep_c["two_fold_ece_after"]
+    # a file of another block size, or not a pairs file, is refused by name before any fit
+    other = tmp_path / "g2.npz"
+    _fake_pairs(other, 3, 5, BLOCK + 1, 2)
+    capsys.readouterr()
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(a), "--pairs", str(other)]) == 2
+    assert "g2.npz" in capsys.readouterr().err
+    np.savez(tmp_path / "x.npz", foo=np.zeros(3))
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(tmp_path / "x.npz")]) == 2
+    assert "missing array" in capsys.readouterr().err
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not a zip")
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(tmp_path / "junk.npz")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    # the same file twice, or one prompt in two files, would put a prompt in both halves of the 2-fold check
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(a), "--pairs", str(a)]) == 2
+    assert "twice" in capsys.readouterr().err
+    with np.load(a) as z:
+        np.savez(tmp_path / "a_ids.npz", **z, prompt_ids=np.array([f"p{i}" for i in range(7)]))
+    with np.load(b) as z:
+        np.savez(tmp_path / "b_ids.npz", **z, prompt_ids=np.array(["p6", "q1", "q2", "q3", "q4"]))
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(tmp_path / "a_ids.npz"),
+                 "--pairs", str(tmp_path / "b_ids.npz")]) == 2
+    assert "'p6' is also in" in capsys.readouterr().err
+    # --after means nothing for a refit; a refit never overwrites a collection's record
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(a), "--after", "2"]) == 2
+    assert "--after" in capsys.readouterr().err
+    (tmp_path / "coll").mkdir()
+    (tmp_path / "coll" / "calibration.json").write_text(json.dumps({"prompt_ids": ["p0"]}))
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--pairs", str(a), "--out-dir",
+                 str(tmp_path / "coll")]) == 2
+    assert "collection" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- eval
 def test_eval_writes_json_md_png(drafter_dir, tmp_path, capsys):
     out = tmp_path / "eval"
@@ -139,9 +221,14 @@ def test_calibrate_report_and_write(drafter_dir, smollm, tmp_path, capsys):
     assert rc == 0
     rep_b = json.loads((tmp_path / "b" / "calibration.json").read_text())
     assert rep_b["method"].startswith("STS + logit offset") and len(rep_b["biases"]) == BLOCK
-    # at position 1 the (T, 0) pairs are candidates too: never worse in-sample (later positions build on different
-    # earlier factors, so no such guarantee there)
-    assert rep_b["positions"][0]["ece_after"] <= rep["positions"][0]["ece_after"] + 1e-12
+    # the written pair is the maximum-likelihood fit of the stored pairs
+    import numpy as np
+
+    from modeling_dspark.calibration import fit_sts_bias
+
+    with np.load(out / "pairs.npz") as z:
+        want_t, want_b = fit_sts_bias(z["logits"], z["accepted"], valid=z["valid"])
+    assert rep_b["temperatures"] == pytest.approx(want_t) and rep_b["biases"] == pytest.approx(want_b)
     assert rep_b["previous_biases"] == [0.0] * BLOCK
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["sts_temperatures"] == pytest.approx(rep_b["temperatures"])
@@ -163,3 +250,5 @@ def test_calibrate_usage_errors(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert main(["calibrate", "--drafter", str(tmp_path), "--prompts", "bogus"]) == 2  # before any model load
     assert "unknown source" in capsys.readouterr().err
+    assert main(["calibrate", "--drafter", str(tmp_path), "--limit", "8", "--after", "8"]) == 2
+    assert "--after" in capsys.readouterr().err

@@ -132,7 +132,8 @@ def test_save_load_roundtrip_and_loader(tiny, measured, tmp_path):
     assert load_sps("llama-h32-l4-v32", "float32", 1, 8)(1) == pytest.approx(table[1])
 
 
-def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch):
+def _count_profile_calls(monkeypatch) -> list:
+    """Replace profile_target by a quick (no warm-up, one repeat) version that records its keyword arguments."""
     calls = []
     real = profiling.profile_target
 
@@ -141,6 +142,11 @@ def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch):
         return real(*a, **{**kw, "warmup": 0, "repeats": 1})
 
     monkeypatch.setattr(profiling, "profile_target", counting)
+    return calls
+
+
+def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch):
+    calls = _count_profile_calls(monkeypatch)
     prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
     assert len(calls) == 1 and isinstance(prof, SPSProfile)
     assert sorted(prof.tables[4][1]) == [1, 2, 3]
@@ -152,12 +158,39 @@ def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch):
     assert len(calls) == 3
 
 
+def test_profile_from_another_processor_is_not_used(tiny, measured, monkeypatch):
+    """An SPS table is a property of the processor: one measured elsewhere (a copied cache) is refused by name, and
+    re-profiling replaces it instead of mixing the two machines' tables."""
+    assert measured["meta"]["cpu_model"] == profiling.cpu_model()
+    profiling.save_profile(measured)
+    assert load_sps("llama-h32-l4-v32", "float32", 1, 8)(1) > 0  # same processor: used
+    monkeypatch.setattr(profiling, "cpu_model", lambda: "Other CPU 9000")
+    with pytest.raises(FileNotFoundError, match="another processor.*Other CPU 9000"):
+        load_sps("llama-h32-l4-v32", "float32", 1, 8)
+    drafter = make_drafter(tiny, block_size=4)
+    assert profiling.sps_for_generate(tiny, drafter, threads=1) is None  # the scheduler falls back, never misled
+    calls = _count_profile_calls(monkeypatch)
+    prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
+    assert len(calls) == 1 and set(prof.tables) == {4}  # the other processor's contexts 8 and 64 are gone
+    data = json.loads(profiling.default_profile_path().read_text())
+    assert {m["cpu_model"] for k, m in data["meta"].items() if k.startswith("llama-h32-l4-v32|float32|1|")} == {
+        "Other CPU 9000"}
+    # a file written before processors were recorded: unknown processor, so not used either, and replaced on save
+    for m in data["meta"].values():
+        del m["cpu_model"]
+    profiling.default_profile_path().write_text(json.dumps(data))
+    with pytest.raises(FileNotFoundError, match="not recorded"):
+        load_sps("llama-h32-l4-v32", "float32", 1, 4)
+    profiling.ensure_profile(tiny, contexts=[16], requests=[1], tokens=[1, 2], threads=1)
+    assert len(calls) == 2 and set(profiling.load_profile("llama-h32-l4-v32", "float32", 1).tables) == {16}
+
+
 def test_sps_for_generate(tiny, monkeypatch):
     drafter = make_drafter(tiny, block_size=4)
     assert profiling.sps_for_generate(tiny, drafter, 10, threads=1) is None  # nothing cached: off, no profiling
     profiling.save_profile(
         {"model": profiling.target_name(tiny), "dtype": "float32", "threads": 1,
-         "tables": {16: {1: {b: 100.0 / b for b in range(1, 6)}}}}
+         "tables": {16: {1: {b: 100.0 / b for b in range(1, 6)}}}, "meta": {"cpu_model": profiling.cpu_model()}}
     )
     curve = profiling.sps_for_generate(tiny, drafter, 10, threads=1)
     assert curve is not None and curve(5) == pytest.approx(20.0)
@@ -241,7 +274,8 @@ def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
     assert max(verified()) == 4  # no profile: full block
     steep = {b: (100.0 if b == 1 else 1.0) for b in range(1, 18)}  # nothing is ever worth verifying
     profiling.save_profile({"model": profiling.target_name(tiny), "dtype": "float32",
-                            "threads": torch.get_num_threads(), "tables": {8: {1: steep}}})
+                            "threads": torch.get_num_threads(), "tables": {8: {1: steep}},
+                            "meta": {"cpu_model": profiling.cpu_model()}})
     assert max(verified()) == 0  # the scheduler, driven by the cached table
     monkeypatch.setenv("DSPARK_SCHEDULER", "off")
     assert max(verified()) == 4

@@ -314,6 +314,12 @@ def test_data_build_exclude_leaves_out_earlier_builds_prompts(tmp_path):
         build_dataset(tgt, tok, tmp_path / "more", prompts=recs, **kw)
     with pytest.raises(FileNotFoundError, match="plan.json"):
         build_dataset(tgt, tok, tmp_path / "x", prompts=recs, exclude=[tmp_path / "nowhere"], **kw)
+    # the plan alone (`dspark data build --plan-only`: max_shards=0, no response generated) is the same selection,
+    # so it excludes the same prompts
+    plan_only = build_dataset(tgt, tok, tmp_path / "plan", prompts=recs[:2], max_shards=0, **kw)
+    assert plan_only["generation"]["shards_done"] == 0 and not any((tmp_path / "plan" / "shards").iterdir())
+    assert (json.loads((tmp_path / "plan" / "plan.json").read_text())
+            == json.loads((tmp_path / "first" / "plan.json").read_text()))
 
 
 def test_collect_prompts_exclude_on_a_real_source_keeps_the_requested_count():
