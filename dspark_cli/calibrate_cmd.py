@@ -485,6 +485,8 @@ def load_pairs(files: Sequence[str | os.PathLike]) -> dict:
                            f"{got['accepted'].shape}, valid {got['valid'].shape}, prompt_index "
                            f"{got['prompt_index'].shape}; expected [N, {gamma or 'γ'}] ×3 and [N]")
         gamma = g
+        if ids and len(ids) != (int(got["prompt_index"].max()) + 1 if n else 0):
+            raise CLIError(f"--pairs {f}: {len(ids)} prompt ids for {int(got['prompt_index'].max()) + 1} prompts")
         for pid in ids:
             if pid in seen_ids:
                 raise CLIError(f"--pairs {f}: prompt {pid!r} is also in {seen_ids[pid]}")

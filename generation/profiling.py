@@ -26,6 +26,7 @@ tokens per request q = B / R). :func:`ensure_profile` profiles on first use and 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -85,6 +86,7 @@ _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 """Instruction-set flags that change the target's speed most (bf16 and wide matrix units); part of the name."""
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_model() -> str:
     """This machine's processor: ``/proc/cpuinfo``'s "model name" (else ``platform.processor()`` or the
     architecture) with the flags of :data:`_CPU_FLAGS` it has and its logical core count, e.g.
@@ -494,14 +496,16 @@ def load_sps(
     context_len: float | None = None,
     requests: int = 1,
     path: str | os.PathLike | None = None,
+    device="cpu",
 ) -> SPSCurve:
-    """SPS(B) callable (steps/s) for one target / dtype / thread count at the nearest context bucket and R.
+    """SPS(B) callable (steps/s) for one target / dtype / thread count at the nearest context bucket and R, as
+    measured on ``device``'s processor (:func:`device_model`; "cpu" or a CUDA device).
 
     Raises:
-        FileNotFoundError: nothing profiled for (model, dtype, threads).
+        FileNotFoundError: nothing profiled for (model, dtype, threads) on this processor.
         ValueError: R outside the measured range; later, B outside the profiled range when called.
     """
-    return load_profile(target_name, dtype, threads, path).curve(requests, context_len)
+    return load_profile(target_name, dtype, threads, path, device=device).curve(requests, context_len)
 
 
 def ensure_profile(

@@ -304,8 +304,8 @@ def fit_sts(
 def _logistic_fit(x: np.ndarray, y: np.ndarray, min_slope: float, max_slope: float,
                   iters: int = 100) -> tuple[float, float]:
     """Platt's fit of P(y = 1 | x) = σ(w·x + c): Newton's method on the log-loss with Platt's smoothed targets
-    (positives (N₊+1)/(N₊+2), negatives 1/(N₋+2); keeps separable and one-class data finite), x standardised
-    internally; then w is clamped to [min_slope, max_slope] (c refitted alone if it was). Convex, so the clamped
+    (positives (N₊+1)/(N₊+2), negatives 1/(N₋+2); keeps separable and one-class data finite), x divided by its
+    standard deviation internally; then w is clamped to [min_slope, max_slope] (c refitted alone if it was). Convex, so the clamped
     result is the constrained optimum."""
     n_pos = float(y.sum())
     n_neg = float(y.size) - n_pos
