@@ -11,11 +11,12 @@ Tables are stored in one JSON file (default ``$DSPARK_PROFILE_DIR/sps.json``, el
 
     {"format": "dspark-sps-profile/1",
      "profiles": {MODEL: {DTYPE: {THREADS: {CONTEXT: {R: {B: steps_per_s}}}}}},
-     "meta":     {"MODEL|DTYPE|THREADS|CONTEXT|R": {"raw_sps": {B: ...}, "warmup": ..., "repeats": ..., ...}}}
+     "meta":     {"MODEL|DTYPE|THREADS|CONTEXT|R": {"raw_sps": {B: ...}, "cpu_model": ..., "warmup": ..., ...}}}
 
 (all keys are strings in JSON). The stored curve is the medians made non-increasing in B (isotonic regression of
 the step time): a bigger verify batch is never faster, and Algorithm 1's early stop relies on a unimodal Θ(B);
-the raw medians are kept under ``meta``.
+the raw medians are kept under ``meta``, with the processor that measured them (``cpu_model``, see
+:func:`device_model`): a table from another processor is never used.
 
 Loading: :func:`load_sps` gives a callable B -> steps/s for one (model, dtype, threads, context, R); between
 measured B it interpolates the step time linearly; a B outside the measured range raises a ValueError naming the
