@@ -185,16 +185,19 @@ def _record(index, prompt, tok, new_ids, seconds, stats, drafter_spec) -> dict:
     if stats is not None:
         s = stats.summary()
         rec.update(rounds=s["rounds"], tau=s["tau"], drafted=s["drafted"], accepted=s["accepted"],
-                   t_draft_ms=s["t_draft_ms"], t_verify_ms=s["t_verify_ms"])
+                   skipped_draft_rounds=s["skipped_draft_rounds"], t_draft_ms=s["t_draft_ms"],
+                   t_verify_ms=s["t_verify_ms"])
     else:  # plain decoding: one target step (after the prefill) per committed token
-        rec.update(rounds=max(0, n - 1), tau=1.0, drafted=0, accepted=0, t_draft_ms=0.0, t_verify_ms=None)
+        rec.update(rounds=max(0, n - 1), tau=1.0, drafted=0, accepted=0, skipped_draft_rounds=0, t_draft_ms=0.0,
+                   t_verify_ms=None)
     return rec
 
 
 def _stats_line(rec: dict) -> str:
     parts = [f"{rec['num_new_tokens']} tokens in {rec['seconds']:.2f} s ({rec['tokens_per_s']:.1f} tok/s)"]
     if rec["drafter"] != "none":
-        parts.append(f"{rec['rounds']} rounds, tau={rec['tau']:.2f}, "
+        skipped = f" ({rec['skipped_draft_rounds']} without drafting)" if rec.get("skipped_draft_rounds") else ""
+        parts.append(f"{rec['rounds']} rounds{skipped}, tau={rec['tau']:.2f}, "
                      f"draft {rec['t_draft_ms']:.1f} ms / verify {rec['t_verify_ms']:.1f} ms per round")
     if "speedup" in rec:
         parts.append(f"baseline {rec['baseline_tokens_per_s']:.1f} tok/s, speedup {rec['speedup']:.2f}x, "

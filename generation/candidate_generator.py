@@ -10,6 +10,10 @@ One round, read top to bottom (SPEC §1–§2):
    confidences in one batched call, the same tokens and ℓ, no candidate logits: ``_propose_greedy``);
 4. transformers' assisted-decoding loop verifies the candidates in one target forward and accepts/rejects them
    (greedy match, or rejection sampling with residual resampling), which keeps the output lossless.
+
+With the DSpark scheduler (:class:`~generation.policies.PrefixScheduler`), a :class:`~generation.draft_gate.DraftGate`
+first decides from past rounds whether drafting this round is expected to pay at all; a skipped round returns no
+candidates (one plain decoding step) and its target features are ingested at the next drafting round.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 from modeling_dspark.target import context_features, hidden_state_indices
 
-from .policies import FullBlock, VerifyPolicy
+from .draft_gate import SKIP_REASONS, gate_for
+from .policies import FullBlock, PrefixScheduler, VerifyPolicy
 from .stats import GenerationStats, RoundStats, register
 
 
@@ -80,6 +85,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         model_kwargs: the call's model kwargs (``attention_mask``).
         policy: a :class:`VerifyPolicy` (default :class:`FullBlock`).
         block_size: γ' ≤ γ slots per round (default ``drafter.config.block_size``).
+        draft_gate: with the DSpark scheduler policy, skip drafting in rounds where past rounds say it does not pay
+            (:class:`~generation.draft_gate.DraftGate`; default True). Ignored by the other policies, which draft
+            every round as asked.
 
     Raises:
         ValueError: batch size > 1, an empty prompt, a padded prompt, block_size out of range, or a drafter that
@@ -99,6 +107,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         model_kwargs: dict | None = None,
         policy: VerifyPolicy | None = None,
         block_size: int | None = None,
+        draft_gate: bool = True,
     ):
         gamma = validate_request(drafter, target, generation_config, input_ids, model_kwargs, block_size, policy)
         self.drafter = drafter
@@ -117,6 +126,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats()
         register(self.stats)
         self._t_drafted = None
+        self.gate = None
+        if draft_gate and isinstance(self.policy, PrefixScheduler):  # learned state carries over between calls
+            self.gate = gate_for(drafter, target, gamma, self.policy.sps)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # features of rounds the gate skipped
 
     # ------------------------------------------------------------------ helpers
     def _ingest(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +238,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return input_ids, None
         t0 = time.perf_counter()
         feats, ctx_pos = self._ingest(input_ids, model_outputs)
+        if self.gate is not None:
+            drafts, reason = self.gate.decide(budget, now=t0)
+            if not drafts:  # one plain step; the drafter ingests these features when it next drafts
+                self._pending.append((feats, ctx_pos))
+                self._t_drafted = time.perf_counter()
+                self.stats.rounds.append(RoundStats(drafted=0, verified=0, gate=reason))
+                return input_ids, None
+            if self._pending:
+                feats = torch.cat([f for f, _ in self._pending] + [feats], dim=1)
+                ctx_pos = torch.cat([p for _, p in self._pending] + [ctx_pos], dim=1)
+                self._pending = []
+            gate_reason = reason
+        else:
+            gate_reason = ""
         anchor_pos = torch.tensor([[input_ids.shape[1] - 1]], device=input_ids.device)
         out = self.drafter(
             input_ids[:, -1:].to(self.drafter.device),
@@ -245,6 +272,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 confidences=confs,
                 draft_tokens=tokens[0].tolist(),
                 t_draft_ms=(self._t_drafted - t0) * 1e3,
+                gate=gate_reason,
+                ingested=feats.shape[1],
             )
         )
         return torch.cat([input_ids, tokens], dim=-1), logits
@@ -258,3 +287,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         r.committed = int(num_matches) + 1
         r.t_verify_ms = (time.perf_counter() - self._t_drafted) * 1e3
         self._t_drafted = None
+        if self.gate is not None:
+            if r.gate not in SKIP_REASONS:
+                # steady: no catch-up beyond what a normal round ingests (at most γ' + 1 positions)
+                self.gate.record_draft(r.t_draft_ms / 1e3, r.verified, r.accepted,
+                                       steady=r.ingested <= self.block_size + 1)
+            self.gate.record_committed(r.committed)

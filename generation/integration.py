@@ -26,11 +26,18 @@ _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options"
 
 
 @contextlib.contextmanager
-def dspark_options(policy=None, block_size: int | None = None, sps=None):
+def dspark_options(policy=None, block_size: int | None = None, sps=None, draft_gate: bool = True):
     """Set the verify policy (``"full"``, ``"fixed:N"``, ``"threshold:P"``, ``"scheduler"`` or a
-    :class:`~generation.policies.VerifyPolicy`), the block size γ' and the SPS(B) table for `generate()` calls
-    made inside the block (this thread / task only)."""
-    token = _options.set({"policy": policy, "block_size": block_size, "sps": sps})
+    :class:`~generation.policies.VerifyPolicy`), the block size γ', the SPS(B) table and, for the scheduler,
+    whether the draft gate may skip drafting (:class:`~generation.draft_gate.DraftGate`) for `generate()` calls
+    made inside the block (this thread / task only).
+
+    Raises:
+        ValueError: ``draft_gate`` not a bool.
+    """
+    if not isinstance(draft_gate, bool):
+        raise ValueError(f"draft_gate must be True or False; got {draft_gate!r}")
+    token = _options.set({"policy": policy, "block_size": block_size, "sps": sps, "draft_gate": draft_gate})
     try:
         yield
     finally:
@@ -88,6 +95,7 @@ def enable_dspark(target):
                 model_kwargs=model_kwargs,
                 policy=policy,
                 block_size=opts.get("block_size"),
+                draft_gate=opts.get("draft_gate", True),
             )
         return original(
             generation_config=generation_config,

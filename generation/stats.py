@@ -6,6 +6,8 @@ import contextlib
 import contextvars
 from dataclasses import asdict, dataclass, field
 
+from .draft_gate import SKIP_REASONS
+
 
 @dataclass
 class RoundStats:
@@ -20,6 +22,10 @@ class RoundStats:
         draft_tokens: the drafted token ids.
         t_draft_ms: drafter time (context ingestion + block forward + sequential sampling), ms.
         t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms.
+        gate: the draft gate's reason for this round with the DSpark scheduler (:class:`generation.draft_gate.
+            DraftGate`): ``"warmup"``, ``"model"`` or ``"probe"`` (drafted), ``"gated"``, ``"veto"`` or ``"pair"``
+            (skipped: no drafter forward, ℓ = 0); ``""`` without a gate.
+        ingested: target positions the drafter ingested into its context this round (0 when skipped).
     """
 
     drafted: int
@@ -30,6 +36,8 @@ class RoundStats:
     draft_tokens: list[int] = field(default_factory=list)
     t_draft_ms: float = 0.0
     t_verify_ms: float = 0.0
+    gate: str = ""
+    ingested: int = 0
 
 
 @dataclass
@@ -50,6 +58,7 @@ class GenerationStats:
             "tau": self.tau,
             "drafted": sum(r.drafted for r in self.rounds),
             "accepted": sum(r.accepted for r in self.rounds),
+            "skipped_draft_rounds": sum(r.gate in SKIP_REASONS for r in self.rounds),
             "t_draft_ms": sum(r.t_draft_ms for r in self.rounds) / n,
             "t_verify_ms": sum(r.t_verify_ms for r in self.rounds) / n,
         }

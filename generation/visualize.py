@@ -14,6 +14,7 @@ generated token ids and labels every slot of every round:
 ``rejected``   drafted, verified, the first draft the target did not accept (k = n + 1)
 ``discarded``  drafted and verified, but after a rejected one, so thrown away (k > n + 1)
 ``cut``        not verified: the policy stopped at ℓ < γ' (in DSpark it is then not drafted either)
+``skipped``    not drafted: the scheduler's draft gate skipped the drafter this round (:mod:`generation.draft_gate`)
 ``resampled``  the target's token that replaced the rejected draft
 ``bonus``      the target's extra token after a fully accepted round (or a round with ℓ = 0)
 ``target``     a token from a target step that is not a speculative round (the prefill, the last step)
@@ -25,6 +26,8 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from .draft_gate import SKIP_REASONS
 
 __all__ = [
     "KINDS",
@@ -48,6 +51,7 @@ KINDS = {
     "rejected": ("✗", "rejected: the first drafted token the target did not accept"),
     "discarded": ("–", "discarded: verified, but after a rejected token"),
     "cut": ("✂", "not verified: cut by the scheduler (never drafted)"),
+    "skipped": ("⏭", "not drafted: the draft gate skipped the drafter this round (past rounds: drafting does not pay)"),
     "resampled": ("↻", "resampled: the target's token in place of the rejected one (greedy: its correction)"),
     "bonus": ("★", "bonus: the target's extra token after a fully accepted round"),
     "target": ("•", "target step outside a speculative round (prefill / last step)"),
@@ -153,8 +157,9 @@ def round_views(
                 confs[k - 1] if k - 1 < len(confs) else None,
                 surv[k - 1] if k - 1 < len(surv) else None,
             ))
+        gap = "skipped" if getattr(r, "gate", "") in SKIP_REASONS else "cut"
         for k in range(ell + 1, max(slots, ell) + 1):
-            cells.append(TokenCell(k, "cut"))
+            cells.append(TokenCell(k, gap))
         committed = new_ids[p : p + max(1, int(r.committed))]
         if len(committed) > n:  # the target's own token (may be missing when EOS / length ended the call)
             tok = committed[n]
@@ -197,7 +202,7 @@ def update_position_counts(counts: dict | None, views: Sequence[RoundView]) -> d
         for key, fill in (("verified", 0), ("accepted", 0), ("predicted", 0.0)):
             out[key] += [fill] * (need - len(out[key]))
         for c in v.cells:
-            if c.k == 0 or c.kind == "cut":
+            if c.k == 0 or c.kind in ("cut", "skipped"):
                 continue
             out["verified"][c.k - 1] += 1
             out["accepted"][c.k - 1] += c.kind == "accepted"
@@ -264,7 +269,7 @@ def _show(text: str) -> str:
 
 def _cell_html(c: TokenCell) -> str:
     sym, title = KINDS[c.kind]
-    if c.kind == "cut":
+    if c.kind in ("cut", "skipped"):
         tip = f"k={c.k}: {title}"
         return (f'<span class="dspark-tok dspark-cut" title="{html.escape(tip)}"><span class="t">{sym}</span>'
                 f'<span class="m">k={c.k}</span></span>')

@@ -78,6 +78,15 @@ def test_round_views_label_every_slot():
     assert sum(len(v.committed) for v in views) == len(NEW_IDS)
 
 
+def test_round_views_mark_rounds_the_draft_gate_skipped():
+    """A round the scheduler's draft gate skipped (no drafter forward) shows its slots as skipped, not cut."""
+    stats = _stats()
+    stats.rounds[2].gate = "gated"
+    r3 = round_views(stats, NEW_IDS, block_size=4, max_new_tokens=100, decode=str)[3]
+    assert _kinds(r3) == [(1, "skipped"), (2, "skipped"), (3, "skipped"), (4, "skipped"), (0, "bonus")]
+    assert "⏭" in rounds_html([r3])
+
+
 def test_round_views_near_the_length_limit_and_at_eos():
     stats = GenerationStats(rounds=[RoundStats(drafted=2, verified=2, accepted=2, committed=3,
                                                confidences=[0.9, 0.9], draft_tokens=[5, 6])])

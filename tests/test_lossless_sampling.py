@@ -51,11 +51,11 @@ def exact_joint(target, temperature, top_k, top_p) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def _sample_counts(target, drafter, seed, policy=None, sps=None, **gen):
+def _sample_counts(target, drafter, seed, policy=None, sps=None, draft_gate=True, **gen):
     v = target.config.vocab_size
     counts = torch.zeros(v, v, v, dtype=torch.float64)
     torch.manual_seed(seed)
-    with dspark_options(block_size=4, policy=policy, sps=sps), collect_stats() as runs:
+    with dspark_options(block_size=4, policy=policy, sps=sps, draft_gate=draft_gate), collect_stats() as runs:
         for _ in range(N):
             out = target.generate(
                 PROMPT, max_new_tokens=4, do_sample=True, assistant_model=drafter, pad_token_id=0, **gen
@@ -119,7 +119,8 @@ def test_sampling_distribution_equals_target(tiny, gen, drafter_name, policy):
     exact = exact_joint(target, gen.get("temperature", 1.0), gen.get("top_k"), gen.get("top_p"))
     assert math.isclose(exact.sum().item(), 1.0, rel_tol=1e-6)
     kw = {"top_k": gen.get("top_k", 0), "top_p": gen.get("top_p", 1.0), "temperature": gen["temperature"]}
-    emp, runs = _sample_counts(target, drafter, seed=1234, policy=policy, sps=sps, **kw)
+    # the draft gate off: over 3000 calls it would learn to skip most drafting here (its own test is below)
+    emp, runs = _sample_counts(target, drafter, seed=1234, policy=policy, sps=sps, draft_gate=False, **kw)
     rounds = [r for s in runs for r in s.rounds]
     accepted = sum(r.accepted for r in rounds)
     rejected = sum(r.drafted - r.accepted for r in rounds)
@@ -137,3 +138,30 @@ def test_plain_sampling_matches_enumeration(tiny):
     exact = exact_joint(target, 0.7, 6, None)
     emp, _ = _sample_counts(target, None, seed=99, temperature=0.7, top_k=6)
     _assert_matches(emp, exact, "plain generate")
+
+
+def test_sampling_with_skipped_rounds_equals_target(tiny, monkeypatch):
+    """The scheduler's draft gate (generation/draft_gate.py) skips drafting by past rounds only; here a coin
+    flip independent of everything drawn stands in for it, so the first rounds both draft and skip (a skipped
+    round is one plain target step whose features the drafter ingests at its next drafting round). The first
+    new tokens still follow the target's distribution."""
+    import random
+
+    from generation.draft_gate import DraftGate
+
+    coin = random.Random(0)
+
+    def decide(self, budget, now=None):
+        return (True, "probe") if coin.random() < 0.5 else (False, "gated")
+
+    monkeypatch.setattr(DraftGate, "decide", decide)
+    target, drafters = tiny
+    sps = {1: 1.0, 2: 0.75, 3: 0.6, 4: 0.5, 5: 0.4}
+    gen = {"temperature": 0.9, "top_k": 8}
+    exact = exact_joint(target, gen["temperature"], gen["top_k"], None)
+    emp, runs = _sample_counts(target, drafters["markov"], seed=4321, policy="scheduler", sps=sps, **gen)
+    firsts = [s.rounds[0] for s in runs]
+    assert sum(r.gate == "gated" for r in firsts) > 0.4 * N and sum(r.gate == "probe" for r in firsts) > 0.4 * N
+    rounds = [r for s in runs for r in s.rounds]
+    assert sum(r.accepted for r in rounds) > 50 and sum(r.verified - r.accepted for r in rounds) > 50
+    _assert_matches(emp, exact, "dspark scheduler with skipped rounds")
