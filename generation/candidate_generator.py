@@ -130,6 +130,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if draft_gate and isinstance(self.policy, PrefixScheduler):  # learned state carries over between calls
             self.gate = gate_for(drafter, target, gamma, self.policy.sps)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # features of rounds the gate skipped
+        self._caught_up = 0
 
     # ------------------------------------------------------------------ helpers
     def _ingest(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,6 +246,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 self._t_drafted = time.perf_counter()
                 self.stats.rounds.append(RoundStats(drafted=0, verified=0, gate=reason))
                 return input_ids, None
+            self._caught_up = len(self._pending)  # skipped rounds whose features this round ingests
             if self._pending:
                 feats = torch.cat([f for f, _ in self._pending] + [feats], dim=1)
                 ctx_pos = torch.cat([p for _, p in self._pending] + [ctx_pos], dim=1)
@@ -289,7 +291,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._t_drafted = None
         if self.gate is not None:
             if r.gate not in SKIP_REASONS:
-                # steady: no catch-up beyond what a normal round ingests (at most γ' + 1 positions)
+                # steady: catching up on at most one skipped round (a pairing round) and not on the prompt
                 self.gate.record_draft(r.t_draft_ms / 1e3, r.verified, r.accepted,
-                                       steady=r.ingested <= self.block_size + 1)
+                                       steady=self._caught_up <= 1 and len(self.stats.rounds) > 1)
             self.gate.record_committed(r.committed)

@@ -16,15 +16,18 @@ does (:mod:`generation.engine`, "Draft gate" and "Drafting veto"; not in the pap
   drafting and non-drafting rounds, paired in time; while drafting rounds are the slower ones with a standard error
   to spare, nothing is drafted even if the model says it pays. A window of drafting rounds only gets one
   non-drafting round (``"pair"``) so that the comparison stays paired.
-* **Probes.** A gated (or vetoed) round drafts anyway after 1, 2, 4, … up to :attr:`DraftGate.PROBE_MAX_INTERVAL`
-  consecutive skipped rounds, so the estimates follow the text (a new passage the drafter knows well). A probe
-  drafts :attr:`DraftGate.PROBE_ROUNDS` rounds in a row: the first pays the drafter's catch-up on the skipped
-  positions, so its time goes into neither the drafter-time average nor the veto's rates.
+* **Probes.** After 1, 2, 4, … up to :attr:`DraftGate.PROBE_MAX_INTERVAL` consecutive skipped rounds (gated or
+  vetoed), a round drafts anyway, so the estimates follow the text (a new passage the drafter knows well); the
+  back-off restarts at 1 whenever the model says drafting pays. A probe drafts :attr:`DraftGate.PROBE_ROUNDS` rounds
+  in a row: the first pays the drafter's catch-up on the skipped positions, so its time goes into neither the
+  drafter-time average nor the veto's rates (the candidate generator calls a drafting round steady when it
+  ingested the features of at most one skipped round, e.g. a pairing round).
 
 The first :attr:`DraftGate.WARMUP_ROUNDS` rounds always draft. What a gate learned carries over to the next
-`generate()` call with the same drafter, target and block size (:func:`gate_for`: the next call starts from a copy
-of the last call's gate, as the serving engine's state persists across requests), so only the first call pays the
-warm-up and the early, frequent probes. A round the gate skips verifies the anchor token only
+`generate()` call with the same drafter, target, block size and SPS(B) table (:func:`gate_for`: the next call starts
+from a copy of the last call's gate, as the serving engine's state persists across requests; prompts whose context
+buckets read different tables warm up separate gates), so only the first call pays the warm-up and the early,
+frequent probes. :func:`reset_gates` forgets them. A round the gate skips verifies the anchor token only
 (ℓ = 0, exactly one plain decoding step); its target features wait and are ingested into the drafter's context at
 the next drafting round. No decision reads this round's confidences or draft tokens, so the output is exactly
 what it would be without the gate (greedy: token for token; sampling: the same distribution).
@@ -35,12 +38,12 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .round_rates import RoundRates
 from .scheduler import yield_gate
 
-__all__ = ["DraftGate", "SKIP_REASONS", "gate_for"]
+__all__ = ["DraftGate", "SKIP_REASONS", "gate_for", "reset_gates"]
 
 SKIP_REASONS = frozenset({"gated", "veto", "pair"})
 """The :meth:`DraftGate.decide` reasons of a round that does not draft."""
@@ -98,8 +101,8 @@ class DraftGate:
         acc, ver, rounds = self.yield_sums
         if self.drafted_rounds < self.WARMUP_ROUNDS or self.draft_s is None:
             return self._open_round(now, True, "warmup")
-        pays = yield_gate([acc / rounds], [min(ver / rounds, budget)], self.sps, self.draft_s,
-                          max_lengths=[budget]).draft[0]
+        # yield_gate caps both yields at the budget (near the end of a call it is below the mean accepted)
+        pays = yield_gate([acc / rounds], [ver / rounds], self.sps, self.draft_s, max_lengths=[budget]).draft[0]
         reason = "gated"
         if pays and self.rates is not None and self.rates.drafting_loses(1):
             pays, reason = False, "veto"
@@ -113,7 +116,7 @@ class DraftGate:
             self._probe_left -= 1
             return self._open_round(now, True, "probe")
         self.skipped += 1
-        if self.skipped >= self.interval:
+        if self.skipped > self.interval:
             self.skipped, self.interval = 0, min(2 * self.interval, self.PROBE_MAX_INTERVAL)
             self._probe_left = self.PROBE_ROUNDS - 1
             return self._open_round(now, True, "probe")
@@ -169,9 +172,11 @@ def gate_for(drafter, target, block_size: int, sps: Callable[[int], float], veto
     back-off and measured rates; or a new gate. Each call owns its copy, so concurrent calls never share one; the
     registry holds weak references to the drafter and the target only.
     """
+    lookup = sps.get if isinstance(sps, Mapping) else sps
+
     def value(b: int):
         try:
-            return round(float(sps(b)), 9)
+            return round(float(lookup(b)), 9)
         except (KeyError, ValueError, TypeError):  # a gap in the table: the scheduler reports it when it reads B
             return None
 
@@ -187,3 +192,8 @@ def gate_for(drafter, target, block_size: int, sps: Callable[[int], float], veto
     gate = gate or DraftGate(sps, veto=veto)
     gates[key] = gate
     return gate
+
+
+def reset_gates() -> None:
+    """Forget every gate's learned state (the next `generate()` call of each drafter starts with a warm-up)."""
+    _LAST_GATES.clear()

