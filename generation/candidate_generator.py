@@ -130,7 +130,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if draft_gate and isinstance(self.policy, PrefixScheduler):  # learned state carries over between calls
             self.gate = gate_for(drafter, target, gamma, self.policy.sps)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # features of rounds the gate skipped
-        self._caught_up = 0
+        self._steady = False  # the current drafting round measures steady-state drafting (see get_candidates)
 
     # ------------------------------------------------------------------ helpers
     def _ingest(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +246,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 self._t_drafted = time.perf_counter()
                 self.stats.rounds.append(RoundStats(drafted=0, verified=0, gate=reason))
                 return input_ids, None
-            self._caught_up = len(self._pending)  # skipped rounds whose features this round ingests
+            # steady: catching up on at most one skipped round (a pairing round), and not on the prompt (which a
+            # later call's first drafting round ingests even after a skipped first round)
+            first_pos = self._pending[0][1] if self._pending else ctx_pos
+            self._steady = len(self._pending) <= 1 and int(first_pos[0, 0]) > 0
             if self._pending:
                 feats = torch.cat([f for f, _ in self._pending] + [feats], dim=1)
                 ctx_pos = torch.cat([p for _, p in self._pending] + [ctx_pos], dim=1)
@@ -291,7 +294,5 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._t_drafted = None
         if self.gate is not None:
             if r.gate not in SKIP_REASONS:
-                # steady: catching up on at most one skipped round (a pairing round) and not on the prompt
-                self.gate.record_draft(r.t_draft_ms / 1e3, r.verified, r.accepted,
-                                       steady=self._caught_up <= 1 and len(self.stats.rounds) > 1)
+                self.gate.record_draft(r.t_draft_ms / 1e3, r.verified, r.accepted, steady=self._steady)
             self.gate.record_committed(r.committed)
