@@ -163,7 +163,8 @@ class DraftGate:
             self.rates.record(1, drafted=drafted, seconds=now - start, tokens=tokens, now=now)
 
 
-_LAST_GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> {target -> {block size: gate}}
+# drafter -> {target -> {(block size, veto, SPS values at B = 1..block size + 1): the last call's gate}}
+_LAST_GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def gate_for(drafter, target, block_size: int, sps: Callable[[int], float], veto: bool = True) -> DraftGate:
@@ -182,14 +183,11 @@ def gate_for(drafter, target, block_size: int, sps: Callable[[int], float], veto
 
     key = (int(block_size), bool(veto), tuple(value(b) for b in range(1, block_size + 2)))
     gates = _LAST_GATES.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
-    gate = None
     last = gates.get(key)
-    if last is not None:
-        try:
-            gate = last.clone(sps)
-        except RuntimeError:  # the last call's gate changed size mid-copy (a concurrent call): start afresh
-            gate = None
-    gate = gate or DraftGate(sps, veto=veto)
+    try:
+        gate = last.clone(sps) if last is not None else DraftGate(sps, veto=veto)
+    except RuntimeError:  # the last call's gate changed size mid-copy (a concurrent call): start afresh
+        gate = DraftGate(sps, veto=veto)
     gates[key] = gate
     return gate
 

@@ -236,10 +236,11 @@ def default_sts_grid(n: int = 301, low: float = 0.05, high: float = 20.0) -> np.
 _DEFAULT_GRID = default_sts_grid()
 
 
-def _check_grid(grid, default: np.ndarray, what: str, positive: bool) -> np.ndarray:
-    arr = default if grid is None else np.asarray(grid, dtype=np.float64).ravel()
-    if arr.size == 0 or not np.all(np.isfinite(arr)) or (positive and not np.all(arr > 0)):
-        raise ValueError(f"grid must be a non-empty sequence of finite {what}")
+def _check_grid(grid) -> np.ndarray:
+    """The temperature grid of :func:`fit_sts` (default :func:`default_sts_grid`) as a float64 array."""
+    arr = _DEFAULT_GRID if grid is None else np.asarray(grid, dtype=np.float64).ravel()
+    if arr.size == 0 or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
+        raise ValueError("grid must be a non-empty sequence of finite temperatures > 0")
     return arr
 
 
@@ -297,7 +298,7 @@ def fit_sts(
         ValueError: bad shapes, a bad grid.
     """
     logits, acc, ok = _prepare(confidence_logits, accepted, valid)
-    grid_arr = _check_grid(grid, _DEFAULT_GRID, "temperatures > 0", positive=True)
+    grid_arr = _check_grid(grid)
     return _fit_sequential(logits, acc, ok, grid_arr, n_bins)
 
 
