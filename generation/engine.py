@@ -38,12 +38,16 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   steady drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour),
   also work.
 * **Draft excess.** The measured parts of the model are taken apart (verify times per kind of round below, drafting
-  time from steady rounds only), so a drafting round can cost more than their sum: a request drafting after gated
-  rounds first catches up, and the round's bookkeeping grows with its draft tokens. (The step that a verify batch
-  pays for holding any draft token, ~5 ms on SmolLM2-135M at R = 4, is priced by the verify-time correction's
-  offset o₁, fitted apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a decayed mean
-  (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the gate and the
-  policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only).
+  time from steady rounds only), so a drafting round can cost more than their sum: the round's bookkeeping grows
+  with its draft tokens, and a request drafting after one gated round first catches up on it. (The step that a
+  verify batch pays for holding any draft token, ~5 ms on SmolLM2-135M at R = 4, is priced by the verify-time
+  correction's offset o₁, fitted apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a
+  decayed mean (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the
+  gate and the policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only). A round whose drafters first
+  catch up on more than two rounds' worth of skipped positions is left out, as the drafting veto leaves it out: that
+  catch-up is paid whenever the request drafts again, now or later, so it is no cost of drafting now rather than
+  skipping; counted, it made drafting look dearest exactly while the gate drafted rarely (re-probes after long
+  skips), which kept the gate closed at R = 2 in float32 on the AVX2 EPYC (README, serving).
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, the residual (measured verify time − 1/SPS(B)) in two
@@ -974,7 +978,8 @@ class DSparkEngine:
         any such round, or unless ``draft_cost_ms="auto"``). Added to t_draft(n) wherever the gate and the policies
         price a drafting round (:meth:`_draft_price`). The model's parts are measured apart (verify times per kind
         of round, :meth:`verify_correction`; drafting time in steady rounds only), so what a drafting round costs
-        beyond them would otherwise go unpriced: catch-up after gated rounds, bookkeeping."""
+        beyond them would otherwise go unpriced: bookkeeping, a short catch-up. Rounds that catch up on more than
+        two rounds' worth of skipped positions are not folded in (module doc)."""
         sums = self._excess.get(num_requests)
         return 0.0 if sums is None or self.draft_cost_ms != "auto" else sums[1] / sums[0]
 
@@ -1360,7 +1365,7 @@ class DSparkEngine:
             off += ell + 1
         t2 = time.perf_counter()
         if gating:
-            if rows and modelled_draft > 0.0:
+            if rows and modelled_draft > 0.0 and not long_catch_up:  # a long catch-up: module doc, "Draft excess"
                 with contextlib.suppress(ValueError):  # B outside the table: no model to compare with
                     self._record_excess(num, t2 - t0, 1.0 / _sps_value(curve, off) + modelled_draft)
             self._record_verify_time(reqs, off, t2 - t1)

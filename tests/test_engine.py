@@ -667,6 +667,23 @@ def test_catch_up_rounds_are_not_timed(tiny):
     assert list(engine._draft_ms_ema) == [1]
 
 
+def test_long_catch_up_rounds_do_not_feed_the_draft_excess(tiny):
+    """A drafting round whose drafter first ingests more than two rounds' worth of positions (here the prompt) pays
+    that catch-up whenever it drafts, now or later: it is left out of draft_excess, as out of the veto's rates; a
+    later drafting round at the same R is folded in."""
+    target, drafter, prompts, _, _ = tiny
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS)
+    engine._record_draft_time(1, 5.0)  # drafting time measured: drafting rounds are modelled, their excess kept
+    long_prompt = max(prompts, key=len)
+    assert len(long_prompt) > 2 * (engine.block_size + 1)
+    engine.add_request(long_prompt, 30)
+    engine.step()
+    assert engine.stats.rounds[0].drafted_any and 1 not in engine._excess
+    while engine.has_unfinished() and not any(r.drafted_any for r in engine.stats.rounds[1:]):
+        engine.step()  # gated rounds (a random drafter yields little) until a re-probe drafts
+    assert any(r.drafted_any for r in engine.stats.rounds[1:]) and 1 in engine._excess
+
+
 def test_draft_excess_prices_what_drafting_rounds_cost_beyond_the_model(tiny):
     """draft_excess: a decayed mean of (measured − modelled) time of drafting rounds per R, added to the drafting
     time the gate prices (never below 0 in total); a stall counts as at most one more modelled round; only with

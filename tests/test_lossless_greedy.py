@@ -33,8 +33,13 @@ def _check(target, drafter, prompt_ids, references, block_size, max_new):
         yield runs[-1]
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("max_new", MAX_NEW)
+# A random drafter on a 49k vocabulary is almost never accepted, so at 64 tokens it exercises what the adversarial
+# drafter (every draft rejected, asserted) exercises at the same block size; at 64 tokens only the extreme block sizes
+# run it (saves ~2 min of the suite; every block size still runs 64 tokens with the adversarial and oracle drafters).
+RANDOM_CASES = [(n, b) for n in MAX_NEW for b in BLOCK_SIZES if n < 64 or b in (BLOCK_SIZES[0], BLOCK_SIZES[-1])]
+
+
+@pytest.mark.parametrize(("max_new", "block_size"), RANDOM_CASES)
 def test_random_drafter_greedy_identical(smollm, prompt_ids, references, random_drafter, block_size, max_new):
     target, _ = smollm
     for stats in _check(target, random_drafter, prompt_ids, references, block_size, max_new):
