@@ -39,15 +39,17 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   also work.
 * **Draft excess.** The measured parts of the model are taken apart (verify times per kind of round below, drafting
   time from steady rounds only), so a drafting round can cost more than their sum: the round's bookkeeping grows
-  with its draft tokens, and a request drafting after one gated round first catches up on it. (The step that a
+  with its draft tokens, and a request drafting after gated rounds first catches up on them. (The step that a
   verify batch pays for holding any draft token, ~5 ms on SmolLM2-135M at R = 4, is priced by the verify-time
   correction's offset o₁, fitted apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a
   decayed mean (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the
-  gate and the policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only). A round whose drafters first
-  catch up on more than two rounds' worth of skipped positions is left out, as the drafting veto leaves it out: that
-  catch-up is paid whenever the request drafts again, now or later, so it is no cost of drafting now rather than
-  skipping; counted, it made drafting look dearest exactly while the gate drafted rarely (re-probes after long
-  skips), which kept the gate closed at R = 2 in float32 on the AVX2 EPYC (README, serving).
+  gate and the policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only). A round where a drafting request
+  first catches up on more than two rounds' worth of positions (2(γ' + 1): after a prompt, or a long run of gated
+  rounds) is left out, the cut-off the drafting veto uses: such a catch-up is paid whenever the request drafts
+  again, now or later, so it is hardly a cost of drafting now rather than skipping, and counted, it made drafting
+  look dearest exactly while the gate drafted rarely (re-probes after long skips; the gate then stayed closed at
+  R = 2 in float32 on the AVX2 EPYC, README). Shorter catch-ups (after a few gated rounds) still count. While an R
+  drafts only at re-probes after long skips, its excess is not updated and keeps its last value.
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, the residual (measured verify time − 1/SPS(B)) in two
