@@ -33,7 +33,7 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   Algorithm 1 (and the lagged budget search) maximise committed tokens per second of the whole round. t_draft(n)
   comes from ``draft_cost_ms``: by default (``"auto"``) a moving average (weight :attr:`DSparkEngine.DRAFT_TIME_EMA`)
   of this engine's own measured drafting time per n, linear in between measured n, nearest outside, from
-  steady-state rounds only (a round where a drafting request first catches up on more than γ + 1 positions, after
+  steady-state rounds only (a round where a drafting request first catches up on more than γ' + 1 positions, after
   its prefill or a run of gated rounds, is not measured: that catch-up is paid once whenever it drafts); the first
   steady drafting rounds measure it (0 until then). A fixed number of ms, or None (unpriced, paper behaviour),
   also work.
@@ -44,12 +44,13 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   correction's offset o₁, fitted apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a
   decayed mean (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the
   gate and the policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only). A round where a drafting request
-  first catches up on more than two rounds' worth of positions (2(γ' + 1): after a prompt, or a long run of gated
-  rounds) is left out, the cut-off the drafting veto uses: such a catch-up is paid whenever the request drafts
+  first catches up on more than 2(γ' + 1) positions (two fully accepted drafting rounds' worth: a prompt, or a run of
+  gated rounds, each of which adds its committed tokens, one or more) is left out, the cut-off the drafting veto uses: such a catch-up is paid whenever the request drafts
   again, now or later, so it is hardly a cost of drafting now rather than skipping, and counted, it made drafting
   look dearest exactly while the gate drafted rarely (re-probes after long skips; the gate then stayed closed at
   R = 2 in float32 on the AVX2 EPYC, README). Shorter catch-ups (after a few gated rounds) still count. While an R
-  drafts only at re-probes after long skips, its excess is not updated and keeps its last value.
+  drafts only at the gate's re-probes after long skips, its excess keeps its last value (the second round of a veto
+  re-probe, whose catch-up is short, is folded in).
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, the residual (measured verify time − 1/SPS(B)) in two
@@ -980,8 +981,8 @@ class DSparkEngine:
         any such round, or unless ``draft_cost_ms="auto"``). Added to t_draft(n) wherever the gate and the policies
         price a drafting round (:meth:`_draft_price`). The model's parts are measured apart (verify times per kind
         of round, :meth:`verify_correction`; drafting time in steady rounds only), so what a drafting round costs
-        beyond them would otherwise go unpriced: bookkeeping, a short catch-up. Rounds that catch up on more than
-        two rounds' worth of skipped positions are not folded in (module doc)."""
+        beyond them would otherwise go unpriced: bookkeeping, a short catch-up. Rounds where a drafting request first
+        catches up on more than 2(γ' + 1) positions are not folded in (module doc, "Draft excess")."""
         sums = self._excess.get(num_requests)
         return 0.0 if sums is None or self.draft_cost_ms != "auto" else sums[1] / sums[0]
 
