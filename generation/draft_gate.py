@@ -18,10 +18,10 @@ does (:mod:`generation.engine`, "Draft gate" and "Drafting veto"; not in the pap
   non-drafting round (``"pair"``) so that the comparison stays paired.
 * **Probes.** After 1, 2, 4, … up to :attr:`DraftGate.PROBE_MAX_INTERVAL` consecutive skipped rounds (gated or
   vetoed), a round drafts anyway, so the estimates follow the text (a new passage the drafter knows well); the
-  back-off restarts at 1 whenever a round drafts or pairs on the model's word (not when the veto overrides it). A probe drafts :attr:`DraftGate.PROBE_ROUNDS` rounds
-  in a row: the first pays the drafter's catch-up on the skipped positions, so its time goes into neither the
-  drafter-time average nor the veto's rates (the candidate generator calls a drafting round steady when it
-  ingested the features of at most one skipped round, e.g. a pairing round).
+  back-off restarts at 1 whenever a round drafts or pairs on the model's word (not when the veto overrides it). A
+  probe drafts :attr:`DraftGate.PROBE_ROUNDS` rounds in a row: the first pays the drafter's catch-up on the skipped
+  positions, so its time goes into neither the drafter-time average nor the veto's rates (the candidate generator
+  calls a drafting round steady when it ingested the features of at most one skipped round, e.g. a pairing round).
 
 The first :attr:`DraftGate.WARMUP_ROUNDS` rounds always draft. What a gate learned carries over to the next
 `generate()` call with the same drafter, target, block size and SPS(B) table (:func:`gate_for`: the next call starts

@@ -39,18 +39,18 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   also work.
 * **Draft excess.** The measured parts of the model are taken apart (verify times per kind of round below, drafting
   time from steady rounds only), so a drafting round can cost more than their sum: the round's bookkeeping grows
-  with its draft tokens, and a request drafting after gated rounds first catches up on them. (The step that a
-  verify batch pays for holding any draft token, ~5 ms on SmolLM2-135M at R = 4, is priced by the verify-time
-  correction's offset o₁, fitted apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a
-  decayed mean (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the
-  gate and the policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only). A round where a drafting request
-  first catches up on more than 2(γ' + 1) positions (two fully accepted drafting rounds' worth: a prompt, or a run of
-  gated rounds, each of which adds its committed tokens, one or more) is left out, the cut-off the drafting veto uses: such a catch-up is paid whenever the request drafts
-  again, now or later, so it is hardly a cost of drafting now rather than skipping, and counted, it made drafting
-  look dearest exactly while the gate drafted rarely (re-probes after long skips; the gate then stayed closed at
-  R = 2 in float32 on the AVX2 EPYC, README). Shorter catch-ups (after a few gated rounds) still count. While an R
-  drafts only at the gate's re-probes after long skips, its excess keeps its last value (the second round of a veto
-  re-probe, whose catch-up is short, is folded in).
+  with its draft tokens, and a request drafting after gated rounds first catches up on them. (The step that a verify
+  batch pays for holding any draft token, ~5 ms on SmolLM2-135M at R = 4, is priced by the verify-time correction's
+  offset o₁, fitted apart from the B = R rounds.) :meth:`~DSparkEngine.draft_excess` keeps, per R, a decayed mean
+  (:attr:`~DSparkEngine.EXCESS_DECAY`) of measured − modelled time of the rounds that drafted, and the gate and the
+  policies price t_draft(n) + excess (``draft_cost_ms="auto"`` only). A round where a drafting request first catches
+  up on more than 2(γ' + 1) positions (two fully accepted drafting rounds' worth: a prompt, or a run of gated
+  rounds, each of which adds its committed tokens, one or more) is left out, the cut-off the drafting veto uses:
+  such a catch-up is paid whenever the request drafts again, now or later, so it is hardly a cost of drafting now
+  rather than skipping, and counted, it made drafting look dearest exactly while the gate drafted rarely (re-probes
+  after long skips; the gate then stayed closed at R = 2 in float32 on the AVX2 EPYC, README). Shorter catch-ups
+  (after a few gated rounds) still count. While an R drafts only at the gate's re-probes after long skips, its
+  excess keeps its last value (the second round of a veto re-probe, whose catch-up is short, is folded in).
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, the residual (measured verify time − 1/SPS(B)) in two
@@ -1313,8 +1313,9 @@ class DSparkEngine:
             # makes this round's drafting time unrepresentative: the catch-up is paid once whenever it drafts
             pending = [sum(f.shape[1] for f in r.pending_feats) for r, b in zip(reqs, budgets) if b > 0]
             catch_up = any(n > self.block_size + 1 for n in pending)
-            # the drafting veto leaves out only catch-ups of more than two rounds' worth: one non-drafting round
-            # (a pairing round) before a drafting one is part of what drafting costs (round_rates module doc)
+            # the drafting veto and the draft excess leave out only catch-ups of more than two rounds' worth: one
+            # non-drafting round (a pairing round) before a drafting one is part of what drafting costs (round_rates
+            # module doc; module doc, "Draft excess")
             long_catch_up = any(n > 2 * (self.block_size + 1) for n in pending)
             tokens, conf, lengths = self._draft(reqs, budgets)
             t1 = time.perf_counter()
