@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -55,7 +56,13 @@ def default_target_path() -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out) if not out.exists() else None
+    try:
+        tmp.rename(out)  # atomic: readers never see a half-written copy
+    except OSError:  # another process (e.g. a parallel test worker) wrote it first
+        if not (out / "model.safetensors").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -20,6 +20,12 @@ from generation import enable_dspark
 from generation.candidate_generator import DSparkCandidateGenerator
 from modeling_dspark.target import apply_chat_template, load_target
 
+# under pytest-xdist (`-n auto`, the README's test command) the workers share the cores: one worker per core,
+# each with its share of torch threads, so parallel workers do not oversubscribe the CPU
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a Python function that returns the square of a number.",
