@@ -25,7 +25,9 @@ within one repetition all policies at one R back to back, in an order rotated ea
 machine (other processes, thermal) hits every policy alike. Each cell reports the median over repetitions and the
 min / max (``throughput_min`` / ``throughput_max``, ``*_reps`` lists) as its noise estimate; the table prints
 ``median ±half-range``, and the scheduler-vs-best-static rows the ratio of medians with the combined relative
-half-range of the two cells (a ratio within it is a tie).
+half-range of the two cells (a ratio within it is a tie), the range of the paired per-repetition ratios, how many
+of them exceed 1 and a one-sided sign test's p-value (``comparisons`` in the JSON): "strictly faster" needs the
+paired repetitions to agree, e.g. 10 of 10 (p = 0.001) or 9 of 10 (p = 0.011), not a median alone.
 
 Writes JSON and a Pareto plot (throughput vs per-user speed) and prints a markdown table.
 Exit codes: 0 success, 2 usage or input error.
@@ -238,20 +240,38 @@ def aggregate_reps(reps: list[dict]) -> dict:
     return out
 
 
-def _ratio_cell(mine: dict, best: dict, key: str) -> str:
-    """``mine[key] / best[key]`` as ``"1.02x vs POLICY (±noise; per rep lo–hi)"``: the combined relative half-range
-    of the two cells and, when both have the same repetitions, the range of the per-repetition ratios (repetition i
-    of both cells ran back to back: drift common to both cancels in their ratio)."""
-    text = f"{mine[key] / best[key]:.2f}x vs {best['policy']}"
-    noise = _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key]
-    if not noise:
-        return text
+def sign_test_p(faster: int, n: int) -> float:
+    """One-sided sign test: P(at least ``faster`` of ``n`` fair coin flips come up heads), the chance that a policy
+    no faster than its rival wins ``faster`` of ``n`` paired repetitions or more (ties count as losses)."""
+    return sum(math.comb(n, i) for i in range(faster, n + 1)) / 2 ** n
+
+
+def compare_cells(mine: dict, best: dict, key: str = "throughput_tok_s") -> dict:
+    """``mine`` against ``best`` on ``key``: the ratio of medians, the combined relative half-range of the two cells
+    (``noise``) and, when both cells have the same repetitions, the per-repetition ratios (repetition i of both ran
+    back to back, so drift of the machine common to both cancels), how many of them exceed 1 and the one-sided sign
+    test's p-value for "no faster" (:func:`sign_test_p`)."""
+    out = {"vs": best["policy"], "ratio": mine[key] / best[key],
+           "noise": _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key]}
     reps_key = key.replace("_tok_s", "_reps")
     mine_reps, best_reps = mine.get(reps_key) or (), best.get(reps_key) or ()
     if len(mine_reps) > 1 and len(mine_reps) == len(best_reps):
         paired = [a / b for a, b in zip(mine_reps, best_reps)]
-        return text + f" (±{noise:.0%}; per rep {min(paired):.2f}–{max(paired):.2f})"
-    return text + f" (±{noise:.0%})"
+        faster = sum(r > 1 for r in paired)
+        out.update(paired=paired, faster=faster, sign_p=sign_test_p(faster, len(paired)))
+    return out
+
+
+def _ratio_cell(mine: dict, best: dict, key: str) -> str:
+    """:func:`compare_cells` as ``"1.02x vs POLICY (±noise; per rep lo–hi, faster in k/n, sign test p)"``."""
+    c = compare_cells(mine, best, key)
+    text = f"{c['ratio']:.2f}x vs {c['vs']}"
+    if not c["noise"]:
+        return text
+    if "paired" in c:
+        return text + (f" (±{c['noise']:.0%}; per rep {min(c['paired']):.2f}–{max(c['paired']):.2f}, "
+                       f"faster in {c['faster']}/{len(c['paired'])}, sign test p={c['sign_p']:.2g})")
+    return text + f" (±{c['noise']:.0%})"
 
 
 def markdown_table(results: list[dict], policies: list[str], levels: list[int]) -> str:
@@ -274,17 +294,39 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
                 vals.append(f"{r['throughput_tok_s']:.1f}" + (f" ±{noise:.1f}" if noise else "")
                             + f" / {r['per_user_tok_s']:.1f}")
         lines.append(f"| {policy_label(pol)} | " + " | ".join(vals) + " |")
-    statics = [p for p in policies if p.partition(":")[0] in STATIC_POLICIES]
     for key, what in (("throughput_tok_s", "total"), ("steady_tok_s", "steady")):
-        for dyn in [p for p in policies if p.partition(":")[0] in ("scheduler", "lagged")]:
+        for dyn in _dynamic(policies):
             vals = []
             for R in levels:
-                best = max((cell[(p, R)] for p in statics if (p, R) in cell and key in cell[(p, R)]),
-                           key=lambda r: r[key], default=None)
-                mine = cell.get((dyn, R))
+                best, mine = _best_static(cell, policies, R, key), cell.get((dyn, R))
                 vals.append("–" if best is None or mine is None or key not in mine else _ratio_cell(mine, best, key))
             lines.append(f"| {policy_label(dyn)} / best static, {what} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
+
+
+def _dynamic(policies: list[str]) -> list[str]:
+    return [p for p in policies if p.partition(":")[0] in ("scheduler", "lagged")]
+
+
+def _best_static(cell: dict, policies: list[str], R: int, key: str) -> dict | None:
+    """The static policy's cell with the highest median ``key`` at R (None if no static policy ran)."""
+    statics = [p for p in policies if p.partition(":")[0] in STATIC_POLICIES]
+    return max((cell[(p, R)] for p in statics if (p, R) in cell and key in cell[(p, R)]),
+               key=lambda r: r[key], default=None)
+
+
+def comparisons(results: list[dict], policies: list[str], levels: list[int]) -> list[dict]:
+    """Every dynamic policy (scheduler, lagged) against the best static policy at each R, for total and steady
+    throughput: :func:`compare_cells`' numbers with ``R``, ``policy`` and ``key`` (the JSON's ``comparisons``)."""
+    cell = {(r["policy"], r["R"]): r for r in results}
+    out = []
+    for key in ("throughput_tok_s", "steady_tok_s"):
+        for dyn in _dynamic(policies):
+            for R in levels:
+                best, mine = _best_static(cell, policies, R, key), cell.get((dyn, R))
+                if best is not None and mine is not None and key in mine:
+                    out.append({"R": R, "policy": dyn, "key": key, **compare_cells(mine, best, key)})
+    return out
 
 
 def pareto_plot(results: list[dict], policies: list[str], out_png: Path, title: str) -> Path:
@@ -416,6 +458,7 @@ def _run(args) -> int:
         },
         "sps_profile": sps.to_dict() if sps is not None else None,
         "results": results,
+        "comparisons": comparisons(results, args.policies, levels),
         "markdown": table,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -347,6 +347,7 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert all(r["throughput_min"] <= r["throughput_tok_s"] <= r["throughput_max"] for r in report["results"])
     assert report["config"]["repeats"] == 2 and report["config"]["warmup_repeats"] == 1
     assert report["config"]["drafting_veto"] is True
+    assert report["comparisons"] == []  # no dynamic policy in this run
     assert report["results"][1]["agreement_with_none"] == 1.0  # fp32: speculation changes nothing
     assert out.with_suffix(".png").exists()
     assert "| no speculation |" in capsys.readouterr().out
@@ -359,8 +360,14 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert "10.0 ±1.0 / 10.0" in table and "1.20x vs none (±18%)" in table  # 1/12 + 1/10
     assert "| DSpark scheduler / best static, steady | – |" in table  # no steady numbers in these rows
     paired = [dict(r, throughput_reps=[r["throughput_tok_s"] - 1, r["throughput_tok_s"] + 1]) for r in rows]
-    assert "1.20x vs none (±18%; per rep 1.18–1.22)" in bench_cmd.markdown_table(  # 11/9, 13/11
-        paired, ["none", "full", "scheduler"], [1])
+    assert "1.20x vs none (±18%; per rep 1.18–1.22, faster in 2/2, sign test p=0.25)" in bench_cmd.markdown_table(
+        paired, ["none", "full", "scheduler"], [1])  # 11/9, 13/11; both faster: p = 1/4
+    comp = bench_cmd.comparisons(paired, ["none", "full", "scheduler"], [1])
+    assert [(c["R"], c["policy"], c["vs"], c["faster"]) for c in comp] == [(1, "scheduler", "none", 2)]
+    assert comp[0]["paired"] == pytest.approx([11 / 9, 13 / 11]) and comp[0]["sign_p"] == 0.25
+    # the sign test: P(X >= k) for X ~ Binomial(n, 1/2)
+    assert bench_cmd.sign_test_p(10, 10) == 1 / 1024 and bench_cmd.sign_test_p(9, 10) == 11 / 1024
+    assert bench_cmd.sign_test_p(0, 5) == 1.0 and bench_cmd.sign_test_p(3, 4) == 5 / 16
     rows = [dict(r, steady_tok_s=s) for r, s in zip(rows, (10.0, 11.0, 13.2))]
     assert "| DSpark scheduler / best static, steady | 1.20x vs full |" in bench_cmd.markdown_table(
         rows, ["none", "full", "scheduler"], [1])
