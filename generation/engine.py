@@ -48,9 +48,13 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   rounds, each of which adds its committed tokens, one or more) is left out, the cut-off the drafting veto uses:
   such a catch-up is paid whenever the request drafts again, now or later, so it is hardly a cost of drafting now
   rather than skipping, and counted, it made drafting look dearest exactly while the gate drafted rarely (re-probes
-  after long skips; the gate then stayed closed at R = 2 in float32 on the AVX2 EPYC, README). Shorter catch-ups
-  (after a few gated rounds) still count. While an R drafts only at the gate's re-probes after long skips, its
-  excess keeps its last value (the second round of a veto re-probe, whose catch-up is short, is folded in).
+  after long skips; the gate then stayed closed at R = 2 in float32 on the AVX2 EPYC, README). Re-probe rounds (the
+  gate's and the veto's, ``EngineRound.probe``) are left out too, whatever their catch-up: a probe follows gated
+  rounds and drafts for the one request skipped longest (besides any the gate lets draft), so it pays a catch-up
+  and a drafter forward for a fraction of a steady round's yield; counted, probes after 8–16 gated rounds (catch-ups under the cut-off) kept the excess at +4 to +9 ms
+  at R = 2 in float32 on the EPYC and the gate closed, while static ℓ=1 beat no speculation (README). Shorter
+  catch-ups in steady rounds (after a pairing round) still count. While an R drafts only at re-probes, its excess
+  keeps the value its last steady drafting rounds gave.
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, the residual (measured verify time − 1/SPS(B)) in two
@@ -981,8 +985,9 @@ class DSparkEngine:
         any such round, or unless ``draft_cost_ms="auto"``). Added to t_draft(n) wherever the gate and the policies
         price a drafting round (:meth:`_draft_price`). The model's parts are measured apart (verify times per kind
         of round, :meth:`verify_correction`; drafting time in steady rounds only), so what a drafting round costs
-        beyond them would otherwise go unpriced: bookkeeping, a short catch-up. Rounds where a drafting request first
-        catches up on more than 2(γ' + 1) positions are not folded in (module doc, "Draft excess")."""
+        beyond them would otherwise go unpriced: bookkeeping, a short catch-up. Re-probe rounds and rounds where a
+        drafting request first catches up on more than 2(γ' + 1) positions are not folded in (module doc, "Draft
+        excess")."""
         sums = self._excess.get(num_requests)
         return 0.0 if sums is None or self.draft_cost_ms != "auto" else sums[1] / sums[0]
 
@@ -1369,7 +1374,8 @@ class DSparkEngine:
             off += ell + 1
         t2 = time.perf_counter()
         if gating:
-            if rows and modelled_draft > 0.0 and not long_catch_up:  # a long catch-up: module doc, "Draft excess"
+            # a long catch-up or a re-probe is not a steady drafting round: module doc, "Draft excess"
+            if rows and modelled_draft > 0.0 and not (long_catch_up or probe):
                 with contextlib.suppress(ValueError):  # B outside the table: no model to compare with
                     self._record_excess(num, t2 - t0, 1.0 / _sps_value(curve, off) + modelled_draft)
             self._record_verify_time(reqs, off, t2 - t1)
