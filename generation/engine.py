@@ -48,13 +48,13 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   rounds, each of which adds its committed tokens, one or more) is left out, the cut-off the drafting veto uses:
   such a catch-up is paid whenever the request drafts again, now or later, so it is hardly a cost of drafting now
   rather than skipping, and counted, it made drafting look dearest exactly while the gate drafted rarely (re-probes
-  after long skips; the gate then stayed closed at R = 2 in float32 on the AVX2 EPYC, README). Re-probe rounds (the
-  gate's and the veto's, ``EngineRound.probe``) are left out too, whatever their catch-up: a probe follows gated
-  rounds and drafts for the one request skipped longest (besides any the gate lets draft), so it pays a catch-up
-  and a drafter forward for a fraction of a steady round's yield; counted, probes after 8–16 gated rounds (catch-ups under the cut-off) kept the excess at +4 to +9 ms
-  at R = 2 in float32 on the EPYC and the gate closed, while static ℓ=1 beat no speculation (README). Shorter
-  catch-ups in steady rounds (after a pairing round) still count. While an R drafts only at re-probes, its excess
-  keeps the value its last steady drafting rounds gave.
+  after long skips; the gate then stayed closed at R = 2 in float32 on the AVX2 EPYC, README). A re-probe round (the
+  gate's or the veto's, ``EngineRound.probe``) follows gated rounds, so its drafting request first catches up on
+  them, however few: its residual over-states a steady round's and may only lower the excess (it is folded in when
+  below the current excess, else left out, whatever its catch-up). Counted in full, re-probes after 8–16 gated
+  rounds (catch-ups under the cut-off) kept the excess at +4 to +9 ms at R = 2 in float32 on the EPYC and the gate
+  closed (README); left out entirely, an excess that steady rounds had left high would never come down while the
+  gate stays closed. Shorter catch-ups in steady rounds (after a pairing round) still count.
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, the residual (measured verify time − 1/SPS(B)) in two
@@ -985,9 +985,9 @@ class DSparkEngine:
         any such round, or unless ``draft_cost_ms="auto"``). Added to t_draft(n) wherever the gate and the policies
         price a drafting round (:meth:`_draft_price`). The model's parts are measured apart (verify times per kind
         of round, :meth:`verify_correction`; drafting time in steady rounds only), so what a drafting round costs
-        beyond them would otherwise go unpriced: bookkeeping, a short catch-up. Re-probe rounds and rounds where a
-        drafting request first catches up on more than 2(γ' + 1) positions are not folded in (module doc, "Draft
-        excess")."""
+        beyond them would otherwise go unpriced: bookkeeping, a short catch-up. Rounds where a drafting request
+        first catches up on more than 2(γ' + 1) positions are not folded in, re-probe rounds only when they lower it
+        (module doc, "Draft excess")."""
         sums = self._excess.get(num_requests)
         return 0.0 if sums is None or self.draft_cost_ms != "auto" else sums[1] / sums[0]
 
@@ -997,12 +997,15 @@ class DSparkEngine:
         t = self._draft_seconds(rows)
         return max(0.0, t + self.draft_excess(num_requests)) if t > 0.0 else t
 
-    def _record_excess(self, num_requests: int, seconds: float, modelled: float) -> None:
+    def _record_excess(self, num_requests: int, seconds: float, modelled: float, upper_bound: bool = False) -> None:
         """Fold one drafting round's measured − modelled time into :meth:`draft_excess` (a stall counts at most
-        as one more modelled round)."""
+        as one more modelled round). ``upper_bound``: the round's residual over-states a steady round's (a
+        re-probe): folded in only when below the current excess."""
         if self.draft_cost_ms != "auto" or modelled <= 0.0:
             return
         resid = min(seconds - modelled, modelled)
+        if upper_bound and (num_requests not in self._excess or resid >= self.draft_excess(num_requests)):
+            return
         w, total = self._excess.get(num_requests, (0.0, 0.0))
         d = self.EXCESS_DECAY
         self._excess[num_requests] = (d * w + 1.0, d * total + resid)
@@ -1374,10 +1377,11 @@ class DSparkEngine:
             off += ell + 1
         t2 = time.perf_counter()
         if gating:
-            # a long catch-up or a re-probe is not a steady drafting round: module doc, "Draft excess"
-            if rows and modelled_draft > 0.0 and not (long_catch_up or probe):
+            # a long catch-up is left out, a re-probe only lowers the excess: module doc, "Draft excess"
+            if rows and modelled_draft > 0.0 and (probe or not long_catch_up):
                 with contextlib.suppress(ValueError):  # B outside the table: no model to compare with
-                    self._record_excess(num, t2 - t0, 1.0 / _sps_value(curve, off) + modelled_draft)
+                    self._record_excess(num, t2 - t0, 1.0 / _sps_value(curve, off) + modelled_draft,
+                                        upper_bound=probe)
             self._record_verify_time(reqs, off, t2 - t1)
             first_probe = self._veto_mark == "probe" and self._veto_probe[1] == self.VETO_PROBE_ROUNDS - 1
             if not (long_catch_up or first_probe):  # what a catch-up costs, the next drafting round does not

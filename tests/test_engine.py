@@ -683,7 +683,7 @@ def test_long_catch_up_rounds_do_not_feed_the_draft_excess(tiny):
     that catch-up whenever it drafts, now or later: it is left out of draft_excess, as out of the veto's rates; the
     next (steady) drafting round at the same R is folded in."""
     target, drafter, prompts, _, _ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gating=False)  # every round drafts
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gating=False)  # no yield gate, no probes
     engine._record_draft_time(1, 5.0)  # drafting time measured: drafting rounds are modelled, their excess kept
     long_prompt = max(prompts, key=len)
     assert len(long_prompt) > 2 * (engine.block_size + 1)
@@ -694,19 +694,42 @@ def test_long_catch_up_rounds_do_not_feed_the_draft_excess(tiny):
     assert engine.stats.rounds[1].drafted_any and not engine.stats.rounds[1].probe and 1 in engine._excess
 
 
-def test_reprobe_rounds_do_not_feed_the_draft_excess(tiny):
-    """A re-probe after gated rounds (catch-up on the skipped positions, one request drafting) is not a steady
-    drafting round: it refreshes the yield estimate but leaves draft_excess as the last steady rounds left it."""
+def test_reprobe_rounds_only_lower_the_draft_excess(tiny):
+    """A re-probe after gated rounds first catches up on them: its residual over-states a steady round's, so it is
+    folded into draft_excess only when below the current excess -- it cannot hold the gate closed, and an excess
+    that steady rounds left high still comes down while only re-probes draft."""
     target, drafter, prompts, _, _ = tiny
     engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, drafting_veto=False)
     engine._record_draft_time(1, 5.0)
-    engine._record_excess(1, 0.030, 0.020)  # what steady drafting rounds measured: 10 ms over the model
+    engine._record_excess(1, 0.030, 0.020)  # a steady drafting round: 10 ms over the model
+    engine._record_excess(1, 0.040, 0.020, upper_bound=True)  # a re-probe 20 ms over: left out
+    assert engine.draft_excess(1) == pytest.approx(0.010)
+    engine._record_excess(1, 0.025, 0.020, upper_bound=True)  # a re-probe 5 ms over: lowers it
+    d = DSparkEngine.EXCESS_DECAY
+    assert engine.draft_excess(1) == pytest.approx((d * 0.010 + 0.005) / (d + 1))
+    engine._record_excess(2, 0.0, 0.020, upper_bound=True)  # no excess at R = 2 yet: nothing to bound
+    assert 2 not in engine._excess
+    # a real run: an excess left high (200 ms) holds the gate closed; the re-probes, far cheaper, bring it down
+    engine._excess[1] = (1.0, 0.200)
     engine.add_request(max(prompts, key=len), 200)  # a prompt longer than 2(γ' + 1): no excess from its round
     while engine.has_unfinished() and sum(r.probe and r.drafted_any for r in engine.stats.rounds) < 3:
-        engine.step()  # the prompt round drafts; then gated rounds (a random drafter yields little) and re-probes
+        engine.step()
     probes = [r for r in engine.stats.rounds if r.probe and r.drafted_any]
     assert len(probes) == 3 and all(not r.drafted_any for r in engine.stats.rounds[1:] if not r.probe)
-    assert engine.draft_excess(1) == pytest.approx(0.010)  # neither the prompt round nor the probes moved it
+    w, _ = engine._excess[1]
+    assert w == pytest.approx(d ** 3 + d ** 2 + d + 1)  # the three re-probes folded in, the prompt round not
+    assert engine.draft_excess(1) < 0.200  # each one below the excess of its time
+
+
+def test_steady_gated_drafting_rounds_feed_the_draft_excess(tiny):
+    """With the gate on and a drafter that yields, the gate drafts in steady (non-probe) rounds, and those feed
+    draft_excess; outputs stay exact."""
+    target, drafter, prompts, max_new, refs = tiny
+    engine = ScriptedEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4,
+                            references=dict(enumerate(refs)))
+    assert [o.output_ids for o in _run_with_join(engine, prompts, max_new, join_after=1)] == refs
+    steady = {r.requests for r in engine.stats.rounds if r.drafted_any and not r.probe}
+    assert steady and set(engine._excess) & steady
 
 
 def test_draft_excess_prices_what_drafting_rounds_cost_beyond_the_model(tiny):
