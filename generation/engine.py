@@ -49,12 +49,16 @@ Draft cost and draft gate (``scheduler`` / ``lagged``; not in the paper, which p
   such a catch-up is paid whenever the request drafts again, now or later, so it is hardly a cost of drafting now
   rather than skipping, and counted, it made drafting look dearest exactly while the gate drafted rarely (re-probes
   after long skips; the gate then stayed closed at R = 2 in float32 on the AVX2 EPYC, README). A re-probe round (the
-  gate's or the veto's, ``EngineRound.probe``) follows gated rounds, so its drafting request first catches up on
-  them, however few: its residual over-states a steady round's and may only lower the excess (it is folded in when
-  below the current excess, else left out, whatever its catch-up). Counted in full, re-probes after 8–16 gated
-  rounds (catch-ups under the cut-off) kept the excess at +4 to +9 ms at R = 2 in float32 on the EPYC and the gate
-  closed (README); left out entirely, an excess that steady rounds had left high would never come down while the
-  gate stays closed. Shorter catch-ups in steady rounds (after a pairing round) still count.
+  gate's, or the first round of a veto probe; its second round follows a drafting round and counts as steady)
+  follows gated rounds, so its drafting request first catches up on them, however few: its residual over-states a
+  steady round's and may only lower the excess (folded in when below the current excess, else left out, whatever
+  its catch-up; never while this R has no excess yet). Counted in full, re-probes after 8–16 gated rounds
+  (catch-ups under the cut-off) kept the excess at +4 to +9 ms at R = 2 in float32 on the EPYC and the gate closed
+  (README); left out entirely, an excess that steady rounds had left high would never come down while the gate
+  stays closed. The rule is one-sided: while the gate is closed the excess drifts toward the lowest probe residuals
+  (noise included), possibly below what steady rounds cost, until steady rounds raise it again; and an excess too
+  high by less than a probe's catch-up costs still does not come down. Shorter catch-ups in steady rounds (after a
+  pairing round) still count.
 * **Measured verify time.** The SPS table is a microbenchmark of the bare forward; a serving round also pays the
   packing, acceptance and bookkeeping around it, and the table can be off for the machine's current state. With
   ``sps_correction`` (default) the engine fits, per R, the residual (measured verify time − 1/SPS(B)) in two
@@ -986,8 +990,8 @@ class DSparkEngine:
         price a drafting round (:meth:`_draft_price`). The model's parts are measured apart (verify times per kind
         of round, :meth:`verify_correction`; drafting time in steady rounds only), so what a drafting round costs
         beyond them would otherwise go unpriced: bookkeeping, a short catch-up. Rounds where a drafting request
-        first catches up on more than 2(γ' + 1) positions are not folded in, re-probe rounds only when they lower it
-        (module doc, "Draft excess")."""
+        first catches up on more than 2(γ' + 1) positions are not folded in, re-probe rounds only when they lower an
+        existing excess (module doc, "Draft excess")."""
         sums = self._excess.get(num_requests)
         return 0.0 if sums is None or self.draft_cost_ms != "auto" else sums[1] / sums[0]
 
@@ -1377,13 +1381,15 @@ class DSparkEngine:
             off += ell + 1
         t2 = time.perf_counter()
         if gating:
-            # a long catch-up is left out, a re-probe only lowers the excess: module doc, "Draft excess"
-            if rows and modelled_draft > 0.0 and (probe or not long_catch_up):
+            first_probe = self._veto_mark == "probe" and self._veto_probe[1] == self.VETO_PROBE_ROUNDS - 1
+            # a re-probe after gated rounds (the gate's, or a veto probe's first round; its second is steady) only
+            # lowers the excess, a long catch-up is left out: module doc, "Draft excess"
+            reprobe = probe and (self._veto_mark != "probe" or first_probe)
+            if rows and modelled_draft > 0.0 and (reprobe or not long_catch_up):
                 with contextlib.suppress(ValueError):  # B outside the table: no model to compare with
                     self._record_excess(num, t2 - t0, 1.0 / _sps_value(curve, off) + modelled_draft,
-                                        upper_bound=probe)
+                                        upper_bound=reprobe)
             self._record_verify_time(reqs, off, t2 - t1)
-            first_probe = self._veto_mark == "probe" and self._veto_probe[1] == self.VETO_PROBE_ROUNDS - 1
             if not (long_catch_up or first_probe):  # what a catch-up costs, the next drafting round does not
                 self.round_rates.record(num, rows > 0, t2 - t0, sum(committed_all), now=t2)
         for r in reqs:
