@@ -272,9 +272,8 @@ def compare_cells(mine: dict, best: dict, key: str = "throughput_tok_s") -> dict
     return out
 
 
-def _ratio_cell(mine: dict, best: dict, key: str) -> str:
-    """:func:`compare_cells` as ``"1.02x vs POLICY (±noise; per rep lo–hi, faster in k/n, sign test p)"``."""
-    c = compare_cells(mine, best, key)
+def _ratio_cell(c: dict) -> str:
+    """A :func:`compare_cells` result as ``"1.02x vs POLICY (±noise; per rep lo–hi, faster in k/n, sign test p)"``."""
     text = f"{c['ratio']:.2f}x vs {c['vs']}"
     if c["paired"] is not None:
         return text + (f" (±{c['noise']:.0%}; per rep {min(c['paired']):.2f}–{max(c['paired']):.2f}, "
@@ -302,12 +301,10 @@ def markdown_table(results: list[dict], policies: list[str], levels: list[int]) 
                 vals.append(f"{r['throughput_tok_s']:.1f}" + (f" ±{noise:.1f}" if noise else "")
                             + f" / {r['per_user_tok_s']:.1f}")
         lines.append(f"| {policy_label(pol)} | " + " | ".join(vals) + " |")
+    compared = {(c["key"], c["policy"], c["R"]): c for c in comparisons(results, policies, levels)}
     for key, what in (("throughput_tok_s", "total"), ("steady_tok_s", "steady")):
         for dyn in _dynamic(policies):
-            vals = []
-            for R in levels:
-                best, mine = _best_static(cell, policies, R, key), cell.get((dyn, R))
-                vals.append("–" if best is None or mine is None or key not in mine else _ratio_cell(mine, best, key))
+            vals = [_ratio_cell(compared[(key, dyn, R)]) if (key, dyn, R) in compared else "–" for R in levels]
             lines.append(f"| {policy_label(dyn)} / best static, {what} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 

@@ -683,7 +683,7 @@ def test_long_catch_up_rounds_do_not_feed_the_draft_excess(tiny):
     that catch-up whenever it drafts, now or later: it is left out of draft_excess, as out of the veto's rates; the
     next (steady) drafting round at the same R is folded in."""
     target, drafter, prompts, _, _ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gating=False)  # no yield gate, no probes
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gating=False)  # no yield gate
     engine._record_draft_time(1, 5.0)  # drafting time measured: drafting rounds are modelled, their excess kept
     long_prompt = max(prompts, key=len)
     assert len(long_prompt) > 2 * (engine.block_size + 1)
