@@ -5,7 +5,7 @@
     python app.py --host 0.0.0.0       # listen on all interfaces (off by default); --share: a gradio.live link
 
 A thin layer over the library (``modeling_dspark`` loads the models, ``generation`` runs
-``target.generate(ids, assistant_model=drafter)`` and records every round, ``generation.visualize`` turns the
+``target.generate(ids, assistant_model=drafter)`` and records every round, ``app_render`` turns the
 rounds into token rows); the library never imports this file. The functions above :func:`build_ui` do not need a
 browser (``tests/test_app.py`` calls them directly).
 
@@ -38,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from generation import collect_stats, dspark_options  # noqa: E402
-from generation.visualize import (  # noqa: E402
+from app_render import (  # noqa: E402
     empty_position_counts,
     first_difference,
     position_chart_html,

@@ -10,7 +10,7 @@ full copies of the heads with ``--train-heads``) are trained, with the same loss
 checkpointing as ``dspark train``. ``--eval-prompts N`` rows of the domain data (or of ``--eval-data``) are held out
 of training and used to measure greedy τ (``target.generate(assistant_model=…)``, full-block verification) before
 and after adaptation. Outputs in ``--output-dir``: ``adapter_model.safetensors`` + ``adapter_config.json`` (the
-adapter; load it with :func:`modeling_dspark.peft_adapt.load_adapter`), ``dspark_adapter.json``,
+adapter; load it with :func:`training.peft_adapt.load_adapter`), ``dspark_adapter.json``,
 ``adapt_manifest.json`` (τ before/after, steps, wall time, trainable parameters, command) and, with ``--merge``,
 ``merged/``: a plain drafter with the LoRA folded in (``DSparkDraftModel.from_pretrained``). The STS temperatures
 and offsets are copied unchanged; re-run ``dspark calibrate`` on the merged drafter for calibrated confidences.
@@ -120,8 +120,8 @@ def run(args) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
     from modeling_dspark import DSparkDraftModel
-    from modeling_dspark.data import load_data
-    from modeling_dspark.peft_adapt import (
+    from training.data import load_data
+    from training.peft_adapt import (
         add_lora,
         greedy_tau,
         merge_lora,
@@ -129,7 +129,7 @@ def run(args) -> int:
         write_adapter_info,
     )
     from modeling_dspark.target import load_target
-    from modeling_dspark.training import DSparkCollator, DSparkTrainer, prepare_dataset
+    from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset
 
     if args.threads:
         torch.set_num_threads(args.threads)

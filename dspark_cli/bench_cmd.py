@@ -144,7 +144,7 @@ def _load(args):
 
 
 def _prompts(args, tok) -> list[dict]:
-    from modeling_dspark.prompts import load_eval_prompts
+    from training.prompts import load_eval_prompts
     from modeling_dspark.target import apply_chat_template
 
     per_set = []

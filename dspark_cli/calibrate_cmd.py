@@ -109,7 +109,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------- prompts
 def _plan_exclusions(dirs: Iterable[str]) -> tuple[set[str], set[tuple[int, ...]]]:
     """Prompt ids and chat-templated token ids of the training data sets in ``dirs`` (their ``plan.json``)."""
-    from modeling_dspark.data import read_plans
+    from training.data import read_plans
 
     try:
         recs = read_plans(dirs)
@@ -122,7 +122,7 @@ def _plan_exclusions(dirs: Iterable[str]) -> tuple[set[str], set[tuple[int, ...]
 
 def _source_candidates(source: str, start: int, count: int) -> list[dict]:
     """Candidates ``start .. start+count`` of a source's held-out order (see the module doc)."""
-    from modeling_dspark import prompts as P
+    from training import prompts as P
 
     if source == "gsm_symbolic":
         recs = list(P.iter_train_prompts("gsm_symbolic", seed=HELD_OUT_GSM_SEED, limit=start + count))
@@ -157,7 +157,7 @@ def calibration_prompts(
     Returns:
         ``(records, info)``: records ``{"id", "prompt", "source"[, "prompt_ids"]}``; info counts what was dropped.
     """
-    from modeling_dspark import prompts as P
+    from training import prompts as P
     from modeling_dspark.target import apply_chat_template
 
     if isinstance(sources, str):
@@ -369,7 +369,7 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
     position plus a 2-fold check split by prompt (even/odd)."""
     import numpy as np
 
-    from modeling_dspark.calibration import (
+    from training.calibration import (
         apply_sts,
         calibration_report,
         expected_calibration_error,
@@ -506,7 +506,7 @@ def _check_args(args) -> None:
     if not (d / "config.json").is_file():
         raise CLIError(f"drafter {args.drafter!r} is not a drafter directory (no config.json)")
     if args.pairs is None:
-        from modeling_dspark.prompts import TRAIN_SOURCES
+        from training.prompts import TRAIN_SOURCES
 
         srcs = [s.strip() for s in args.prompts.split(",") if s.strip()]
         is_file = len(srcs) == 1 and (srcs[0].endswith(".jsonl") or Path(srcs[0]).is_file())
@@ -586,7 +586,7 @@ def _run(args) -> int:
         )
 
     report = fit_and_report(pairs, args.n_bins, bias=args.bias)
-    from modeling_dspark.calibration import plot_reliability
+    from training.calibration import plot_reliability
 
     biases = report["biases"] if args.bias else None
     png = plot_reliability(pairs["logits"], pairs["accepted"], report["temperatures"], str(out_dir / "reliability.png"),

@@ -69,7 +69,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from modeling_dspark.data import build_dataset
+    from training.data import build_dataset
     from modeling_dspark.target import load_target
 
     if getattr(args, "data_command", "build") != "build":

@@ -95,7 +95,7 @@ def _resolve_drafter(spec: str | None, target_given: bool) -> str:
 
 
 def _check_args(args) -> tuple[list[str], list[str]]:
-    from modeling_dspark.prompts import EVAL_SETS
+    from training.prompts import EVAL_SETS
 
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     bad = [s for s in sets if s not in EVAL_SETS]
@@ -250,7 +250,7 @@ def evaluate(target, tok, drafter, sets: list[str], modes: list[str], limit=None
     import torch
     from tqdm.auto import tqdm
 
-    from modeling_dspark.prompts import load_eval_prompts
+    from training.prompts import load_eval_prompts
     from modeling_dspark.target import apply_chat_template
 
     gamma = block_size or drafter.config.block_size

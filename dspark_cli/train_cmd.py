@@ -93,8 +93,8 @@ def _machine() -> dict:
 def load_training_data(paths):
     """The rows ``dspark train`` trains on: the data directories concatenated in order, through ``prepare_dataset``
     (stable ``idx`` per row — what a feature cache is keyed by)."""
-    from modeling_dspark.data import load_data
-    from modeling_dspark.training import prepare_dataset
+    from training.data import load_data
+    from training.trainer import prepare_dataset
 
     if len(paths) == 1:
         return prepare_dataset(load_data(paths[0]))
@@ -118,7 +118,7 @@ def run(args) -> int:
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
     from modeling_dspark.target import DEFAULT_TARGET, load_target
-    from modeling_dspark.training import DSparkCollator, DSparkTrainer, init_from_target
+    from training.trainer import DSparkCollator, DSparkTrainer, init_from_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,7 +145,7 @@ def run(args) -> int:
 
     data = load_training_data(args.data)
     if args.draft_vocab_size:
-        from modeling_dspark.training import select_draft_vocab
+        from training.trainer import select_draft_vocab
 
         eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else 0
         drafter.draft_vocab_ids.copy_(select_draft_vocab(data, args.draft_vocab_size, always=[eos]))
@@ -162,7 +162,7 @@ def run(args) -> int:
         remove_unused_columns=False, use_cpu=args.cpu or not torch.cuda.is_available(), max_grad_norm=1.0,
     )
     if args.feature_cache:
-        from modeling_dspark.feature_cache import CachedFeatureCollator, FeatureCache, build_feature_cache
+        from training.feature_cache import CachedFeatureCollator, FeatureCache, build_feature_cache
 
         t_cache = time.time()
         with targs.main_process_first(desc="feature cache"):

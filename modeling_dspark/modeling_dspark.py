@@ -378,7 +378,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         ``draft_token_ids(logits.argmax(-1))`` equals ``expand_draft_logits(logits).argmax(-1)`` without building a
         ``[..., V]`` tensor; exact ties break alike when ``draft_vocab_ids`` is sorted, as
-        :func:`modeling_dspark.training.select_draft_vocab` makes it (otherwise a tie may pick another draft token;
+        :func:`training.trainer.select_draft_vocab` makes it (otherwise a tie may pick another draft token;
         verification, hence the output, is unaffected).
         """
         if self.draft_vocab_ids is None:

@@ -24,7 +24,7 @@ CONFIG = ROOT / "scripts" / "accelerate_cpu2.yaml"
 # type, backend and a hash of its drafter weights, so the test can see both ranks.
 DRIVER = r'''
 import hashlib, json, os, runpy, torch
-from modeling_dspark import training
+from training import trainer as training
 
 _train = training.DSparkTrainer.train
 

@@ -22,7 +22,7 @@ pytest.importorskip("gradio", reason="the app needs gradio: pip install -e '.[ap
 
 import app  # noqa: E402
 from generation.stats import GenerationStats, RoundStats  # noqa: E402
-from generation.visualize import (  # noqa: E402
+from app_render import (  # noqa: E402
     empty_position_counts,
     first_difference,
     position_chart_html,

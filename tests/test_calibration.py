@@ -1,4 +1,4 @@
-"""Tests for modeling_dspark.calibration (SPEC §3, Sequential Temperature Scaling)."""
+"""Tests for training.calibration (SPEC §3, Sequential Temperature Scaling)."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from modeling_dspark.calibration import (
+from training.calibration import (
     apply_sts,
     auroc,
     calibration_report,

@@ -12,7 +12,7 @@ from dspark_cli import calibrate_cmd
 from dspark_cli.main import main
 from generation.stats import RoundStats
 from modeling_dspark import DSparkDraftModel
-from modeling_dspark import prompts as P
+from training import prompts as P
 
 from .conftest import make_drafter
 
@@ -224,7 +224,7 @@ def test_calibrate_report_and_write(drafter_dir, smollm, tmp_path, capsys):
     # the written pair is the maximum-likelihood fit of the stored pairs
     import numpy as np
 
-    from modeling_dspark.calibration import fit_sts_bias
+    from training.calibration import fit_sts_bias
 
     with np.load(out / "pairs.npz") as z:
         want_t, want_b = fit_sts_bias(z["logits"], z["accepted"], valid=z["valid"])

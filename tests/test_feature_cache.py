@@ -1,4 +1,4 @@
-"""The target feature cache (modeling_dspark.feature_cache) on a tiny random Llama target (CPU, seconds)."""
+"""The target feature cache (training.feature_cache) on a tiny random Llama target (CPU, seconds)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from modeling_dspark.feature_cache import (
+from training.feature_cache import (
     CachedFeatureCollator,
     FeatureCache,
     FeatureCacheError,
     build_feature_cache,
 )
-from modeling_dspark.training import DSparkCollator
+from training.trainer import DSparkCollator
 
 from tests.test_training import GAMMA, make_args, make_data, make_drafter, make_target
 
@@ -38,7 +38,7 @@ def cache_dir(tmp_path_factory, target, data):
 
 
 def _trainer(tmp_path, target, drafter, data, collator):
-    from modeling_dspark.training import DSparkTrainer
+    from training.trainer import DSparkTrainer
 
     return DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data,
                          data_collator=collator)
@@ -207,7 +207,7 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
     drafter = md.DSparkDraftModel.from_pretrained(out)
     assert drafter.config.draft_vocab_size == 24 and drafter.draft_vocab_ids.numel() == 24
     # one plain save_to_disk directory (no manifest), online target: trains and writes its manifest
-    from modeling_dspark.data import load_data
+    from training.data import load_data
 
     load_data(tmp_path / "a").save_to_disk(str(tmp_path / "plain"))
     plain = ["--data", str(tmp_path / "plain")] + common[common.index("--output-dir"):common.index("--feature-cache")]

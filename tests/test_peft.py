@@ -1,4 +1,4 @@
-"""LoRA adaptation of a DSpark drafter (modeling_dspark.peft_adapt, `dspark adapt`) on a tiny random Llama target."""
+"""LoRA adaptation of a DSpark drafter (training.peft_adapt, `dspark adapt`) on a tiny random Llama target."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 pytest.importorskip("peft")
 
 import modeling_dspark as md  # noqa: E402
-from modeling_dspark.peft_adapt import (  # noqa: E402
+from training.peft_adapt import (  # noqa: E402
     add_lora,
     base_drafter,
     greedy_tau,
@@ -22,7 +22,7 @@ from modeling_dspark.peft_adapt import (  # noqa: E402
     save_adapter,
     trainable_parameter_summary,
 )
-from modeling_dspark.training import DSparkCollator, DSparkTrainer, prepare_dataset  # noqa: E402
+from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset  # noqa: E402
 from tests.test_training import GAMMA, make_args, make_data, make_drafter, make_target, saved_tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # restored after this module

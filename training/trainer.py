@@ -5,9 +5,9 @@
 * :class:`DSparkTrainer` holds the frozen target *outside* the trained model (so it is neither optimised nor
   saved), computes the target's context features and block logits online under ``no_grad`` with the same
   :func:`modeling_dspark.target.context_features` used at inference (or reads them from a
-  :class:`~modeling_dspark.feature_cache.FeatureCache` when the batch carries them), runs the drafter on all anchors of a batch at
+  :class:`~training.feature_cache.FeatureCache` when the batch carries them), runs the drafter on all anchors of a batch at
   once with :func:`modeling_dspark.common.block_attention_mask`, adds the teacher-forced sequential correction and the
-  confidence logits, and optimises :func:`modeling_dspark.losses.dspark_loss` (eqs. 11–14). ce / tv / conf / loss
+  confidence logits, and optimises :func:`training.losses.dspark_loss` (eqs. 11–14). ce / tv / conf / loss
   are logged separately. Checkpoints hold only the drafter (``model.safetensors`` + ``config.json``).
 * :func:`init_from_target` copies target decoder layers into the draft layers where shapes match.
 
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .common import block_attention_mask, block_positions, gather_slots
+from modeling_dspark.common import block_attention_mask, block_positions, gather_slots
 from .losses import dspark_loss, position_weights
-from .target import context_features, decoder_of, hidden_state_indices
+from modeling_dspark.target import context_features, decoder_of, hidden_state_indices
 
 __all__ = ["DSparkCollator", "DSparkTrainer", "init_from_target", "default_init_layer_ids", "prepare_dataset"]
 
@@ -188,12 +188,12 @@ class DSparkTrainer(Trainer):
         Args:
             slot_hidden: ``[B, n, γ, H]`` the target's final normed hidden states at the slots.
             slot_lse: optional ``[B, n, γ]`` logsumexp of the target's full-vocabulary logits there (from a
-                :class:`~modeling_dspark.feature_cache.FeatureCache`); computed here when None.
+                :class:`~training.feature_cache.FeatureCache`); computed here when None.
 
         Returns:
             ``(logits, lse)``: without a draft vocabulary the full ``[B, n, γ, V]`` logits and None; with one the
             ``[B, n, γ, N]`` logits of the draft columns only and the full-vocabulary ``lse [B, n, γ]`` float32,
-            which :func:`~modeling_dspark.losses.dspark_loss` needs to add the target mass outside them (exact).
+            which :func:`~training.losses.dspark_loss` needs to add the target mass outside them (exact).
         """
         head = self.target.get_output_embeddings()
         if drafter.draft_vocab_ids is None:

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .common import gather_slots
-from .target import context_features, decoder_of, hidden_state_indices
-from .training import DSparkCollator
+from modeling_dspark.common import gather_slots
+from modeling_dspark.target import context_features, decoder_of, hidden_state_indices
+from .trainer import DSparkCollator
 
 __all__ = ["build_feature_cache", "FeatureCache", "CachedFeatureCollator", "FeatureCacheError"]
 
@@ -84,7 +84,7 @@ def build_feature_cache(
 
     Args:
         dataset: rows with ``input_ids`` (prompt + response), ``prompt_len`` and ``idx`` (e.g. from
-            :func:`modeling_dspark.training.prepare_dataset`), in training order.
+            :func:`training.trainer.prepare_dataset`), in training order.
         target: the frozen target causal LM (any device / dtype; bf16 on CPU is ~2× faster than fp32).
         target_layer_ids: the drafter's ``config.target_layer_ids`` (m layers).
         out_dir: cache directory; an unfinished build there with the same settings is resumed, and a cache of a
@@ -293,11 +293,11 @@ class FeatureCache:
 
 @dataclass
 class CachedFeatureCollator(DSparkCollator):
-    """:class:`~modeling_dspark.training.DSparkCollator` that also returns the target's cached outputs.
+    """:class:`~training.trainer.DSparkCollator` that also returns the target's cached outputs.
 
     Extra batch keys: ``context_features [B, L, m·H]`` bf16 (zeros on padding), ``slot_hidden [B, n, γ, H]`` bf16
     and ``slot_lse [B, n, γ]`` float32 at the block slots p..p+γ−1 (clamped to the row's end, as the loss masks
-    those slots; +inf where no lse is stored, i.e. slots of invalid anchors, so their target probabilities are 0). :class:`~modeling_dspark.training.DSparkTrainer` then skips the target forward.
+    those slots; +inf where no lse is stored, i.e. slots of invalid anchors, so their target probabilities are 0). :class:`~training.trainer.DSparkTrainer` then skips the target forward.
     """
 
     cache: FeatureCache | None = None
