@@ -6,8 +6,29 @@ import math
 
 from transformers import PretrainedConfig
 
-SEQUENTIAL_HEADS = ("markov", "rnn", "none")
-SUPPORTED_TARGET_FAMILIES = ("llama", "qwen2")
+SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
+DRAFT_LAYER_STYLES = ("qwen3", "target")
+# text-model families whose decoder hidden states, embedding table and LM head dspark reads, and whose assisted
+# decoding in transformers is tested token for token against plain greedy generate() (tests/test_families.py)
+SUPPORTED_TARGET_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text")
+_GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
+# why a family is refused, where there is a reason more specific than "untested"
+_UNSUPPORTED_REASONS = {
+    "gpt2": "GPT-2 has learned absolute position embeddings and no RMSNorm / RoPE / intermediate_size",
+}
+
+
+def check_target_family(model_type: str) -> None:
+    """Raise `ValueError` naming ``model_type`` and the reason when dspark cannot draft for that target family."""
+    if model_type in SUPPORTED_TARGET_FAMILIES:
+        return
+    reason = _UNSUPPORTED_REASONS.get(
+        model_type, "its hidden states, embeddings and assisted decoding are not tested with dspark"
+    )
+    raise ValueError(
+        f"target family {model_type!r} is not supported: {reason}. Supported families: "
+        f"{', '.join(SUPPORTED_TARGET_FAMILIES)}"
+    )
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -28,8 +49,10 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
 class DSparkConfig(PretrainedConfig):
     r"""Configuration of a [`DSparkDraftModel`].
 
-    The drafter's decoder layers have the target's shape (hidden size, heads, head dim, RoPE) because it reads
-    the target's embedding table and LM head (shared and frozen) and attends to the target's features.
+    The drafter's decoder layers have the target's hidden size (they read the target's embedding table and LM head
+    and attend to its features); their attention shape and RoPE default to the target's. One forward path serves
+    every convention below; imported drafters (DeepSpec, DFlash, SpecForge, speculators) set the fields that
+    describe them.
 
     Args:
         vocab_size (`int`): the target's vocabulary size V.
@@ -38,24 +61,46 @@ class DSparkConfig(PretrainedConfig):
         num_attention_heads, num_key_value_heads, head_dim (`int`): attention shape (the target's).
         hidden_act (`str`), rms_norm_eps (`float`), attention_bias, mlp_bias (`bool`), rope_parameters (`dict`),
         max_position_embeddings (`int`): as in the target's config.
-        target_model_type (`str`): architecture family of the target, one of `SUPPORTED_TARGET_FAMILIES`;
-            selects the transformers building blocks (RMSNorm, MLP, RoPE) the draft layers reuse.
+        target_model_type (`str`): text-model family of the target (``config.get_text_config().model_type``), one
+            of `SUPPORTED_TARGET_FAMILIES`.
         target_name_or_path (`str`): name of the target the drafter was trained for (informational).
         target_num_hidden_layers (`int`): number of decoder layers L of the target.
         target_layer_ids (`list[int]`): decoder layers l_1..l_m whose raw outputs form the context
-            features (eq. 2). Each must be in [0, L−2]: transformers returns the final *normed* state for
-            layer L−1, which is not a raw decoder-layer output.
-        block_size (`int`): γ, the number of draft slots per round (anchor + γ−1 mask slots; every slot
-            predicts one token, so γ draft tokens per round).
+            features (eq. 2); id i reads ``hidden_states[i + 1]``, and −1 is the embedding output
+            (``hidden_states[0]``). Distinct, each in [−1, L−2]: transformers returns the final *normed* state
+            for layer L−1, which is not a raw decoder-layer output.
+        block_size (`int`): γ, the number of draft tokens per round (see `anchor_predicts` for the number of
+            block slots).
         num_draft_layers (`int`): number of draft decoder layers.
-        mask_token_id (`None`): DSpark uses a *learned mask embedding* (one H-vector) for the γ−1 mask
-            slots instead of an existing token id: the default targets (SmolLM2, Qwen2.5) have no mask token,
-            and reusing a real token would tie the mask slot to that token's embedding row. Kept as a field
-            for DFlash-format compatibility; must be `None`.
-        sequential_head (`str`): "markov" (eq. 5, default), "rnn" (eq. 6) or "none" (plain DFlash, the
-            ablation baseline; the very same code path with no correction term).
-        markov_rank (`int`): r, rank of W_1 ∈ R^{V×r}, W_2 ∈ R^{r×V} (eq. 5); also the RNN state width.
+        draft_layer_style (`str`): "qwen3" (default for new drafters): Qwen3 decoder layers, RMSNorm on every
+            query and key head (``q_norm``, ``k_norm``; the same ``k_proj``/``k_norm`` for context and block keys)
+            and an ``o_proj`` bias when ``attention_bias`` (DeepSpec / DFlash / SpecForge layers), for any target
+            family. "target": the layers of drafters saved before this option (no q/k norm, no ``o_proj`` bias);
+            a saved config without this key loads as "target".
+        mask_token_id (`int`, optional): `None` (default): the mask slots read a *learned mask embedding* (one
+            H-vector, ``mask_embedding``). An int: a real token id embedded like the anchor, by the embedding
+            table (DeepSpec, DFlash: e.g. 151669 for Qwen3).
+        anchor_predicts (`bool`): True (default; DeepSpec, speculators ``sample_from_anchor``): the block is
+            [anchor, mask × (γ−1)] and slot k predicts the token k+1 places after the anchor, so all γ slots
+            draft. False (DFlash, SpecForge): the block is [anchor, mask × γ], the anchor's slot predicts nothing
+            and slot k ≥ 1 predicts the token k places after the anchor (a DFlash ``block_size`` B is γ = B − 1).
+        own_embeddings (`bool`): False (default; DFlash): the embedding table and LM head are the target's, shared
+            by reference and never saved. True (DeepSpec): the drafter holds frozen copies ``embed_tokens``
+            [V, H] and ``lm_head`` [N, H] (N = draft vocabulary size or V), saved with it.
+        embedding_scale (`float`): block inputs are E[x]·scale read from the raw embedding table (the target's
+            or the drafter's own): √H for Gemma targets (their embedding layer multiplies by √H), else 1.0
+            (DFlash ``input_embedding_scale``).
+        final_logit_softcapping (`float`, optional): base logits U = c·tanh(LM_head(h)/c), as the target computes
+            its own (Gemma); `None` = no capping.
+        sequential_head (`str`): "markov" (eq. 5, default; DeepSpec ``markov_head_type="vanilla"``), "gated"
+            (DeepSpec "gated": B = W_2ᵀ(σ(W_g[h_k; W_1[x_{k−1}]] + b_g) ⊙ W_1[x_{k−1}])), "rnn" (eq. 6; DeepSpec
+            "rnn") or "none" (plain DFlash, the ablation baseline; DeepSpec ``markov_rank=0``; the very same code
+            path with no correction term).
+        markov_rank (`int`): r, rank of W_1 ∈ R^{V×r}, W_2 ∈ R^{r×N} (eq. 5); also the gate / RNN state width.
         use_confidence_head (`bool`): whether the confidence head c_k (eq. 7) exists.
+        confidence_head_with_markov (`bool`): True (default): the confidence head reads [h_k; W_1[x_{k−1}]] (eq. 7;
+            with ``sequential_head="none"``, which has no W_1, it reads [h_k; E[x_{k−1}]], as drafters saved before
+            this option did). False: h_k alone (DeepSpec ``confidence_head_with_markov=false``).
         draft_vocab_size (`int`, optional): N < V to draft only over the N token ids stored in the drafter's
             ``draft_vocab_ids`` buffer (chosen by frequency in the training data). The drafter's LM-head product
             and the sequential head's output then cost N/V of the full vocabulary (on CPU the full 49k-row LM
@@ -72,9 +117,10 @@ class DSparkConfig(PretrainedConfig):
         initializer_range (`float`): std of the normal init of new weights.
 
     Raises:
-        ValueError: unknown `sequential_head`, unsupported `target_model_type`, bad `target_layer_ids`,
-            `block_size` < 1, a non-`None` `mask_token_id`, or a wrong number of STS temperatures (finite, > 0) or
-            offsets (finite).
+        ValueError: unknown `sequential_head` or `draft_layer_style`, unsupported `target_model_type`, bad
+            `target_layer_ids`, `block_size` < 1, a negative `mask_token_id` or one outside the vocabulary, a
+            non-positive `embedding_scale` or `final_logit_softcapping`, or a wrong number of STS temperatures
+            (finite, > 0) or offsets (finite).
     """
 
     model_type = "dspark"
@@ -99,10 +145,16 @@ class DSparkConfig(PretrainedConfig):
         target_layer_ids: list[int] | None = None,
         block_size: int = 8,
         num_draft_layers: int = 2,
+        draft_layer_style: str = "qwen3",
         mask_token_id: int | None = None,
+        anchor_predicts: bool = True,
+        own_embeddings: bool = False,
+        embedding_scale: float = 1.0,
+        final_logit_softcapping: float | None = None,
         sequential_head: str = "markov",
         markov_rank: int = 64,
         use_confidence_head: bool = True,
+        confidence_head_with_markov: bool = True,
         draft_vocab_size: int | None = None,
         sts_temperatures: list[float] | None = None,
         sts_biases: list[float] | None = None,
@@ -136,10 +188,16 @@ class DSparkConfig(PretrainedConfig):
         )
         self.block_size = block_size
         self.num_draft_layers = num_draft_layers
+        self.draft_layer_style = draft_layer_style
         self.mask_token_id = mask_token_id
+        self.anchor_predicts = bool(anchor_predicts)
+        self.own_embeddings = bool(own_embeddings)
+        self.embedding_scale = float(embedding_scale)
+        self.final_logit_softcapping = None if final_logit_softcapping is None else float(final_logit_softcapping)
         self.sequential_head = sequential_head
         self.markov_rank = markov_rank
         self.use_confidence_head = use_confidence_head
+        self.confidence_head_with_markov = bool(confidence_head_with_markov)
         self.draft_vocab_size = draft_vocab_size
         self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else [1.0] * block_size
         self.sts_biases = list(sts_biases) if sts_biases is not None else [0.0] * block_size
@@ -156,29 +214,50 @@ class DSparkConfig(PretrainedConfig):
         """Alias of `num_draft_layers` (transformers utilities look for this name)."""
         return self.num_draft_layers
 
+    @property
+    def num_block_slots(self) -> int:
+        """Block slots of a full round: γ (all slots predict) or γ + 1 (the anchor's slot predicts nothing)."""
+        return self.block_size + (0 if self.anchor_predicts else 1)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """`PretrainedConfig.from_dict`; a config saved before `draft_layer_style` existed means "target" layers."""
+        if "draft_layer_style" not in config_dict and "draft_layer_style" not in kwargs:
+            config_dict = {**config_dict, "draft_layer_style": "target"}
+        return super().from_dict(config_dict, **kwargs)
+
     def validate_fields(self) -> None:
         """Check field values; raise `ValueError` naming the bad field and value."""
         if self.sequential_head not in SEQUENTIAL_HEADS:
             raise ValueError(f"sequential_head={self.sequential_head!r} is not one of {SEQUENTIAL_HEADS}")
-        if self.target_model_type not in SUPPORTED_TARGET_FAMILIES:
-            raise ValueError(
-                f"target_model_type={self.target_model_type!r} is not supported; supported families: "
-                f"{SUPPORTED_TARGET_FAMILIES}"
-            )
+        if self.draft_layer_style not in DRAFT_LAYER_STYLES:
+            raise ValueError(f"draft_layer_style={self.draft_layer_style!r} is not one of {DRAFT_LAYER_STYLES}")
+        check_target_family(self.target_model_type)
         if self.block_size < 1:
             raise ValueError(f"block_size (γ) must be >= 1, got {self.block_size}")
         if self.num_draft_layers < 1:
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
-        if self.mask_token_id is not None:
+        if self.mask_token_id is not None and (
+            isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int)
+            or not 0 <= self.mask_token_id < self.vocab_size
+        ):
             raise ValueError(
-                f"mask_token_id={self.mask_token_id}: DSpark uses a learned mask embedding; set mask_token_id=None"
+                f"mask_token_id={self.mask_token_id!r} must be None (learned mask embedding) or a token id in "
+                f"[0, {self.vocab_size})"
             )
+        if not (math.isfinite(self.embedding_scale) and self.embedding_scale > 0):
+            raise ValueError(f"embedding_scale must be a finite number > 0, got {self.embedding_scale}")
+        cap = self.final_logit_softcapping
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"final_logit_softcapping must be None or a finite number > 0, got {cap}")
         ids = self.target_layer_ids
         top = self.target_num_hidden_layers - 2
-        if not ids or any((not isinstance(i, int)) or i < 0 or i > top for i in ids) or len(set(ids)) != len(ids):
+        if (not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < -1 or i > top for i in ids)
+                or len(set(ids)) != len(ids)):
             raise ValueError(
-                f"target_layer_ids={ids} must be distinct ints in [0, {top}] for a target with "
-                f"{self.target_num_hidden_layers} layers (the last layer's hidden state is the final normed state)"
+                f"target_layer_ids={ids} must be distinct ints in [-1, {top}] for a target with "
+                f"{self.target_num_hidden_layers} layers (-1 = the embedding output; the last layer's hidden state "
+                "is the final normed state)"
             )
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
@@ -201,28 +280,47 @@ class DSparkConfig(PretrainedConfig):
     def from_target_config(cls, target_config, **kwargs) -> DSparkConfig:
         """Build a config whose shape facts are read from a target's config (e.g. `model.config`).
 
-        Any DSpark field (block_size, target_layer_ids, markov_rank, …) may be given in `kwargs`.
+        Any DSpark field (block_size, target_layer_ids, markov_rank, …) may be given in `kwargs`. New drafters get
+        Qwen3-style draft layers (``draft_layer_style="qwen3"``, no attention biases) whatever the target family;
+        Gemma targets also set ``embedding_scale`` = √H and their ``final_logit_softcapping``. For a target whose
+        RoPE differs per layer type (Gemma), the draft layers use its full-attention RoPE.
 
         Raises:
-            ValueError: the target's family is not supported, or a field is invalid.
+            ValueError: the target's family is not supported, or its config lacks a field the drafter needs (both
+                named), or a field is invalid.
         """
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        family = getattr(tc, "model_type", None) or type(tc).__name__
+        check_target_family(family)
+        needed = ["vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers"]
+        if "intermediate_size" not in kwargs:
+            needed.append("intermediate_size")
+        missing = [f for f in needed if getattr(tc, f, None) is None]
+        if missing:
+            raise ValueError(f"target config of family {family!r} has no {', '.join(missing)}: the drafter needs it")
+        rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4})
+        if isinstance(rope.get("full_attention"), dict):  # RoPE per layer type: draft layers are full attention
+            rope = dict(rope["full_attention"])
+        style = kwargs.get("draft_layer_style", "qwen3")
+        gemma = family in _GEMMA_FAMILIES
         facts = dict(
             vocab_size=tc.vocab_size,
             hidden_size=tc.hidden_size,
-            intermediate_size=tc.intermediate_size,
+            intermediate_size=getattr(tc, "intermediate_size", None),
             num_attention_heads=tc.num_attention_heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-            hidden_act=getattr(tc, "hidden_act", "silu"),
+            hidden_act=getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", None) or "silu",
             rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-            attention_bias=bool(getattr(tc, "attention_bias", tc.model_type == "qwen2")),
-            mlp_bias=bool(getattr(tc, "mlp_bias", False)),
-            rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4}),
+            attention_bias=style == "target" and bool(getattr(tc, "attention_bias", family == "qwen2")),
+            mlp_bias=style == "target" and bool(getattr(tc, "mlp_bias", False)),
+            rope_parameters=rope,
             max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
-            target_model_type=tc.model_type,
+            target_model_type=family,
             target_name_or_path=getattr(tc, "name_or_path", "") or getattr(tc, "_name_or_path", ""),
             target_num_hidden_layers=tc.num_hidden_layers,
+            embedding_scale=math.sqrt(tc.hidden_size) if gemma else 1.0,
+            final_logit_softcapping=getattr(tc, "final_logit_softcapping", None),
         )
         facts.update(kwargs)
         return cls(**facts)
