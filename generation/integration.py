@@ -1,21 +1,26 @@
 """Wiring DSpark into `target.generate(ids, assistant_model=drafter)`.
 
 transformers 5.24 picks a candidate generator in a fixed chain inside `GenerationMixin._get_candidate_generator`.
-:func:`enable_dspark` wraps that method on one target *instance*: when the assistant is a `DSparkDraftModel` it
-returns a :class:`DSparkCandidateGenerator`, otherwise it defers to transformers unchanged (other assistants,
-prompt lookup, …). `DSparkDraftModel.from_pretrained(path, target=model)` calls it for you.
+Importing :mod:`modeling_dspark` wraps that method once, at class level (:func:`modeling_dspark.install_generate_hook`):
+when the assistant is a `DSparkDraftModel` the wrapper calls :func:`dspark_candidate_generator`, which returns a
+:class:`DSparkCandidateGenerator`; every other assistant (draft models, prompt lookup, …) keeps transformers'
+behaviour. So any supported target loaded with `AutoModelForCausalLM` drafts with DSpark with no other call, also
+through ``pipeline("text-generation", model=target, assistant_model=drafter)``.
 
 Per-call options (verify policy, block size) are context-local, so concurrent users never share them::
 
     with dspark_options(policy="fixed:3", block_size=4):
         target.generate(ids, assistant_model=drafter)
+
+The block size can also be given the transformers way, ``target.generate(..., num_assistant_tokens=4)``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import types
+
+from transformers import GenerationConfig
 
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 
@@ -57,57 +62,111 @@ def default_policy(drafter: DSparkDraftModel, sps=None, *, target=None, context_
     return make_policy("full")
 
 
-def enable_dspark(target):
-    """Make ``target.generate(..., assistant_model=<DSparkDraftModel>)`` use :class:`DSparkCandidateGenerator`.
+def _transformers_default(name: str):
+    return GenerationConfig._get_default_generation_params().get(name)
 
-    Idempotent; affects only this target instance; other assistant models keep their transformers behaviour.
-    Returns ``target``.
+
+def _assistant_options(generation_config, block_size: int | None, gamma: int) -> int | None:
+    """The block size γ' asked for by ``num_assistant_tokens`` and/or ``dspark_options(block_size=...)`` (None = the
+    drafter's γ), after refusing the transformers assisted-decoding options DSpark cannot honour.
+
+    transformers fills unset options with its defaults before this point (``num_assistant_tokens`` 20,
+    ``num_assistant_tokens_schedule`` "constant", ``assistant_confidence_threshold`` 0.4), so a value equal to the
+    default reads as unset: ``num_assistant_tokens=20`` means "the drafter's γ" when γ < 20.
+
+    Raises:
+        ValueError: ``num_assistant_tokens`` outside [1, ``gamma``] (the drafter's block size γ),
+            ``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``use_mtp`` or ``speculation_type`` (each
+            selects another drafting method), a ``num_assistant_tokens_schedule`` other than "constant" or an
+            ``assistant_confidence_threshold`` other than the default (DSpark's verify policy decides how many drafts
+            are verified: ``dspark_options(policy=...)``), or ``num_assistant_tokens`` and
+            ``dspark_options(block_size=...)`` that disagree.
     """
-    if getattr(target, "_dspark_enabled", False):
-        return target
-    original = target._get_candidate_generator
-
-    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
-        if isinstance(assistant_model, DSparkDraftModel):
-            opts = _options.get()
-            sps, policy, block_size = opts.get("sps"), opts.get("policy"), opts.get("block_size")
-            # bad input fails here, before any profiling or model compute
-            validate_request(assistant_model, self, generation_config, input_ids, model_kwargs, block_size,
-                             make_policy(policy, {}) if isinstance(policy, str) else policy)
-            context_len = input_ids.shape[1]
-            if policy == "scheduler" and sps is None:  # asked for the scheduler: profile on first use, cache it
-                from .profiling import sps_for_generate
-
-                sps = sps_for_generate(self, assistant_model, context_len, block_size=block_size,
-                                       profile_if_missing=True)
-            if policy is not None:
-                policy = make_policy(policy, sps)
-            else:
-                policy = default_policy(assistant_model, sps, target=self, context_len=context_len,
-                                        block_size=block_size)
-            return DSparkCandidateGenerator(
-                assistant_model,
-                self,
-                generation_config,
-                logits_processor=logits_processor,
-                input_ids=input_ids,
-                model_kwargs=model_kwargs,
-                policy=policy,
-                block_size=opts.get("block_size"),
-                draft_gate=opts.get("draft_gate", True),
-            )
-        return original(
-            generation_config=generation_config,
-            input_ids=input_ids,
-            inputs_tensor=inputs_tensor,
-            logits_processor=logits_processor,
-            model_kwargs=model_kwargs,
-            assistant_model=assistant_model,
-            target_tokenizer=target_tokenizer,
-            assistant_tokenizer=assistant_tokenizer,
+    for name, what in (("prompt_lookup_num_tokens", "prompt lookup decoding"),
+                       ("assistant_early_exit", "early-exit self-speculation"),
+                       ("use_mtp", "multi-token-prediction drafting"),
+                       ("speculation_type", f"speculation_type={generation_config.speculation_type!r}")):
+        if getattr(generation_config, name, None) not in (None, False):
+            raise ValueError(f"{name} selects {what}, which cannot be combined with a DSpark assistant_model; "
+                             f"pass one or the other")
+    schedule = getattr(generation_config, "num_assistant_tokens_schedule", None)
+    if schedule not in (None, "constant"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule={schedule!r} is not supported with a DSpark drafter: its verify policy "
+            "chooses how many drafts to verify each round (dspark_options(policy='scheduler' | 'threshold:P' | "
+            "'fixed:N' | 'full')); num_assistant_tokens sets the block size"
         )
+    threshold = getattr(generation_config, "assistant_confidence_threshold", None)
+    if threshold not in (None, _transformers_default("assistant_confidence_threshold")):
+        raise ValueError(
+            f"assistant_confidence_threshold={threshold} is not supported with a DSpark drafter; to stop drafting "
+            "when confidence falls, use dspark_options(policy='threshold:P') (verify while the survival "
+            "a_k = c_1...c_k stays >= P) or the default DSpark scheduler"
+        )
+    n = getattr(generation_config, "num_assistant_tokens", None)
+    if n is None or n == _transformers_default("num_assistant_tokens"):
+        return block_size
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= gamma:
+        raise ValueError(f"num_assistant_tokens={n!r} out of range: it sets the DSpark block size, an int in "
+                         f"[1, {gamma}] for this drafter")
+    if block_size is not None and block_size != n:
+        raise ValueError(f"num_assistant_tokens={n} and dspark_options(block_size={block_size}) disagree; give one")
+    return n
 
-    target._get_candidate_generator = types.MethodType(_get_candidate_generator, target)
-    target._dspark_enabled = True
+
+def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_config, input_ids, logits_processor,
+                               model_kwargs) -> DSparkCandidateGenerator:
+    """The candidate generator for ``target.generate(ids, assistant_model=drafter, ...)`` (called by the hook).
+
+    An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target`` here, after
+    :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device. The block size γ'
+    comes from ``num_assistant_tokens`` or ``dspark_options(block_size=...)``; the verify policy from
+    ``dspark_options(policy=...)`` or :func:`default_policy`.
+
+    Raises:
+        ValueError: before any compute: a target the drafter does not fit or whose family is not supported, an
+            option :func:`_assistant_options` refuses, a block size outside [1, γ], or any request
+            :func:`~generation.candidate_generator.validate_request` refuses.
+    """
+    opts = _options.get()
+    sps, policy = opts.get("sps"), opts.get("policy")
+    block_size = _assistant_options(generation_config, opts.get("block_size"), drafter.config.block_size)
+    if drafter._target.get("model") is None:
+        drafter.bind_target(target)
+        if drafter.device != target.device:
+            drafter.to(target.device)
+    # bad input fails here, before any profiling or model compute
+    validate_request(drafter, target, generation_config, input_ids, model_kwargs, block_size,
+                     make_policy(policy, {}) if isinstance(policy, str) else policy)
+    context_len = input_ids.shape[1]
+    if policy == "scheduler" and sps is None:  # asked for the scheduler: profile on first use, cache it
+        from .profiling import sps_for_generate
+
+        sps = sps_for_generate(target, drafter, context_len, block_size=block_size, profile_if_missing=True)
+    if policy is not None:
+        policy = make_policy(policy, sps)
+    else:
+        policy = default_policy(drafter, sps, target=target, context_len=context_len, block_size=block_size)
+    return DSparkCandidateGenerator(
+        drafter,
+        target,
+        generation_config,
+        logits_processor=logits_processor,
+        input_ids=input_ids,
+        model_kwargs=model_kwargs,
+        policy=policy,
+        block_size=block_size,
+        draft_gate=opts.get("draft_gate", True),
+    )
+
+
+def enable_dspark(target):
+    """Kept for callers written before the class-level hook: makes sure it is installed; returns ``target``.
+
+    Importing :mod:`modeling_dspark` already routes ``generate(..., assistant_model=<DSparkDraftModel>)`` to DSpark
+    for every target, so this call is never needed.
+    """
+    from modeling_dspark import install_generate_hook
+
+    install_generate_hook()
     return target

@@ -1,10 +1,20 @@
-"""DSpark draft models for Hugging Face transformers (SPEC §2–§5).
+"""DSpark draft models for Hugging Face transformers (docs/method.md, eqs. 2–7).
 
-Importing this package registers `DSparkConfig` / `DSparkDraftModel` with `AutoConfig` / `AutoModel`, so
-`AutoModel.from_pretrained(drafter_dir)` works without `trust_remote_code`.
+Importing this package
+
+- registers `DSparkConfig` / `DSparkDraftModel` with `AutoConfig` / `AutoModel`, so `AutoModel.from_pretrained(dir)`
+  works without `trust_remote_code`;
+- installs one class-level hook on transformers' `GenerationMixin._get_candidate_generator`, so
+  `target.generate(ids, assistant_model=drafter)` (and `pipeline("text-generation", model=target,
+  assistant_model=drafter)`) drafts with DSpark for any target when ``drafter`` is a `DSparkDraftModel`, and
+  defers to transformers unchanged for every other assistant (draft models, prompt lookup, early exit, …).
+
+The hook imports the `generation` package only when it is called with a DSpark drafter, so this package never
+imports `generation` at import time.
 """
 
 from transformers import AutoConfig, AutoModel
+from transformers.generation.utils import GenerationMixin
 
 from .configuration_dspark import DSparkConfig, default_target_layer_ids
 from .modeling_dspark import DSparkDraftModel, DSparkOutput
@@ -12,4 +22,36 @@ from .modeling_dspark import DSparkDraftModel, DSparkOutput
 AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
 
-__all__ = ["DSparkConfig", "DSparkDraftModel", "DSparkOutput", "default_target_layer_ids"]
+
+def install_generate_hook() -> None:
+    """Route `generate(..., assistant_model=<DSparkDraftModel>)` to DSpark's candidate generator (idempotent).
+
+    Replaces `GenerationMixin._get_candidate_generator` by a wrapper that, when the assistant is a
+    `DSparkDraftModel`, returns :func:`generation.integration.dspark_candidate_generator`'s generator (which
+    validates the request and binds an unbound drafter to the target), and otherwise calls transformers' own
+    method with the same arguments. Installing twice keeps a single wrapper.
+    """
+    transformers_method = GenerationMixin._get_candidate_generator
+    if getattr(transformers_method, "_dspark_hook", False):
+        return
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        if isinstance(assistant_model, DSparkDraftModel):
+            from generation.integration import dspark_candidate_generator
+
+            return dspark_candidate_generator(self, assistant_model, generation_config, input_ids, logits_processor,
+                                              model_kwargs)
+        return transformers_method(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                   assistant_model=assistant_model, target_tokenizer=target_tokenizer,
+                                   assistant_tokenizer=assistant_tokenizer)
+
+    _get_candidate_generator._dspark_hook = True
+    _get_candidate_generator.__wrapped__ = transformers_method
+    _get_candidate_generator.__doc__ = transformers_method.__doc__
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+
+
+install_generate_hook()
+
+__all__ = ["DSparkConfig", "DSparkDraftModel", "DSparkOutput", "default_target_layer_ids", "install_generate_hook"]

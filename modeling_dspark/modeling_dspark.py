@@ -8,6 +8,7 @@ the drafter, never duplicated in memory).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -245,34 +246,81 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target: PreTrainedModel | None = None, **kwargs):
-        """`PreTrainedModel.from_pretrained`, strict about the checkpoint, then optionally bound to ``target``.
+        """Load a drafter from a local directory or a Hub repository id, strict about the checkpoint; optionally
+        bind it to ``target`` (:meth:`bind_target`) and move it to the target's device.
 
-        With ``target`` given, the target's ``generate()`` is also enabled for DSpark (see
-        :func:`generation.integration.enable_dspark`), so ``target.generate(ids, assistant_model=drafter)`` works.
+        A Hub id is fetched with ``huggingface_hub`` (:func:`modeling_dspark.hub.resolve_pretrained_dir`; the
+        keyword arguments ``cache_dir``, ``revision``, ``token``, ``force_download``, ``local_files_only`` and
+        ``subfolder`` apply); an existing directory is always read as a path. ``AutoModel.from_pretrained`` lands
+        here too. Without ``target`` the drafter binds itself to the target of its first
+        ``target.generate(ids, assistant_model=drafter)`` call.
 
         Raises:
-            OSError: the directory has no weights file, or the file is corrupt, or tensors are missing/unexpected.
-            ValueError: the drafter does not match ``target``.
+            FileNotFoundError: neither a local directory nor a Hub repository that could be fetched.
+            OSError: the directory has no ``config.json`` (the drafter's settings: block size, target layers,
+                calibration) or no safetensors weights, the weights are corrupt, or tensors are missing/unexpected.
+            ValueError: the drafter does not match ``target``, or the target's family is not supported.
         """
-        path = str(pretrained_model_name_or_path)
-        if os.path.isdir(path) and not any(f.endswith(".safetensors") for f in os.listdir(path)):
-            raise OSError(f"no safetensors weights file in drafter directory {path!r}")
+        from .hub import resolve_pretrained_dir
+
+        hub_args = {k: kwargs.pop(k) for k in ("cache_dir", "revision", "token", "force_download", "local_files_only",
+                                               "subfolder") if k in kwargs}
+        hub_args["subfolder"] = hub_args.get("subfolder") or ""
+        path = resolve_pretrained_dir(pretrained_model_name_or_path, **hub_args)
+        name = str(pretrained_model_name_or_path)
+        if kwargs.get("config") is None:
+            config_file = path / "config.json"
+            if not config_file.is_file():
+                raise OSError(
+                    f"drafter directory {str(path)!r} has no config.json: it holds the drafter's settings (block "
+                    "size, target layers, STS calibration), which defaults would silently replace; save drafters "
+                    "with save_pretrained()"
+                )
+            from . import formats
+
+            if formats.detect_format(json.loads(config_file.read_text())) != "dspark":  # ValueError if unknown
+                return cls._from_other_format(path, target, kwargs.get("dtype", kwargs.get("torch_dtype")))
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            raise OSError(f"no safetensors weights file in drafter directory {str(path)!r}")
         kwargs["output_loading_info"] = True
         try:
-            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            model, info = super().from_pretrained(path, *args, **kwargs)
         except (OSError, ValueError) as err:
-            raise OSError(f"could not load DSpark drafter from {path!r}: {err}") from err
+            raise OSError(f"could not load DSpark drafter from {name!r}: {err}") from err
         except Exception as err:  # safetensors raises its own error type for a corrupt header / body
-            raise OSError(f"corrupt DSpark checkpoint in {path!r}: {type(err).__name__}: {err}") from err
+            raise OSError(f"corrupt DSpark checkpoint in {name!r}: {type(err).__name__}: {err}") from err
         bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if bad:
-            raise OSError(f"incomplete or incompatible DSpark checkpoint in {path!r}: {bad}")
+            raise OSError(f"incomplete or incompatible DSpark checkpoint in {name!r}: {bad}")
         if target is not None:
             model.bind_target(target)
             model.to(target.device)
-            from generation.integration import enable_dspark
+        return model
 
-            enable_dspark(target)
+    @classmethod
+    def _from_other_format(cls, path, target: PreTrainedModel | None, dtype) -> DSparkDraftModel:
+        """A DeepSpec / DFlash / SpecForge / speculators checkpoint in directory ``path``, converted by
+        :func:`modeling_dspark.formats.load_config_and_state`, in ``dtype`` (a torch dtype; None or "auto": the
+        checkpoint's), bound to ``target`` if given.
+
+        Raises:
+            OSError: no weights, corrupt weights, or tensors missing/unexpected after conversion.
+            ValueError: a convention the conversion cannot reproduce, or a drafter that does not fit ``target``.
+        """
+        from . import formats
+
+        config, state = formats.load_config_and_state(path, target.config if target is not None else None)
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise OSError(f"incomplete or incompatible drafter checkpoint in {str(path)!r}: "
+                          f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        if dtype in (None, "auto"):
+            dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+        model.to(dtype=dtype).eval()
+        if target is not None:
+            model.bind_target(target)
+            model.to(target.device)
         return model
 
     # ------------------------------------------------------------------ eq. 2
