@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "dspark_cli.profile_cmd",
     "dspark_cli.bench_cmd",
     "dspark_cli.adapt_cmd",
+    "dspark_cli.export_cmd",
 ]
 
 

@@ -116,6 +116,23 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_drafter(path: str | os.PathLike, target_config=None):
+    """A :class:`DSparkDraftModel` (unbound, eval mode) from a local drafter directory of any format in
+    :data:`FORMATS` (see :func:`load_config_and_state`)."""
+    from .modeling_dspark import DSparkDraftModel
+
+    config, state = load_config_and_state(path, target_config)
+    drafter = DSparkDraftModel(config)
+    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    if len(dtypes) == 1:  # keep the checkpoint's precision
+        drafter.to(dtypes.pop())
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise OSError(f"incomplete or incompatible drafter checkpoint in {str(path)!r}: missing tensors {missing}, "
+                      f"unexpected tensors {unexpected}")
+    return drafter.eval()
+
+
 def load_config_and_state(path: str | os.PathLike, target_config=None) -> tuple[DSparkConfig, dict]:
     """Read a local drafter directory of any format in :data:`FORMATS` as DSpark's config and state dict.
 
@@ -363,11 +380,13 @@ def _state_to_dspark(fmt: str, config: dict, state: dict, dc: DSparkConfig, wher
 
 
 # ---------------------------------------------------------------------------------------------------- export
-def check_exportable(drafter, fmt: str) -> None:
+def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
     """Raise ``ValueError`` listing every reason ``drafter`` cannot be written as ``fmt`` (nothing is written).
 
     A format must reproduce the drafter's drafts exactly in the engine that loads it: Qwen3-style draft layers,
     a real mask token, its slot convention, its heads (vLLM has only the vanilla Markov head) and vocabulary.
+    ``need_target=False`` leaves out the one check a bound target answers (DeepSpec's copies of the target's
+    embedding and LM head), so a command can refuse before it loads the target.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {EXPORT_FORMATS}")
@@ -411,7 +430,7 @@ def check_exportable(drafter, fmt: str) -> None:
         if c.draft_vocab_size:
             problems.append("it drafts over a reduced vocabulary; SGLang and DeepSpec load the full vocabulary only "
                             "(use --format speculators)")
-        if not c.own_embeddings and not getattr(drafter, "_target", None):
+        if need_target and not c.own_embeddings and not getattr(drafter, "_target", None):
             problems.append("DeepSpec checkpoints hold the target's embedding and LM head: load the drafter with "
                             "target=... (or bind_target) first")
     if problems:

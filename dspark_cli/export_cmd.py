@@ -1,0 +1,81 @@
+"""`dspark export`: write a drafter in the format a serving engine or another implementation loads.
+
+    dspark export DRAFTER OUT --format deepspec      # vLLM "method": "dspark", SGLang DSPARK, DeepSpec
+    dspark export DRAFTER OUT --format speculators   # vLLM speculators format (also a reduced draft vocabulary)
+    dspark export DRAFTER OUT --format dflash        # z-lab DFlash (vLLM "method": "dflash")
+
+DRAFTER is a drafter directory of any format dspark loads (its own, DeepSpec, DFlash, SpecForge, speculators), so
+the command also converts between formats. ``--format deepspec`` writes copies of the target's embedding table and
+LM head, so it loads the target (``--target``, default the drafter's default target SmolLM2-135M-Instruct). What a
+format cannot hold is refused, with every reason, before anything is loaded or written
+(:func:`modeling_dspark.formats.check_exportable`); docs/serving.md has the serving commands.
+
+Exit codes: 0 written, 2 usage or input error (nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .common import CLIError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export", help="write a drafter as deepspec / speculators / dflash for serving",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("drafter", metavar="DRAFTER", help="drafter directory (any format dspark loads)")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
+    p.add_argument("--format", required=True, choices=("deepspec", "speculators", "dflash"),
+                   help="deepspec: vLLM method dspark / SGLang DSPARK; speculators: vLLM speculators; dflash: DFlash")
+    p.add_argument("--target", default=None, metavar="PATH",
+                   help="the target's local directory, for --format deepspec (default: SmolLM2-135M-Instruct)")
+
+
+def _export(args) -> Path:
+    from modeling_dspark import formats
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CLIError(f"output {str(out)!r} exists and is not an empty directory")
+    if not Path(args.drafter).is_dir():
+        raise CLIError(f"drafter {args.drafter!r} is not a local directory")
+    try:
+        drafter = formats.load_drafter(args.drafter)
+        formats.check_exportable(drafter, args.format, need_target=False)
+    except (OSError, ValueError) as err:
+        raise CLIError(str(err)) from None
+    if args.format == "deepspec" and not drafter.config.own_embeddings:
+        from modeling_dspark.target import load_target
+
+        try:
+            target, _ = load_target(args.target, dtype=next(drafter.parameters()).dtype)
+            drafter.bind_target(target)
+        except (OSError, ValueError) as err:
+            raise CLIError(f"could not use target {args.target or 'SmolLM2-135M-Instruct'!r}: {err}") from None
+    try:
+        return formats.export_drafter(drafter, out, format=args.format)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+
+
+def run(args) -> int:
+    try:
+        out = _export(args)
+    except CLIError as err:
+        print(f"dspark export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.format} drafter to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    from .common import standalone_main
+
+    sys.exit(standalone_main("dspark export", __doc__, add_arguments, run))
