@@ -6,7 +6,8 @@
 
 DRAFTER is a drafter directory of any format dspark loads (its own, DeepSpec, DFlash, SpecForge, speculators), so
 the command also converts between formats. ``--format deepspec`` writes copies of the target's embedding table and
-LM head, so it loads the target (``--target``, default the drafter's default target SmolLM2-135M-Instruct). What a
+LM head, and ``--format speculators`` of a drafter with a reduced draft vocabulary the LM head's rows, so both load
+the target (``--target``, default SmolLM2-135M-Instruct). What a
 format cannot hold is refused, with every reason, before anything is loaded or written
 (:func:`modeling_dspark.formats.check_exportable`); docs/serving.md has the serving commands.
 
@@ -35,7 +36,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", required=True, choices=("deepspec", "speculators", "dflash"),
                    help="deepspec: vLLM method dspark / SGLang DSPARK; speculators: vLLM speculators; dflash: DFlash")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="the target's local directory, for --format deepspec (default: SmolLM2-135M-Instruct)")
+                   help="the target's local directory, for --format deepspec and a reduced-vocabulary speculators export "
+                        "(default: SmolLM2-135M-Instruct)")
+
+
+def _load_target(path, dtype):
+    """The target model (no tokenizer needed): a local directory, or the default target for None."""
+    if path is None:
+        from modeling_dspark.target import load_target
+
+        return load_target(None, dtype=dtype)[0]
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir():
+        raise OSError(f"target {path!r} is not a local model directory")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def _export(args) -> Path:
@@ -51,12 +66,10 @@ def _export(args) -> Path:
         formats.check_exportable(drafter, args.format, need_target=False)
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
-    if args.format == "deepspec" and not drafter.config.own_embeddings:
-        from modeling_dspark.target import load_target
-
+    c = drafter.config
+    if not c.own_embeddings and (args.format == "deepspec" or (args.format == "speculators" and c.draft_vocab_size)):
         try:
-            target, _ = load_target(args.target, dtype=next(drafter.parameters()).dtype)
-            drafter.bind_target(target)
+            drafter.bind_target(_load_target(args.target, next(drafter.parameters()).dtype))
         except (OSError, ValueError) as err:
             raise CLIError(f"could not use target {args.target or 'SmolLM2-135M-Instruct'!r}: {err}") from None
     try:

@@ -423,6 +423,10 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
             problems.append("it has no Markov head; vLLM and SGLang DSpark need markov_rank > 0 (use --format dflash)")
         if c.use_confidence_head and c.confidence_head_with_markov and c.sequential_head == "none":
             problems.append("its confidence head reads the target embedding of x_{k-1}; no format has that input")
+    if (fmt == "speculators" and c.draft_vocab_size and need_target and not c.own_embeddings
+            and not getattr(drafter, "_target", None)):
+        problems.append("a reduced-vocabulary speculators checkpoint holds the target's LM-head rows: load the "
+                        "drafter with target=... (or bind_target) first")
     if fmt == "deepspec":
         if not c.anchor_predicts:
             problems.append("its anchor slot predicts nothing; DeepSpec's every slot predicts (use --format dflash "

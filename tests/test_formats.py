@@ -1,0 +1,315 @@
+"""Format detection, import and export of other implementations' drafter checkpoints (modeling_dspark.formats).
+
+DeepSpec is not on PyPI: its checkpoints are built here by hand from its documented layout (config keys written by
+``build_draft_config``, tensor names of ``Qwen3DSparkModel``); the peers that are on PyPI are exercised against
+their own code in tests/test_peers.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import modeling_dspark as md
+from dspark_cli.common import SHIPPED_DRAFTER
+from dspark_cli.main import main as cli_main
+from modeling_dspark import formats
+from tests.test_peers import MASK, VOCAB, check_rounds, dspark_rounds, prompt, scale_weights, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+H, HD, R = 64, 16, 8
+
+
+def deepspec_checkpoint(path, target, block=5, layer_ids=(-1, 1, 3), rank=R, head="vanilla", confidence=True,
+                        with_markov=True, seed=0):
+    """A DeepSpec-flat checkpoint for ``target`` with random weights: the target's config edited as DeepSpec's
+    ``build_draft_config`` does, the tensors ``Qwen3DSparkModel`` saves."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, norm=False):
+        return 1 + 0.1 * torch.randn(shape, generator=g) if norm else 0.2 * torch.randn(shape, generator=g)
+
+    config = target.config.to_dict()
+    config.update(architectures=["Qwen3DSparkModel"], num_target_layers=target.config.num_hidden_layers,
+                  num_hidden_layers=2, block_size=block, tie_word_embeddings=False,
+                  layer_types=["full_attention"] * 2, mask_token_id=MASK, target_layer_ids=list(layer_ids),
+                  num_anchors=512, enable_confidence_head=confidence, markov_rank=rank)
+    if confidence:
+        config["confidence_head_with_markov"] = with_markov
+    if rank:
+        config["markov_head_type"] = head
+    config["model_type"] = "qwen3"
+    nh, nkv, ff = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
+    state = {
+        "embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
+        "lm_head.weight": target.get_output_embeddings().weight.detach().clone(),
+        "fc.weight": rand(H, len(layer_ids) * H), "hidden_norm.weight": rand(H, norm=True),
+        "norm.weight": rand(H, norm=True),
+    }
+    for i in range(2):
+        p = f"layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": rand(nh * HD, H), p + "self_attn.k_proj.weight": rand(nkv * HD, H),
+            p + "self_attn.v_proj.weight": rand(nkv * HD, H), p + "self_attn.o_proj.weight": rand(H, nh * HD),
+            p + "self_attn.q_norm.weight": rand(HD, norm=True), p + "self_attn.k_norm.weight": rand(HD, norm=True),
+            p + "mlp.gate_proj.weight": rand(ff, H), p + "mlp.up_proj.weight": rand(ff, H),
+            p + "mlp.down_proj.weight": rand(H, ff),
+            p + "input_layernorm.weight": rand(H, norm=True), p + "post_attention_layernorm.weight": rand(H, norm=True),
+        })
+    if rank:
+        state["markov_head.markov_w1.weight"] = rand(VOCAB, rank)
+        state["markov_head.markov_w2.weight"] = rand(VOCAB, rank)
+        if head == "gated":
+            state["markov_head.gate_proj.weight"], state["markov_head.gate_proj.bias"] = rand(rank, H + rank), rand(rank)
+        if head == "rnn":
+            state["markov_head.joint_proj.weight"] = rand(3 * rank, 2 * rank + H)
+            state["markov_head.joint_proj.bias"] = rand(3 * rank)
+    if confidence:
+        state["confidence_head.proj.weight"] = rand(1, H + (rank if with_markov else 0))
+        state["confidence_head.proj.bias"] = rand(1)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(state, str(path / "model.safetensors"))
+    return config, state
+
+
+def new_drafter(target, **kw):
+    """A random Qwen3-style dspark drafter for ``target`` (weights of a scale that makes drafts vary)."""
+    fields = dict(block_size=4, num_draft_layers=1, target_layer_ids=[0, 2], mask_token_id=MASK, markov_rank=R)
+    fields.update(kw)
+    drafter = md.DSparkDraftModel(md.DSparkConfig.from_target_config(target.config, **fields)).eval()
+    scale_weights(drafter, seed=1)
+    if drafter.draft_vocab_ids is not None:
+        drafter.draft_vocab_ids.copy_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[
+            : drafter.config.draft_vocab_size].sort().values)
+    return drafter.bind_target(target)
+
+
+# ---------------------------------------------------------------------------------------------------- detection
+@pytest.mark.parametrize("config,expected", [
+    ({"model_type": "dspark"}, "dspark"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3DSparkModel"]}, "deepspec"),
+    ({"model_type": "qwen3", "architectures": ["DFlashDraftModel"], "dflash_config": {"mask_token_id": 1}}, "dflash"),
+    ({"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}, "dflash"),
+    ({"architectures": ["DSparkDraftModel"], "dflash_config": {"projector_type": "dspark"}}, "specforge"),
+    ({"architectures": ["DFlashDraftModel"], "dflash_config": {"projector_type": "dspark", "shift_label": 0}},
+     "specforge"),
+    ({"speculators_model_type": "dspark"}, "speculators"),
+    ({"speculators_model_type": "dflash"}, "speculators"),
+])
+def test_detect_format(config, expected):
+    assert formats.detect_format(config) == expected
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "unrecognised drafter config"),
+    ({"architectures": ["Gemma4DSparkModel"]}, "Gemma-4"),
+    ({"architectures": ["DFlash2DraftModel"], "dflash_config": {}}, "DFlash2"),
+    ({"speculators_model_type": "eagle3"}, "eagle3"),
+    ([1, 2], "JSON object"),
+])
+def test_detect_format_refuses_unknown(config, message):
+    with pytest.raises(ValueError, match=message):
+        formats.detect_format(config)
+
+
+# ---------------------------------------------------------------------------------------------------- DeepSpec
+@pytest.mark.parametrize("family,head,confidence,with_markov", [
+    ("qwen3", "vanilla", True, True), ("qwen3", "gated", True, False), ("qwen3", "rnn", True, True),
+    ("qwen3", None, True, False), ("llama", "vanilla", False, False),
+])
+def test_deepspec_checkpoint_loads_and_is_lossless(tmp_path, family, head, confidence, with_markov):
+    target = tiny_target(family)
+    deepspec_checkpoint(tmp_path, target, rank=R if head else 0, head=head or "vanilla", confidence=confidence,
+                        with_markov=with_markov)
+    drafter = md.DSparkDraftModel.from_pretrained(tmp_path, target=target).eval()
+    c = drafter.config
+    assert (c.block_size, c.anchor_predicts, c.mask_token_id, c.own_embeddings) == (5, True, MASK, True)
+    assert c.target_layer_ids == [-1, 1, 3] and c.target_model_type == family
+    assert c.sequential_head == {"vanilla": "markov", None: "none"}.get(head, head)
+    assert (c.use_confidence_head, c.confidence_head_with_markov) == (confidence, with_markov)
+    # the loaded tensors are the checkpoint's, renamed
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    mine = drafter.state_dict()
+    assert torch.equal(mine["layers.1.self_attn.k_norm.weight"], saved["layers.1.self_attn.k_norm.weight"])
+    if head:
+        assert torch.equal(mine["sequential_head.out.weight"], saved["markov_head.markov_w2.weight"])
+    ids = prompt(seed=4)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=20)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20), plain)
+
+
+def test_deepspec_export_round_trip(tmp_path):
+    """DeepSpec checkpoint -> dspark -> DeepSpec: the same config keys and the same tensors."""
+    target = tiny_target("qwen3")
+    config, state = deepspec_checkpoint(tmp_path / "src", target, layer_ids=(0, 2, 4))
+    drafter = md.DSparkDraftModel.from_pretrained(tmp_path / "src", target=target)
+    formats.export_drafter(drafter, tmp_path / "out", format="deepspec")
+    out_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("architectures", "num_target_layers", "num_hidden_layers", "block_size", "mask_token_id",
+                "target_layer_ids", "enable_confidence_head", "confidence_head_with_markov", "markov_rank",
+                "markov_head_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "vocab_size", "tie_word_embeddings", "layer_types", "model_type"):
+        assert out_config[key] == config[key], key
+    out_state = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert out_state.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(out_state[key], value), key
+
+
+def test_export_carries_sts_and_own_embeddings(tmp_path):
+    """A dspark drafter (target's embedding shared) exported as DeepSpec gets the target's table and head, its STS
+    temperatures and offsets as extra keys, and drafts the same after loading back."""
+    target = tiny_target("qwen3")
+    drafter = new_drafter(target, sts_temperatures=[1.3, 0.9, 1.1, 1.0], sts_biases=[0.2, -0.1, 0.0, 0.3])
+    formats.export_drafter(drafter, tmp_path / "ds", format="deepspec")
+    saved = load_file(str(tmp_path / "ds" / "model.safetensors"))
+    assert torch.equal(saved["embed_tokens.weight"], target.get_input_embeddings().weight)
+    assert torch.equal(saved["lm_head.weight"], target.get_output_embeddings().weight)
+    back = md.DSparkDraftModel.from_pretrained(tmp_path / "ds", target=target).eval()
+    assert back.config.sts_temperatures == [1.3, 0.9, 1.1, 1.0] and back.config.sts_biases == [0.2, -0.1, 0.0, 0.3]
+    ids = prompt(seed=5)
+    _, rounds_a = dspark_rounds(target, drafter, ids)
+    _, rounds_b = dspark_rounds(target, back, ids)
+    assert [(p.tolist(), t, c) for p, t, c in rounds_a] == [(p.tolist(), t, c) for p, t, c in rounds_b]
+    assert any(c for _, _, c in rounds_a)
+
+
+# ---------------------------------------------------------------------------------------------------- speculators
+def test_speculators_d2t_is_an_offset(tmp_path):
+    """speculators' d2t holds offsets (target id = draft id + d2t[draft id]); dspark's draft_vocab_ids the ids."""
+    target = tiny_target("qwen3")
+    drafter = new_drafter(target, draft_vocab_size=24)
+    formats.export_drafter(drafter, tmp_path / "s", format="speculators")
+    saved = load_file(str(tmp_path / "s" / "model.safetensors"))
+    ids = drafter.draft_vocab_ids
+    assert torch.equal(torch.arange(24) + saved["d2t"], ids)
+    assert saved["t2d"].dtype == torch.bool and saved["t2d"].sum() == 24 and saved["t2d"][ids].all()
+    assert torch.equal(saved["lm_head.weight"], target.get_output_embeddings().weight[ids])
+    assert saved["markov_head.markov_w1.weight"].shape == (VOCAB, R)
+    assert saved["markov_head.markov_w2.weight"].shape == (24, R)
+    back = md.DSparkDraftModel.from_pretrained(tmp_path / "s", target=target)
+    assert torch.equal(back.draft_vocab_ids, ids)
+    check_rounds(target, back, lambda prefix: _rounds_of(target, drafter, prefix), prompt(seed=6))
+
+
+def _rounds_of(target, drafter, prefix):
+    """The tokens and confidences ``drafter`` drafts in the first round after ``prefix`` (a one-round generate)."""
+    _, rounds = dspark_rounds(target, drafter, prefix[:, :-1], max_new_tokens=drafter.config.block_size + 2)
+    return rounds[0][1], rounds[0][2] or None
+
+
+# ---------------------------------------------------------------------------------------------------- DFlash rules
+def _dflash_config(**dflash_config):
+    return {"model_type": "qwen3", "architectures": ["DFlashDraftModel"], "vocab_size": VOCAB, "hidden_size": H,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": HD, "num_target_layers": 6, "block_size": 16, "dflash_config": dflash_config}
+
+
+def test_dflash_conventions():
+    config, _ = formats.convert_to_dspark("dflash", _dflash_config(mask_token_id=MASK, block_size=8), {})
+    assert (config.block_size, config.anchor_predicts, config.own_embeddings) == (7, False, False)
+    assert config.target_layer_ids == [1, 3]  # DFlash's default rule for 2 draft layers of a 6-layer target
+    assert config.sequential_head == "none" and not config.use_confidence_head
+
+
+@pytest.mark.parametrize("dflash_config,message", [
+    ({}, "no mask_token_id"),
+    ({"mask_token_id": MASK, "output_multiplier": 2.0}, "output_multiplier"),
+    ({"mask_token_id": MASK, "block_size": 1}, "leaves no draft slot"),
+    ({"mask_token_id": MASK, "target_layer_ids": [1, 5]}, "target_layer_ids"),
+])
+def test_dflash_refuses_what_it_cannot_reproduce(dflash_config, message):
+    with pytest.raises(ValueError, match=message):
+        formats.convert_to_dspark("dflash", _dflash_config(**dflash_config), {})
+
+
+def test_sliding_window_draft_layers_are_refused():
+    cfg = _dflash_config(mask_token_id=MASK)
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True)
+    with pytest.raises(ValueError, match="full-attention"):
+        formats.convert_to_dspark("dflash", cfg, {})
+
+
+def test_target_config_mismatch_is_refused():
+    target = tiny_target("qwen3")
+    cfg = _dflash_config(mask_token_id=MASK)
+    cfg["num_target_layers"] = 8
+    with pytest.raises(ValueError, match="8 layers"):
+        formats.convert_to_dspark("dflash", cfg, {}, target.config)
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("fmt", formats.EXPORT_FORMATS)
+def test_shipped_drafter_export_is_refused(tmp_path, fmt):
+    drafter = formats.load_drafter(SHIPPED_DRAFTER)
+    with pytest.raises(ValueError, match="'target'-style") as err:
+        formats.export_drafter(drafter, tmp_path / "out", format=fmt)
+    assert "learned mask embedding" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fields,fmt,message", [
+    (dict(mask_token_id=None), "speculators", "learned mask embedding"),
+    (dict(sequential_head="gated"), "deepspec", "only the vanilla"),
+    (dict(sequential_head="rnn"), "speculators", "only the vanilla"),
+    (dict(sequential_head="none", confidence_head_with_markov=False), "deepspec", "markov_rank > 0"),
+    (dict(draft_vocab_size=24), "deepspec", "reduced vocabulary"),
+    (dict(draft_vocab_size=24), "dflash", "reduced vocabulary"),
+    (dict(), "dflash", "DFlash has neither"),
+    (dict(anchor_predicts=False), "deepspec", "anchor slot predicts nothing"),
+    (dict(sequential_head="none", use_confidence_head=False), "dflash", "anchor_predicts=True"),
+    (dict(sequential_head="none"), "speculators", "target embedding of x_{k-1}"),
+])
+def test_export_refuses_what_the_format_cannot_hold(tmp_path, fields, fmt, message):
+    drafter = new_drafter(tiny_target("qwen3"), **fields)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("{", r"\{")
+                       .replace("}", r"\}")):
+        formats.export_drafter(drafter, tmp_path / "out", format=fmt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_deepspec_export_needs_the_target(tmp_path):
+    target = tiny_target("qwen3")
+    drafter = md.DSparkDraftModel(new_drafter(target).config)  # unbound, shares no table
+    with pytest.raises(ValueError, match="target="):
+        formats.export_drafter(drafter, tmp_path / "out", format="deepspec")
+
+
+def test_export_refuses_a_non_empty_output(tmp_path):
+    drafter = new_drafter(tiny_target("qwen3"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("")
+    with pytest.raises(ValueError, match="not an empty directory"):
+        formats.export_drafter(drafter, tmp_path / "out", format="speculators")
+
+
+def test_load_refuses_missing_pieces(tmp_path):
+    with pytest.raises(OSError, match="no config.json"):
+        formats.load_config_and_state(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(_dflash_config(mask_token_id=MASK)))
+    with pytest.raises(OSError, match="no safetensors"):
+        formats.load_config_and_state(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def test_cli_export(tmp_path, capsys):
+    rc = cli_main(["export", str(SHIPPED_DRAFTER), str(tmp_path / "refused"), "--format", "deepspec"])
+    assert rc == 2 and not (tmp_path / "refused").exists()
+    assert "'target'-style" in capsys.readouterr().err
+
+    target = tiny_target("qwen3")
+    drafter = new_drafter(target, draft_vocab_size=24)
+    drafter.save_pretrained(tmp_path / "mine")
+    target.save_pretrained(tmp_path / "target")
+    assert cli_main(["export", str(tmp_path / "mine"), str(tmp_path / "spec"), "--format", "speculators",
+                     "--target", str(tmp_path / "target")]) == 0
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark" and config["draft_vocab_size"] == 24
+    back = md.DSparkDraftModel.from_pretrained(tmp_path / "spec", target=target)
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
