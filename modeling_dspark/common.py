@@ -61,3 +61,8 @@ def gather_slots(values: torch.Tensor, anchor_positions: torch.LongTensor, num_s
     if values.dim() == 2:
         return values.gather(1, slots).reshape(bsz, n, num_slots)
     return values.gather(1, slots[..., None].expand(-1, -1, values.shape[-1])).reshape(bsz, n, num_slots, -1)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Final-logit soft-capping c·tanh(logits / c) (Gemma's ``final_logit_softcapping``); identity for ``cap`` None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap

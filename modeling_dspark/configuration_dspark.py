@@ -290,37 +290,40 @@ class DSparkConfig(PretrainedConfig):
                 named), or a field is invalid.
         """
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        family = getattr(tc, "model_type", None) or type(tc).__name__
+        # read the stored values: per-layer attributes of heterogeneous configs (Gemma 4) refuse global access
+        t = tc.to_dict() if hasattr(tc, "to_dict") else dict(vars(tc))
+        family = t.get("model_type") or getattr(tc, "model_type", None) or type(tc).__name__
         check_target_family(family)
         needed = ["vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers"]
         if "intermediate_size" not in kwargs:
             needed.append("intermediate_size")
-        missing = [f for f in needed if getattr(tc, f, None) is None]
+        missing = [f for f in needed if t.get(f) is None]
         if missing:
             raise ValueError(f"target config of family {family!r} has no {', '.join(missing)}: the drafter needs it")
-        rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e4})
+        rope = dict(t.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e4})
         if isinstance(rope.get("full_attention"), dict):  # RoPE per layer type: draft layers are full attention
             rope = dict(rope["full_attention"])
         style = kwargs.get("draft_layer_style", "qwen3")
         gemma = family in _GEMMA_FAMILIES
+        hidden, heads = t["hidden_size"], t["num_attention_heads"]
         facts = dict(
-            vocab_size=tc.vocab_size,
-            hidden_size=tc.hidden_size,
-            intermediate_size=getattr(tc, "intermediate_size", None),
-            num_attention_heads=tc.num_attention_heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-            hidden_act=getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", None) or "silu",
-            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-            attention_bias=style == "target" and bool(getattr(tc, "attention_bias", family == "qwen2")),
-            mlp_bias=style == "target" and bool(getattr(tc, "mlp_bias", False)),
+            vocab_size=t["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=t.get("intermediate_size"),
+            num_attention_heads=heads,
+            num_key_value_heads=t.get("num_key_value_heads") or heads,
+            head_dim=t.get("head_dim") or hidden // heads,
+            hidden_act=t.get("hidden_act") or t.get("hidden_activation") or "silu",
+            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+            attention_bias=style == "target" and bool(t.get("attention_bias", family == "qwen2")),
+            mlp_bias=style == "target" and bool(t.get("mlp_bias", False)),
             rope_parameters=rope,
-            max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
+            max_position_embeddings=t.get("max_position_embeddings") or 8192,
             target_model_type=family,
-            target_name_or_path=getattr(tc, "name_or_path", "") or getattr(tc, "_name_or_path", ""),
-            target_num_hidden_layers=tc.num_hidden_layers,
-            embedding_scale=math.sqrt(tc.hidden_size) if gemma else 1.0,
-            final_logit_softcapping=getattr(tc, "final_logit_softcapping", None),
+            target_name_or_path=getattr(tc, "name_or_path", "") or t.get("_name_or_path", ""),
+            target_num_hidden_layers=t["num_hidden_layers"],
+            embedding_scale=math.sqrt(hidden) if gemma else 1.0,
+            final_logit_softcapping=t.get("final_logit_softcapping"),
         )
         facts.update(kwargs)
         return cls(**facts)

@@ -1,7 +1,8 @@
-"""Sequential correction heads (eqs. 5–6) and the confidence head (eq. 7) of DSpark.
+"""Sequential correction heads (eqs. 5–6, and DeepSpec's gated Markov head) and the confidence head (eq. 7).
 
 All heads read the previous token x_{k−1} through their own embedding W_1 ∈ R^{V×r} (not the target's table) and
-produce an additive logit correction B_k ∈ R^V on top of the parallel backbone's base logits U_k (eq. 4):
+produce an additive logit correction B_k ∈ R^N (N = V, or the draft vocabulary size) on top of the parallel
+backbone's base logits U_k (eq. 4):
 
     p_k(v | x_0, x_<k) = softmax_v(U_k(v) + B_k(x_0, x_<k, v)).
 """
@@ -35,6 +36,33 @@ class MarkovHead(nn.Module):
     def step(self, prev_token: torch.LongTensor, hidden: torch.Tensor, state: torch.Tensor | None):
         """One left-to-right step: ``prev_token [B]`` → ``(B_k [B, V], state)``; the Markov head has no state."""
         return self.out(self.embed(prev_token)), state
+
+
+class GatedMarkovHead(nn.Module):
+    """Gated low-rank Markov correction (DeepSpec's ``markov_head_type="gated"``).
+
+    g = σ(W_g [h_k; W_1[x_{k−1}]] + b_g) ∈ R^r;  B_k = W_2ᵀ (g ⊙ W_1[x_{k−1}]).  Without state, like eq. 5, but the
+    backbone state h_k decides how much of the previous token's correction passes.
+    """
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, rank)  # W_1
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)  # W_g, b_g
+        self.out = nn.Linear(rank, out_size or vocab_size, bias=False)  # W_2 (over the draft vocabulary)
+
+    def token_features(self, prev_tokens: torch.LongTensor) -> torch.Tensor:
+        return self.embed(prev_tokens)
+
+    def forward(self, prev_tokens: torch.LongTensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``prev_tokens [...]``, ``hidden [..., H]`` → ``B [..., N]`` (teacher-forced block or one step alike)."""
+        emb = self.embed(prev_tokens)
+        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(emb.dtype), emb], dim=-1)))
+        return self.out(gate * emb)
+
+    def step(self, prev_token: torch.LongTensor, hidden: torch.Tensor, state: torch.Tensor | None):
+        """One left-to-right step: ``prev_token [B]``, ``hidden [B, H]`` → ``(B_k [B, N], state)``; no state."""
+        return self.forward(prev_token, hidden), state
 
 
 class RNNHead(nn.Module):
@@ -75,17 +103,18 @@ class RNNHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """c_k = σ(wᵀ [h_k; W_1[x_{k−1}]]) (eq. 7): probability that x_k survives verification given x_<k survived.
+    """c_k = σ(wᵀ [h_k; W_1[x_{k−1}]] + b) (eq. 7): probability that x_k survives verification given x_<k survived.
 
-    Returns the *logit* wᵀ[·]; the caller divides by the STS temperature T_k (SPEC §3) and adds the offset b_k
-    (``sts_biases``, 0 unless calibrated with ``--bias``) before the sigmoid.
+    With ``token_feature_size`` 0 it reads h_k alone (DeepSpec's ``confidence_head_with_markov=false``). Returns the
+    *logit*; the caller divides by the STS temperature T_k (SPEC §3) and adds the offset b_k (``sts_biases``, 0
+    unless calibrated with ``--bias``) before the sigmoid.
     """
 
     def __init__(self, hidden_size: int, token_feature_size: int):
         super().__init__()
         self.proj = nn.Linear(hidden_size + token_feature_size, 1)
 
-    def forward(self, hidden: torch.Tensor, token_features: torch.Tensor) -> torch.Tensor:
-        """``hidden [..., H]``, ``token_features [..., e]`` → logits ``[...]`` (float32)."""
-        x = torch.cat([hidden, token_features.to(hidden.dtype)], dim=-1)
+    def forward(self, hidden: torch.Tensor, token_features: torch.Tensor | None) -> torch.Tensor:
+        """``hidden [..., H]``, ``token_features [..., e]`` (None when e = 0) → logits ``[...]`` (float32)."""
+        x = hidden if token_features is None else torch.cat([hidden, token_features.to(hidden.dtype)], dim=-1)
         return self.proj(x.to(self.proj.weight.dtype)).squeeze(-1).float()

@@ -1,9 +1,12 @@
 """`DSparkDraftModel`: the parallel backbone (eqs. 2–4) with the sequential and confidence heads (eqs. 5–7).
 
-One forward turns an anchor token x_0 plus γ−1 learned mask slots into γ hidden states h_k and base logits U_k.
-The draft layers reuse the target family's transformers building blocks (RMSNorm, MLP, rotary embedding, attention
-functions); the embedding table and LM head are the target's, shared by reference and frozen (never saved with
-the drafter, never duplicated in memory).
+One forward turns an anchor token x_0 plus mask slots into hidden states h_k and base logits U_k, one per drafted
+token. The draft layers are built from transformers' Llama building blocks (RMSNorm, MLP, rotary embedding,
+attention functions; the Qwen2 and Qwen3 ones compute the same), in one of two styles (``draft_layer_style``):
+Qwen3-style layers with RMSNorm on queries and keys (the layers DeepSpec, DFlash and SpecForge drafters use), or
+the layers of older dspark drafters. By default the embedding table and LM head are the target's, shared by
+reference and frozen (never saved with the drafter, never duplicated in memory); a drafter with
+``own_embeddings`` holds frozen copies (as DeepSpec checkpoints do).
 """
 
 from __future__ import annotations
@@ -17,28 +20,31 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
 from transformers.utils import ModelOutput
 
-from .common import block_positions
-from .configuration_dspark import DSparkConfig
-from .heads import ConfidenceHead, MarkovHead, RNNHead
+from .common import block_positions, softcap
+from .configuration_dspark import DSparkConfig, check_target_family
+from .heads import ConfidenceHead, GatedMarkovHead, MarkovHead, RNNHead
 
 
-def _family_blocks(model_type: str):
-    """(RMSNorm, MLP, RotaryEmbedding, apply_rotary_pos_emb) of a target family, from transformers."""
-    if model_type == "llama":
-        from transformers.models.llama import modeling_llama as m
-
-        return m.LlamaRMSNorm, m.LlamaMLP, m.LlamaRotaryEmbedding, m.apply_rotary_pos_emb, m.eager_attention_forward
-    if model_type == "qwen2":
-        from transformers.models.qwen2 import modeling_qwen2 as m
-
-        return m.Qwen2RMSNorm, m.Qwen2MLP, m.Qwen2RotaryEmbedding, m.apply_rotary_pos_emb, m.eager_attention_forward
-    raise ValueError(f"unsupported target family {model_type!r}")
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x [B, heads, T, d]`` with ``cos``/``sin [B, T, d]`` (transformers' ``apply_rotary_pos_emb``)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
 class DSparkAttention(nn.Module):
-    """Block attention with the context as extra K/V (eq. 3): K = [W^K H_ctx; W^K H_d], V likewise, RoPE on both."""
+    """Block attention with the context as extra K/V (eq. 3): K = [W^K H_ctx; W^K H_d], V likewise, RoPE on both.
+
+    In the "qwen3" style, queries and keys (context and block keys alike) go through a per-head RMSNorm before RoPE,
+    as in Qwen3 and in DeepSpec's ``Qwen3DSparkAttention``.
+    """
 
     def __init__(self, config: DSparkConfig, layer_idx: int):
         super().__init__()
@@ -56,19 +62,23 @@ class DSparkAttention(nn.Module):
             config.head_dim,
             config.attention_bias,
         )
+        qwen3 = config.draft_layer_style == "qwen3"
         self.q_proj = nn.Linear(h, nh * hd, bias=bias)
         self.k_proj = nn.Linear(h, nkv * hd, bias=bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias=bias)
-        self.o_proj = nn.Linear(nh * hd, h, bias=False)
-        self.apply_rope = _family_blocks(config.target_model_type)[3]
-        self._eager = _family_blocks(config.target_model_type)[4]
+        self.o_proj = nn.Linear(nh * hd, h, bias=bias and qwen3)
+        self.q_norm = LlamaRMSNorm(hd, eps=config.rms_norm_eps) if qwen3 else None
+        self.k_norm = LlamaRMSNorm(hd, eps=config.rms_norm_eps) if qwen3 else None
+
+    def _heads(self, proj: nn.Linear, norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, H]`` → per-head ``[B, heads, T, d]``, RMS-normed per head when ``norm`` is set."""
+        y = proj(x).view(*x.shape[:-1], -1, self.head_dim)
+        if norm is not None:
+            y = norm(y)
+        return y.transpose(1, 2)
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        shape = (*x.shape[:-1], -1, self.head_dim)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
-        k, _ = self.apply_rope(k, k, cos, sin)
-        return k, v
+        return _rope(self._heads(self.k_proj, self.k_norm, x), cos, sin), self._heads(self.v_proj, None, x)
 
     def forward(
         self,
@@ -82,8 +92,7 @@ class DSparkAttention(nn.Module):
         """``hidden [B, q, H]`` block states; ``context [B, c, H]`` new H_ctx rows (may be None with a cache)."""
         bsz, q_len, _ = hidden.shape
         cos, sin = position_embeddings
-        q = self.q_proj(hidden).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        q, _ = self.apply_rope(q, q, cos, sin)
+        q = _rope(self._heads(self.q_proj, self.q_norm, hidden), cos, sin)
         k_blk, v_blk = self._kv(hidden, cos, sin)
         if context is not None:
             k_ctx, v_ctx = self._kv(context, *context_embeddings)
@@ -94,8 +103,8 @@ class DSparkAttention(nn.Module):
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
         impl = self.config._attn_implementation
-        attn = self._eager if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
-        if attention_mask is not None and attention_mask.dtype == torch.bool and attn is self._eager:
+        attn = eager_attention_forward if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
+        if attention_mask is not None and attention_mask.dtype == torch.bool and attn is eager_attention_forward:
             # eager attention adds the mask to the scores: turn "True = attend" into 0 / -inf-like
             attention_mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
                 ~attention_mask, torch.finfo(q.dtype).min
@@ -105,15 +114,17 @@ class DSparkAttention(nn.Module):
 
 
 class DSparkDecoderLayer(nn.Module):
-    """Pre-norm decoder layer: RMSNorm → block attention over [context; block] → residual → RMSNorm → MLP."""
+    """Pre-norm decoder layer: RMSNorm → block attention over [context; block] → residual → RMSNorm → MLP.
+
+    The context rows H_ctx enter the attention as they are (already normed by ``hidden_norm``, eq. 2).
+    """
 
     def __init__(self, config: DSparkConfig, layer_idx: int):
         super().__init__()
-        rms, mlp, *_ = _family_blocks(config.target_model_type)
-        self.input_layernorm = rms(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DSparkAttention(config, layer_idx)
-        self.post_attention_layernorm = rms(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = mlp(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
 
     def forward(self, hidden, position_embeddings, context, context_embeddings, attention_mask, cache):
         hidden = hidden + self.self_attn(
@@ -127,8 +138,9 @@ class DSparkOutput(ModelOutput):
     """Output of one drafter forward.
 
     Attributes:
-        hidden_states: h_k, ``[B, n, γ, H]`` (after the final norm).
-        base_logits: U_k = LM_head(h_k), ``[B, n, γ, V]`` float32, or None when not requested.
+        hidden_states: h_k, ``[B, n, γ, H]`` (after the final norm); entry k drafts the token k+1 places after the
+            anchor, whatever the slot convention (``anchor_predicts``).
+        base_logits: U_k = LM_head(h_k), ``[B, n, γ, N]`` float32, or None when not requested.
     """
 
     hidden_states: torch.Tensor | None = None
@@ -147,18 +159,20 @@ class DSparkPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         std = self.config.initializer_range
-        if isinstance(module, DSparkDraftModel):
+        if isinstance(module, DSparkDraftModel) and module.mask_embedding is not None:
             nn.init.normal_(module.mask_embedding, std=std)
-        if isinstance(module, (MarkovHead, RNNHead)):
+        if isinstance(module, (MarkovHead, GatedMarkovHead, RNNHead)):
             nn.init.zeros_(module.out.weight)  # untrained correction = 0: p_k starts as softmax(U_k)
 
 
 class DSparkDraftModel(DSparkPreTrainedModel):
     r"""The DSpark draft model (SPEC §2).
 
-    Parameters owned by the drafter: W_c and its RMSNorm (eq. 2), the learned mask embedding, the draft decoder
-    layers (eq. 3), the final norm, the sequential head (eq. 5 Markov / eq. 6 RNN / none) and the confidence head
-    (eq. 7). The embedding table and LM head come from the target through :meth:`bind_target`.
+    Parameters owned by the drafter: W_c and its RMSNorm (eq. 2), the learned mask embedding (when
+    ``mask_token_id`` is None), the draft decoder layers (eq. 3), the final norm, the sequential head (eq. 5 Markov,
+    gated Markov, eq. 6 RNN, or none) and the confidence head (eq. 7); with ``own_embeddings`` also frozen copies of
+    the embedding table and LM head. Otherwise the embedding table and LM head come from the target through
+    :meth:`bind_target`.
 
     Load for use with ``target.generate(ids, assistant_model=drafter)``::
 
@@ -171,29 +185,37 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
-        rms, _, rope, *_ = _family_blocks(config.target_model_type)
         h, m = config.hidden_size, len(config.target_layer_ids)
         self.fc = nn.Linear(m * h, h, bias=False)  # W_c of eq. 2
-        self.hidden_norm = rms(h, eps=config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(h))
+        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(h)) if config.mask_token_id is None else None
         self.layers = nn.ModuleList([DSparkDecoderLayer(config, i) for i in range(config.num_draft_layers)])
-        self.norm = rms(h, eps=config.rms_norm_eps)
-        self.rotary_emb = rope(config=config)
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
         n_out = config.draft_vocab_size or config.vocab_size
         if config.draft_vocab_size:
             # the N token ids the drafter drafts over (set from training-data frequencies; saved with the weights)
             self.register_buffer("draft_vocab_ids", torch.arange(n_out), persistent=True)
         else:
             self.draft_vocab_ids = None
+        if config.own_embeddings:  # frozen copies of the target's table and (draft-vocabulary rows of) LM head
+            self.embed_tokens = nn.Embedding(config.vocab_size, h).requires_grad_(False)
+            self.lm_head = nn.Linear(h, n_out, bias=False).requires_grad_(False)
+        else:
+            self.embed_tokens = self.lm_head = None
         if config.sequential_head == "markov":
             self.sequential_head = MarkovHead(config.vocab_size, config.markov_rank, n_out)
+        elif config.sequential_head == "gated":
+            self.sequential_head = GatedMarkovHead(config.vocab_size, config.markov_rank, h, n_out)
         elif config.sequential_head == "rnn":
             self.sequential_head = RNNHead(config.vocab_size, config.markov_rank, h, n_out)
         else:
             self.sequential_head = None
-        feat = config.markov_rank if self.sequential_head is not None else h
+        feat = 0
+        if config.confidence_head_with_markov:
+            feat = config.markov_rank if self.sequential_head is not None else h
         self.confidence_head = ConfidenceHead(h, feat) if config.use_confidence_head else None
-        self._target = {}  # shared, frozen: {"embed": nn.Embedding, "lm_head": nn.Linear, "config": ...}
+        self._target = {}  # shared, frozen: {"embed": nn.Embedding, "lm_head": nn.Linear, "model": target, ...}
         self.post_init()
 
     # ------------------------------------------------------------------ binding to a target
@@ -202,10 +224,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         Raises:
             ValueError: naming both values, if hidden size, vocabulary size, number of layers (so the layer ids)
-                or architecture family differ from what this drafter was built for.
+                or architecture family differ from what this drafter was built for, or the target's family is not
+                supported.
         """
         tc = target.config.get_text_config()
         c = self.config
+        check_target_family(tc.model_type)
         checks = [
             ("hidden size", c.hidden_size, tc.hidden_size),
             ("vocab size", c.vocab_size, tc.vocab_size),
@@ -328,9 +352,34 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """H_ctx = RMSNorm(W_c [H^(l_1); …; H^(l_m)]) (eq. 2): ``[B, S, m·H] -> [B, S, H]`` in the drafter's dtype."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
+    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        """E[x]·``embedding_scale`` from the raw embedding table (own copy or the target's): ``[...] -> [..., H]``.
+
+        Reading the raw table and scaling here (rather than calling the target's embedding layer) gives Gemma
+        targets' √H scale exactly as DFlash's ``input_embedding_scale`` does; the result is in the drafter's dtype.
+        """
+        table = self.embed_tokens if self.embed_tokens is not None else self.target_embeddings
+        x = nn.functional.embedding(token_ids, table.weight)
+        if self.config.embedding_scale != 1.0:
+            x = x * self.config.embedding_scale
+        return x.to(self.fc.weight.dtype)
+
+    def block_slots(self, num_slots: int | None = None) -> int:
+        """Slots per block for a round of ``num_slots`` draft tokens (default γ): γ', or γ'+1 when the anchor's slot
+        predicts nothing (``anchor_predicts=False``). Attention masks for :meth:`forward` are built with this."""
+        gamma = num_slots or self.config.block_size
+        return gamma + (0 if self.config.anchor_predicts else 1)
+
     def embed_block(self, anchor_ids: torch.LongTensor, num_slots: int) -> torch.Tensor:
-        """Inputs of the block: E[x_0] then γ−1 learned mask embeddings. ``[B, n] -> [B, n, γ, H]``."""
-        anchor = self.target_embeddings(anchor_ids).to(self.mask_embedding.dtype)
+        """Inputs of the block: E[x_0] then ``num_slots`` − 1 mask slots. ``[B, n] -> [B, n, num_slots, H]``.
+
+        A mask slot is the learned mask embedding (``mask_token_id`` None) or E[mask_token_id].
+        """
+        if self.mask_embedding is None:
+            ids = anchor_ids.new_full((*anchor_ids.shape, num_slots), self.config.mask_token_id)
+            ids[..., 0] = anchor_ids
+            return self.embed(ids)
+        anchor = self.embed(anchor_ids).to(self.mask_embedding.dtype)
         masks = self.mask_embedding.expand(*anchor_ids.shape, num_slots - 1, -1)
         return torch.cat([anchor.unsqueeze(-2), masks], dim=-2)
 
@@ -348,25 +397,31 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     ) -> DSparkOutput:
         """One parallel forward of n blocks per sequence.
 
+        The block of an anchor at position p has ``L = block_slots(γ')`` slots at positions p..p+L−1 (RoPE), the
+        context rows sit at their own positions; the outputs are the γ' slots that draft (all of them, or all but
+        the anchor's).
+
         Args:
             anchor_ids: ``[B, n]`` anchor tokens x_0 (the last committed token of each block).
             anchor_positions: ``[B, n]`` absolute positions of the anchors.
             context_features: ``[B, S, m·H]`` raw target features (eq. 2) of the *new* context rows; with a
                 ``cache`` these are appended to it (inference), without one they are the whole context (training).
             context_positions: ``[B, S]`` absolute positions of those rows.
-            attention_mask: ``[B, 1, n·γ, S_total + n·γ]`` bool (True = attend), e.g. from
-                :func:`modeling_dspark.common.block_attention_mask`; None = every block sees all context (n = 1).
+            attention_mask: ``[B, 1, n·L, S_total + n·L]`` bool (True = attend) with L = :meth:`block_slots`, e.g.
+                from :func:`modeling_dspark.common.block_attention_mask`; None = every block sees all context
+                (n = 1).
             cache: a ``DynamicCache`` holding the context K/V of earlier rounds (inference only).
-            num_slots: γ' ≤ γ slots to run (default ``config.block_size``).
-            return_logits: also compute U_k through the target's LM head.
+            num_slots: γ' ≤ γ draft tokens to produce (default ``config.block_size``).
+            return_logits: also compute U_k through the LM head.
 
         Returns:
-            :class:`DSparkOutput` with ``hidden_states [B, n, γ', H]`` and ``base_logits [B, n, γ', V]`` (float32).
+            :class:`DSparkOutput` with ``hidden_states [B, n, γ', H]`` and ``base_logits [B, n, γ', N]`` (float32).
         """
         gamma = num_slots or self.config.block_size
+        slots = self.block_slots(gamma)
         bsz, n = anchor_ids.shape
-        hidden = self.embed_block(anchor_ids, gamma).reshape(bsz, n * gamma, -1)
-        pos = block_positions(anchor_positions, gamma).reshape(bsz, n * gamma)
+        hidden = self.embed_block(anchor_ids, slots).reshape(bsz, n * slots, -1)
+        pos = block_positions(anchor_positions, slots).reshape(bsz, n * slots)
         pos_emb = self.rotary_emb(hidden, pos)
         context = ctx_emb = None
         if context_features is not None and context_features.shape[1] > 0:
@@ -374,21 +429,25 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             ctx_emb = self.rotary_emb(context, context_positions)
         for layer in self.layers:
             hidden = layer(hidden, pos_emb, context, ctx_emb, attention_mask, cache)
-        hidden = self.norm(hidden).reshape(bsz, n, gamma, -1)
+        hidden = self.norm(hidden).reshape(bsz, n, slots, -1)[:, :, slots - gamma :]
         logits = self.lm_logits(hidden) if return_logits else None
         return DSparkOutput(hidden_states=hidden, base_logits=logits)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """U = LM_head(h) through the target's (shared, frozen) head: ``[..., H] -> [..., N]`` float32.
+        """U = LM_head(h), soft-capped to c·tanh(U/c) when ``final_logit_softcapping`` = c: ``[..., H] -> [..., N]``
+        float32.
 
         N = V, or the draft vocabulary size when ``config.draft_vocab_size`` is set (then only the rows
-        ``draft_vocab_ids`` of the target's head are used; see :meth:`expand_draft_logits`).
+        ``draft_vocab_ids`` of the target's head are used, or the drafter's own N-row head; see
+        :meth:`expand_draft_logits`).
         """
-        head = self.target_lm_head
-        if self.draft_vocab_ids is None:
-            return head(hidden.to(head.weight.dtype)).float()
-        weight = self._draft_head_weight(head)
-        return nn.functional.linear(hidden.to(weight.dtype), weight).float()
+        head = self.lm_head if self.lm_head is not None else self.target_lm_head
+        if self.lm_head is not None or self.draft_vocab_ids is None:
+            logits = head(hidden.to(head.weight.dtype)).float()
+        else:
+            weight = self._draft_head_weight(head)
+            logits = nn.functional.linear(hidden.to(weight.dtype), weight).float()
+        return softcap(logits, self.config.final_logit_softcapping)
 
     def _draft_head_weight(self, head: nn.Linear) -> torch.Tensor:
         """Rows ``draft_vocab_ids`` of the target's LM head, gathered once per (ids, head) and reused.
@@ -455,23 +514,29 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return self.sequential_head(prev_tokens, hidden).float()
 
     def correction_step(self, prev_token: torch.LongTensor, hidden: torch.Tensor, state=None):
-        """One left-to-right step of the sequential head: ``prev_token [B]``, ``hidden [B, H]`` → (B_k [B, V] | None, state)."""
+        """One left-to-right step of the sequential head: ``prev_token [B]``, ``hidden [B, H]`` →
+        ``(B_k [B, N] | None, state)``."""
         if self.sequential_head is None:
             return None, None
         bias, state = self.sequential_head.step(prev_token, hidden, state)
         return bias.float(), state
 
     def token_features(self, prev_tokens: torch.LongTensor) -> torch.Tensor:
-        """The x_{k−1} features the confidence head reads: W_1[x_{k−1}] (or the target embedding for "none")."""
+        """Features of x_{k−1}: W_1[x_{k−1}] ``[..., r]``, or E[x_{k−1}] ``[..., H]`` without a sequential head."""
         if self.sequential_head is not None:
             return self.sequential_head.token_features(prev_tokens)
-        return self.target_embeddings(prev_tokens)
+        return self.embed(prev_tokens)
 
     def confidence_logits(self, prev_tokens: torch.LongTensor, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Pre-sigmoid, pre-temperature confidence logits wᵀ[h_k; W_1[x_{k−1}]] (eq. 7): ``[...]`` float32, or None."""
+        """Pre-sigmoid, pre-temperature confidence logits (eq. 7): ``[...]`` float32, or None without the head.
+
+        wᵀ[h_k; W_1[x_{k−1}]] + b (``confidence_head_with_markov``, the default), or wᵀh_k + b without the Markov
+        features. ``prev_tokens [...]`` are x_{k−1} (the anchor for the first draft token), ``hidden [..., H]`` h_k.
+        """
         if self.confidence_head is None:
             return None
-        return self.confidence_head(hidden, self.token_features(prev_tokens))
+        feats = self.token_features(prev_tokens) if self.config.confidence_head_with_markov else None
+        return self.confidence_head(hidden, feats)
 
     def calibrated_confidence(self, logits: torch.Tensor, positions) -> torch.Tensor:
         """c_k = σ(logit_k / T_k + b_k) with the STS temperatures (SPEC §3) and logit offsets (``sts_biases``, 0

@@ -148,3 +148,90 @@ def test_sts_calibration_fields_are_validated(smollm):
     old = cfg.to_dict()
     old.pop("sts_biases")
     assert md.DSparkConfig.from_dict(old).sts_biases == [0.0] * 4
+
+
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
+                      final_logit_softcapping=None)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+NEW_FIELDS = {
+    "deepspec": dict(mask_token_id=63, own_embeddings=True, target_layer_ids=[-1, 1], sequential_head="gated",
+                     confidence_head_with_markov=True),
+    "dflash": dict(mask_token_id=63, anchor_predicts=False, sequential_head="none", use_confidence_head=True,
+                   confidence_head_with_markov=False, embedding_scale=2.5, final_logit_softcapping=20.0),
+    "rnn-draft-vocab": dict(sequential_head="rnn", own_embeddings=True, draft_vocab_size=16),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NEW_FIELDS))
+def test_round_trip_new_fields(tmp_path, kind):
+    """Every convention field survives save / load; the tensors saved are exactly the modules the fields imply."""
+    target = _tiny_qwen3()
+    kw = {"target_layer_ids": [0, 2], **NEW_FIELDS[kind]}
+    torch.manual_seed(1)
+    cfg = md.DSparkConfig.from_target_config(target.config, block_size=4, markov_rank=8, num_draft_layers=1, **kw)
+    d = md.DSparkDraftModel(cfg).eval()
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    if cfg.draft_vocab_size:
+        d.draft_vocab_ids.copy_(torch.randperm(64)[: cfg.draft_vocab_size])
+    d.bind_target(target)
+    d.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["draft_layer_style"] == "qwen3"
+    for k, v in kw.items():
+        assert saved[k] == v, k
+    from safetensors.torch import load_file
+
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert names == set(d.state_dict())
+    assert ("embed_tokens.weight" in names) == ("lm_head.weight" in names) == cfg.own_embeddings
+    assert ("mask_embedding" in names) == (cfg.mask_token_id is None)
+    assert "layers.0.self_attn.q_norm.weight" in names and "layers.0.self_attn.k_norm.weight" in names
+    if kind == "deepspec":
+        assert "sequential_head.gate_proj.weight" in names
+    if kind == "dflash":  # the confidence head reads h_k alone
+        assert d.confidence_head.proj.weight.shape == (1, 32)
+    r = md.DSparkDraftModel.from_pretrained(tmp_path, target=target)
+    skip = {"dtype": None, "_name_or_path": None}
+    assert r.config.to_dict() | skip == d.config.to_dict() | skip
+    for k, v in d.state_dict().items():
+        assert torch.equal(r.state_dict()[k], v), k
+    feats = torch.randn(1, 5, 2 * 32)
+    args = (torch.tensor([[7]]), torch.tensor([[5]]), feats, torch.arange(5)[None])
+    a, b = d(*args), r(*args)
+    assert torch.equal(a.base_logits, b.base_logits) and a.base_logits.shape == (1, 1, 4, cfg.draft_vocab_size or 64)
+    prev = torch.tensor([[7, 1, 2, 3]])
+    if d.confidence_head is not None:
+        assert torch.equal(d.confidence_logits(prev, a.hidden_states[0]), r.confidence_logits(prev, b.hidden_states[0]))
+
+
+def test_old_config_loads_target_style_layers(tmp_path):
+    """A config saved before draft_layer_style existed (the shipped drafter's) builds the older layers; new configs
+    default to Qwen3-style layers and keep that setting through save / load."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dspark"
+    old = json.loads((shipped / "config.json").read_text())
+    assert "draft_layer_style" not in old
+    cfg = AutoConfig.from_pretrained(shipped)
+    assert cfg.draft_layer_style == "target" and cfg.mask_token_id is None and cfg.anchor_predicts
+    assert not cfg.own_embeddings and cfg.confidence_head_with_markov
+    d = md.DSparkDraftModel.from_pretrained(shipped)  # strict: every saved tensor, none missing
+    assert d.layers[0].self_attn.q_norm is None and d.layers[0].self_attn.o_proj.bias is None
+    assert md.DSparkConfig.from_dict({k: v for k, v in old.items()}).draft_layer_style == "target"
+    new = md.DSparkConfig(**{k: v for k, v in old.items() if k not in ("model_type", "transformers_version")})
+    assert new.draft_layer_style == "qwen3"
+    new.save_pretrained(tmp_path)
+    assert md.DSparkConfig.from_pretrained(tmp_path).draft_layer_style == "qwen3"
+    with pytest.raises(ValueError, match="draft_layer_style"):
+        md.DSparkConfig(**{**new.to_dict(), "draft_layer_style": "llama"})
+    with pytest.raises(ValueError, match="mask_token_id"):
+        md.DSparkConfig(**{**new.to_dict(), "mask_token_id": old["vocab_size"]})

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
-from modeling_dspark.common import block_attention_mask, block_positions, gather_slots
+from modeling_dspark.common import block_attention_mask, block_positions, gather_slots, softcap
 from .losses import dspark_loss, position_weights
 from modeling_dspark.target import context_features, decoder_of, hidden_state_indices
 
@@ -179,7 +179,12 @@ class DSparkTrainer(Trainer):
         """Context features ``[B, L, m·H]`` and the target's full logits at the block slots ``[B, n, γ, V]``."""
         feats, last = self._decoder_pass(input_ids, attention_mask, layer_ids)
         logits = self.target.get_output_embeddings()(gather_slots(last, anchor_positions, block_size))
-        return feats, logits
+        return feats, softcap(logits, self._logit_cap)
+
+    @property
+    def _logit_cap(self) -> float | None:
+        """The target's final-logit soft-capping c (Gemma), applied to its logits as its own forward does."""
+        return getattr(self.target.config.get_text_config(), "final_logit_softcapping", None)
 
     @torch.no_grad()
     def slot_targets(self, drafter, slot_hidden, slot_lse=None):
@@ -195,15 +200,15 @@ class DSparkTrainer(Trainer):
             ``[B, n, γ, N]`` logits of the draft columns only and the full-vocabulary ``lse [B, n, γ]`` float32,
             which :func:`~training.losses.dspark_loss` needs to add the target mass outside them (exact).
         """
-        head = self.target.get_output_embeddings()
+        head, cap = self.target.get_output_embeddings(), self._logit_cap
         if drafter.draft_vocab_ids is None:
-            return head(slot_hidden.to(head.weight.dtype)), None
+            return softcap(head(slot_hidden.to(head.weight.dtype)), cap), None
         if slot_lse is None:
-            full = head(slot_hidden.to(head.weight.dtype))
+            full = softcap(head(slot_hidden.to(head.weight.dtype)), cap)
             lse = torch.logsumexp(full.float(), dim=-1)
             return full[..., drafter.draft_vocab_ids.to(full.device)], lse
         weight = drafter._draft_head_weight(head)
-        return torch.nn.functional.linear(slot_hidden.to(weight.dtype), weight), slot_lse.float()
+        return softcap(torch.nn.functional.linear(slot_hidden.to(weight.dtype), weight), cap), slot_lse.float()
 
     # ---------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -233,7 +238,7 @@ class DSparkTrainer(Trainer):
                              "were built with other prompt lengths; rebuild the cache for this data")
 
         ctx_pos = torch.arange(length, device=ids.device).expand(bsz, length)
-        mask = block_attention_mask(anchors, ctx_pos, gamma, attn.bool())
+        mask = block_attention_mask(anchors, ctx_pos, drafter.block_slots(gamma), attn.bool())
         out = model(
             anchor_ids=ids.gather(1, anchors),
             anchor_positions=anchors,
@@ -340,12 +345,35 @@ def default_init_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 @torch.no_grad()
+def rmsnorm_scale(norm: torch.nn.Module) -> torch.Tensor:
+    """The per-channel scale s of a target RMSNorm written as y = s ⊙ x / rms(x), float32 ``[d]``.
+
+    Most families store s as the weight; Gemma 1–3 store s − 1 (their norm multiplies by 1 + weight). Which one is
+    found by running the module on a probe input, so a copied norm computes what the target's does.
+
+    Raises:
+        ValueError: neither form reproduces the module (not an RMSNorm).
+    """
+    w = norm.weight.detach().float().cpu()
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    x = torch.randn(4, w.numel(), generator=torch.Generator().manual_seed(0))
+    y = norm(x.to(norm.weight.device, norm.weight.dtype)).float().cpu()
+    unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    for scale in (w, 1.0 + w):
+        if torch.allclose(unit * scale, y, rtol=1e-3, atol=1e-5):
+            return scale
+    raise ValueError(f"{type(norm).__name__} is not an RMSNorm with a per-channel scale")
+
+
+@torch.no_grad()
 def init_from_target(drafter, target, layer_ids: Sequence[int] | None = None, copy_final_norm: bool = True) -> list[str]:
     """Copy target decoder layer ``layer_ids[i]`` into draft layer i wherever parameter names and shapes match.
 
     The draft layers have the target's shape (norms, q/k/v/o projections, MLP), so normally every layer parameter
-    is copied; W_c, the mask embedding and the heads keep their fresh init. With ``copy_final_norm`` the target's
-    final RMSNorm initialises the drafter's (the shared LM head expects a normed state).
+    is copied (a norm as the scale it applies: :func:`rmsnorm_scale`); W_c, the mask embedding and the heads keep
+    their fresh init. With ``copy_final_norm`` the target's final RMSNorm initialises the drafter's (the shared LM
+    head expects a normed state). A drafter with ``own_embeddings`` gets copies of the target's embedding table and
+    LM head (the rows ``draft_vocab_ids`` of it: set those first).
 
     Args:
         layer_ids: target layers to copy, one per draft layer; default the last ``num_draft_layers`` layers.
@@ -368,11 +396,21 @@ def init_from_target(drafter, target, layer_ids: Sequence[int] | None = None, co
     copied = []
     for i, lid in enumerate(layer_ids):
         src = dict(t_layers[lid].named_parameters())
+        modules = dict(t_layers[lid].named_modules())
         for name, p in drafter.layers[i].named_parameters():
             if name in src and src[name].shape == p.shape:
-                p.copy_(src[name].to(p.dtype))
+                if name.endswith("norm.weight"):  # the scale the target's norm applies (Gemma stores it − 1)
+                    p.copy_(rmsnorm_scale(modules[name.rsplit(".", 1)[0]]).to(p.device, p.dtype))
+                else:
+                    p.copy_(src[name].to(p.dtype))
                 copied.append(f"layers.{i}.{name}")
     if copy_final_norm and hasattr(decoder, "norm") and decoder.norm.weight.shape == drafter.norm.weight.shape:
-        drafter.norm.weight.copy_(decoder.norm.weight.to(drafter.norm.weight.dtype))
+        drafter.norm.weight.copy_(rmsnorm_scale(decoder.norm).to(drafter.norm.weight.device, drafter.norm.weight.dtype))
         copied.append("norm.weight")
+    if drafter.embed_tokens is not None:  # own_embeddings: frozen copies of the target's table and head rows
+        drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        head = target.get_output_embeddings().weight
+        rows = drafter.draft_vocab_ids
+        drafter.lm_head.weight.copy_(head if rows is None else head[rows.to(head.device)])
+        copied += ["embed_tokens.weight", "lm_head.weight"]
     return copied
