@@ -165,8 +165,10 @@ def _layer_fields(layer_config: dict, where: str) -> dict:
     """DSparkConfig's draft-layer fields from a Qwen3-style layer config dict (RoPE keys normalised by
     transformers). Raises ValueError for sliding-window or causal draft layers."""
     model_type = layer_config.get("model_type") or "qwen3"
-    cfg = AutoConfig.for_model(model_type, **{k: v for k, v in layer_config.items() if k != "model_type"})
-    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    # speculators copies the verifier's layer_types (one per TARGET layer) next to the draft's num_hidden_layers
+    types = set(layer_config.get("layer_types") or ["full_attention"])
+    cfg = AutoConfig.for_model(model_type, **{k: v for k, v in layer_config.items()
+                                              if k not in ("model_type", "layer_types")})
     if types != {"full_attention"} or layer_config.get("is_causal"):
         raise ValueError(
             f"{where}: draft layers with layer_types={sorted(types)} / is_causal={layer_config.get('is_causal')} "
@@ -320,6 +322,12 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             raise ValueError(f"{where}: target_hidden_size != the draft hidden size is not supported")
         if config.get("mask_token_id") is None:
             raise ValueError(f"{where}: no mask_token_id")
+        if kind == "dspark" and not anchor and int(config.get("markov_rank", 256) or 0) > 0 \
+                and config.get("markov_head_type") == "rnn":
+            raise ValueError(
+                f"{where}: an RNN head with sample_from_anchor=false is not supported (speculators runs its state "
+                "through the anchor's slot, which predicts nothing; dspark's and SpecForge's state starts at slot 1)"
+            )
         if kind == "dspark":
             heads = _heads(config.get("markov_rank", 256), config.get("markov_head_type", "vanilla"),
                            config.get("enable_confidence_head", True),

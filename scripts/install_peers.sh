@@ -8,6 +8,6 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VPY="${PYTHON:-.venv/bin/python}"
 PIP=("$VPY" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" --no-deps "specforge==0.2.0" "speculators==0.9.0" "dflash==0.1.0" "hs-connectors==0.9.0"
+"${PIP[@]}" --no-deps "specforge==0.2.0" "speculators==0.9.0" "dflash==0.1.0" "hs-connectors==0.9.0" "loguru==0.7.3"
 # speculators imports the OpenAI client at package import (its data tools); a pure-Python package
 "${PIP[@]}" "openai==3.57.0"

@@ -244,26 +244,149 @@ def test_specforge_checkpoint_drafts_as_specforge(tmp_path, family, head):
 
 
 # ---------------------------------------------------------------------------------------------------- speculators
+def speculators_round(model, target):
+    """speculators' own forward (`DFlashDraftModel._backbone_forward`: one anchor block attending to the context
+    before it, its `lm_head`) plus its Markov head's `block_bias` and `confidence_head`, fed the drafted tokens
+    left to right as its training forward feeds the true ones (`DSparkDraftModel.forward`); draft ids mapped to
+    target ids with its d2t. ``sample_from_anchor``: slot k predicts anchor + k + 1 after block token k; otherwise
+    slot k ≥ 1 predicts anchor + k after block token k − 1."""
+    def run(prefix):
+        slots, length = model.block_size, prefix.shape[1]
+        ids = torch.cat([prefix, prefix.new_zeros(1, slots)], dim=1)  # positions after the anchor are never seen
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[0, length - 1] = 1  # the one anchor: the last committed token
+        with torch.no_grad():
+            hs = target(ids, output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[i] for i in model.config.aux_hidden_state_layer_ids], dim=-1)
+            hidden, logits, *_ = model._backbone_forward(
+                feats, ids, loss_mask, torch.zeros(1, ids.shape[1], model.hidden_size), torch.zeros_like(ids),
+                max_anchors=1)
+            hidden, logits = hidden.view(1, slots, -1), logits.view(1, slots, -1)
+            anchor_first = model.config.sample_from_anchor
+            block, tokens = [int(prefix[0, -1])] + [0] * (slots - 1), []
+            head = getattr(model, "markov_head", None)
+
+            def prev_ids():
+                b = torch.tensor([block])
+                return b if anchor_first else torch.cat([b[:, :1], b[:, :-1]], dim=1)
+
+            for s in range(0 if anchor_first else 1, slots):
+                step = logits[0, s]
+                if head is not None:
+                    step = step + head.block_bias(prev_token_ids=prev_ids(), hidden_states=hidden)[0, s]
+                col = int(step.argmax())
+                token = col + int(model.d2t[col]) if model.d2t is not None else col
+                tokens.append(token)
+                if anchor_first and s + 1 < slots:
+                    block[s + 1] = token
+                elif not anchor_first:
+                    block[s] = token
+            conf = None
+            if getattr(model, "confidence_head", None) is not None:
+                feats = hidden
+                if model.config.confidence_head_with_markov:
+                    feats = torch.cat([hidden, head.prev_embeddings(prev_ids())], dim=-1)
+                conf = torch.sigmoid(model.confidence_head(feats))[0, 0 if anchor_first else 1:].tolist()
+        return tokens, conf
+    return run
+
+
+def speculators_peer(kind, target, verifier_dir, draft_vocab=None, **kwargs):
+    """A speculators drafter made by its own `from_training_args` (verifier weights read from ``verifier_dir``)."""
+    import copy
+
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
+
+    layer_config = copy.deepcopy(target.config)
+    layer_config.num_hidden_layers = 2
+    t2d = d2t = None
+    if draft_vocab:
+        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:draft_vocab].sort().values
+        t2d = torch.zeros(VOCAB, dtype=torch.bool)
+        t2d[ids] = True
+        d2t = ids - torch.arange(draft_vocab)
+    cls = DSparkDraftModel if kind == "dspark" else DFlashDraftModel
+    model = cls.from_training_args(layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=str(verifier_dir),
+                                   target_layer_ids=[1, 3], block_size=5, mask_token_id=MASK,
+                                   draft_vocab_size=draft_vocab or VOCAB, draft_attn_impl="eager", **kwargs)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # weights of a larger scale; the frozen copies of the verifier's stay
+        for name, p in model.named_parameters():
+            if not name.startswith(("embed_tokens", "lm_head", "verifier_")):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                        else 0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
 @needs_speculators
-def test_speculators_export_validates_with_speculators(tmp_path):
-    from speculators.models.dspark import DSparkSpeculatorConfig
+@pytest.mark.parametrize("kind,anchor,vocab,head,with_markov", [
+    ("dspark", True, 40, "vanilla", True),
+    ("dspark", False, None, "gated", False),
+    ("dspark", True, None, "rnn", True),
+    ("dflash", False, None, None, False),
+])
+def test_speculators_checkpoint_drafts_as_speculators(tmp_path, kind, anchor, vocab, head, with_markov):
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "verifier")
+    extra = dict(markov_rank=8, markov_head_type=head, confidence_head_with_markov=with_markov) if head else {}
+    peer = speculators_peer(kind, target, tmp_path / "verifier", vocab, sample_from_anchor=anchor, **extra)
+    peer.save_pretrained(tmp_path / "draft")
+    assert formats.detect_format(json.loads((tmp_path / "draft" / "config.json").read_text())) == "speculators"
+    drafter = load_dspark(tmp_path / "draft", target)
+    assert drafter.config.anchor_predicts == anchor and drafter.config.draft_vocab_size == vocab
+    check_rounds(target, drafter, speculators_round(peer, target), prompt(seed=3))
+
+
+@needs_speculators
+def test_speculators_rnn_without_anchor_slot_is_refused(tmp_path):
+    """speculators' RNN head with sample_from_anchor=false steps its state through the anchor's slot (which
+    predicts nothing), unlike SpecForge's and dspark's: refused rather than drafted differently."""
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "verifier")
+    peer = speculators_peer("dspark", target, tmp_path / "verifier", sample_from_anchor=False, markov_rank=8,
+                            markov_head_type="rnn")
+    peer.save_pretrained(tmp_path / "draft")
+    with pytest.raises(ValueError, match="RNN head with sample_from_anchor=false"):
+        formats.load_config_and_state(tmp_path / "draft", target.config)
+
+
+@needs_speculators
+@pytest.mark.parametrize("anchor,vocab", [(True, 40), (False, None)])
+def test_speculators_export_loads_in_speculators(tmp_path, anchor, vocab):
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
     target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "verifier")
     cfg = md.DSparkConfig.from_target_config(
-        target.config, block_size=4, num_draft_layers=1, target_layer_ids=[0, 2], mask_token_id=MASK,
-        markov_rank=8, draft_vocab_size=40, sts_temperatures=[1.5, 1.2, 1.1, 1.0], sts_biases=[0.1, 0, 0, -0.2])
+        target.config, block_size=4, num_draft_layers=2, target_layer_ids=[0, 2], mask_token_id=MASK,
+        markov_rank=8, draft_vocab_size=vocab, anchor_predicts=anchor, intermediate_size=96,
+        target_name_or_path=str(tmp_path / "verifier"),
+        sts_temperatures=[1.5, 1.2, 1.1, 1.0], sts_biases=[0.1, 0, 0, -0.2])
     drafter = md.DSparkDraftModel(cfg).eval()
     scale_weights(drafter, seed=6)
-    drafter.draft_vocab_ids.copy_(torch.randperm(VOCAB)[:40].sort().values)
+    if vocab:
+        drafter.draft_vocab_ids.copy_(torch.randperm(VOCAB)[:vocab].sort().values)
     drafter.bind_target(target)
     out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
-    config = json.loads((out / "config.json").read_text())
-    peer = DSparkSpeculatorConfig.model_validate(config)
-    assert peer.block_size == 4 and peer.sample_from_anchor and peer.draft_vocab_size == 40
-    assert peer.aux_hidden_state_layer_ids == [1, 3]
+    config = DSparkSpeculatorConfig.model_validate(json.loads((out / "config.json").read_text()))
+    assert config.sample_from_anchor == anchor and config.draft_vocab_size == (vocab or VOCAB)
+    assert config.aux_hidden_state_layer_ids == [1, 3]
 
-    back = load_dspark(out, target)
+    config = DSparkSpeculatorConfig.from_pretrained(out)
+    config.transformer_layer_config._attn_implementation = "eager"  # not flex attention (compiled) on CPU
+    peer = DSparkDraftModel.from_pretrained(out, config=config).eval()
+    peer_round = speculators_round(peer, target)
+
+    def calibrated(prefix):  # dspark reports c_k = σ(logit_k / T_k + b_k) with the drafter's STS
+        tokens, conf = peer_round(prefix)
+        logits = torch.logit(torch.tensor(conf, dtype=torch.float64))
+        k = torch.arange(len(conf))
+        temps, biases = torch.tensor(cfg.sts_temperatures).double(), torch.tensor(cfg.sts_biases).double()
+        return tokens, torch.sigmoid(logits / temps[k] + biases[k]).tolist()
+
+    check_rounds(target, drafter, calibrated, prompt(seed=2))
+    back = load_dspark(out, target)  # and back: the same drafter, STS included
     assert back.config.sts_temperatures == cfg.sts_temperatures and back.config.sts_biases == cfg.sts_biases
-    assert torch.equal(back.draft_vocab_ids, drafter.draft_vocab_ids)
     for key, value in drafter.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
