@@ -35,6 +35,7 @@ from .configuration_dspark import DSparkConfig
 
 FORMATS = ("dspark", "deepspec", "dflash", "specforge", "speculators")
 EXPORT_FORMATS = ("deepspec", "speculators", "dflash")
+SGLANG_STS_FILE = "sglang_sts.json"  # written next to a DeepSpec export whose STS has temperatures only
 
 # DeepSpec / SpecForge / speculators `markov_head_type` <-> DSparkConfig.sequential_head
 _HEAD_TYPES = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
@@ -574,8 +575,9 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
 
     ``format``: ``"deepspec"`` (DeepSpec-flat: vLLM ``"method": "dspark"``, SGLang ``DSPARK``),
     ``"speculators"`` (vLLM serves the directory directly) or ``"dflash"`` (z-lab DFlash; vLLM ``"dflash"``).
-    STS temperatures and offsets travel as extra config keys; a reduced draft vocabulary as ``d2t`` / ``t2d``
-    (speculators).
+    STS temperatures and offsets travel as extra config keys (``sts_temperatures``, ``sts_biases``); a DeepSpec
+    export whose offsets are all 0 also gets ``sglang_sts.json`` for SGLang's ``--speculative-dspark-confidence-sts-path``.
+    A reduced draft vocabulary travels as ``d2t`` / ``t2d`` (speculators).
 
     Raises:
         ValueError: the format cannot hold this drafter (every reason listed; nothing written), or ``out_dir``
@@ -593,4 +595,9 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    c = drafter.config
+    if format == "deepspec" and c.use_confidence_head and any(t != 1.0 for t in c.sts_temperatures) \
+            and not any(c.sts_biases):
+        # SGLang's --speculative-dspark-confidence-sts-path file (temperatures only: it has no offsets)
+        (out / SGLANG_STS_FILE).write_text(json.dumps({"temperatures": list(c.sts_temperatures)}) + "\n")
     return out

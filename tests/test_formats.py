@@ -170,6 +170,7 @@ def test_export_carries_sts_and_own_embeddings(tmp_path):
     saved = load_file(str(tmp_path / "ds" / "model.safetensors"))
     assert torch.equal(saved["embed_tokens.weight"], target.get_input_embeddings().weight)
     assert torch.equal(saved["lm_head.weight"], target.get_output_embeddings().weight)
+    assert not (tmp_path / "ds" / formats.SGLANG_STS_FILE).exists()  # SGLang's STS file has no offsets
     back = md.DSparkDraftModel.from_pretrained(tmp_path / "ds", target=target).eval()
     assert back.config.sts_temperatures == [1.3, 0.9, 1.1, 1.0] and back.config.sts_biases == [0.2, -0.1, 0.0, 0.3]
     ids = prompt(seed=5)
@@ -177,6 +178,10 @@ def test_export_carries_sts_and_own_embeddings(tmp_path):
     _, rounds_b = dspark_rounds(target, back, ids)
     assert [(p.tolist(), t, c) for p, t, c in rounds_a] == [(p.tolist(), t, c) for p, t, c in rounds_b]
     assert any(c for _, _, c in rounds_a)
+    back.config.sts_biases = [0.0] * 4
+    formats.export_drafter(back, tmp_path / "ds2", format="deepspec")
+    sts = json.loads((tmp_path / "ds2" / formats.SGLANG_STS_FILE).read_text())
+    assert sts == {"temperatures": [1.3, 0.9, 1.1, 1.0]}
 
 
 # ---------------------------------------------------------------------------------------------------- speculators
