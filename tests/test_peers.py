@@ -28,6 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MASK = 7  # the mask token id the peers' drafters use (a real id of the tiny vocabulary)
 VOCAB = 160
+SMALL_VOCAB = 6  # random drafters for a 6-token target get some drafts accepted: multi-token commits happen
+SMALL_MASK = 3
 
 
 def _requires(module: str):
@@ -42,10 +44,10 @@ needs_specforge = _requires("specforge")
 needs_speculators = _requires("speculators")
 
 
-def tiny_target(family: str = "qwen3", seed: int = 0):
+def tiny_target(family: str = "qwen3", seed: int = 0, vocab: int = VOCAB):
     """A tiny random target (fp32, eager attention) with 6 layers."""
     torch.manual_seed(seed)
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=None,
                  pad_token_id=None, bos_token_id=None)
     if family == "qwen3":
@@ -56,9 +58,9 @@ def tiny_target(family: str = "qwen3", seed: int = 0):
     return enable_dspark(target.eval())
 
 
-def prompt(seed: int = 1, length: int = 9) -> torch.LongTensor:
+def prompt(seed: int = 1, length: int = 9, vocab: int = VOCAB) -> torch.LongTensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, VOCAB, (1, length), generator=g)
+    return torch.randint(min(10, vocab - 1), vocab, (1, length), generator=g)
 
 
 def scale_weights(model: torch.nn.Module, std: float = 0.2, seed: int = 0) -> None:
@@ -93,13 +95,16 @@ def context(target, prefix, layer_ids):
     return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[:, : prefix.shape[1] - 1]
 
 
-def check_rounds(target, drafter, peer_round, ids, max_new_tokens=24):
+def check_rounds(target, drafter, peer_round, ids, max_new_tokens=24, min_commit=1):
     """Every drafting round of dspark's greedy generate() drafts what ``peer_round(prefix)`` drafts; the output is
     plain greedy's."""
     out, rounds = dspark_rounds(target, drafter, ids, max_new_tokens)
     plain = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
     assert torch.equal(out, plain)
     assert len(rounds) >= 3
+    if min_commit > 1:  # some round committed several tokens (the drafter's context cache crops after it)
+        lengths = [p.shape[1] for p, _, _ in rounds]
+        assert max(b - a for a, b in zip(lengths, lengths[1:])) >= min_commit
     for prefix, tokens, confs in rounds:
         peer_tokens, peer_confs = peer_round(prefix)
         assert tokens == peer_tokens[: len(tokens)], f"round at length {prefix.shape[1]}"
@@ -138,18 +143,18 @@ def zlab_round(model, target):
 
 
 @needs_dflash
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_zlab_dflash_checkpoint_drafts_as_dflash(tmp_path, family):
+@pytest.mark.parametrize("family,vocab", [("qwen3", VOCAB), ("llama", VOCAB), ("qwen3", SMALL_VOCAB)])
+def test_zlab_dflash_checkpoint_drafts_as_dflash(tmp_path, family, vocab):
     from dflash.model import DFlashDraftModel
 
-    target = tiny_target(family)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    target = tiny_target(family, vocab=vocab)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       layer_types=["full_attention"] * 2)
     cfg.architectures = ["DFlashDraftModel"]
     cfg.num_target_layers = 6
     cfg.block_size = 5
-    cfg.dflash_config = {"mask_token_id": MASK, "target_layer_ids": [0, 2, 4]}
+    cfg.dflash_config = {"mask_token_id": MASK if vocab > MASK else SMALL_MASK, "target_layer_ids": [0, 2, 4]}
     torch.manual_seed(3)
     peer = DFlashDraftModel(cfg).eval()
     scale_weights(peer, seed=3)
@@ -159,7 +164,8 @@ def test_zlab_dflash_checkpoint_drafts_as_dflash(tmp_path, family):
     drafter = load_dspark(tmp_path, target)
     assert drafter.config.block_size == 4 and not drafter.config.anchor_predicts
     peer = DFlashDraftModel.from_pretrained(tmp_path).eval()
-    check_rounds(target, drafter, zlab_round(peer, target), prompt())
+    check_rounds(target, drafter, zlab_round(peer, target), prompt(vocab=vocab), max_new_tokens=40,
+                 min_commit=2 if vocab == SMALL_VOCAB else 1)
 
 
 @needs_dflash
@@ -200,13 +206,14 @@ def specforge_round(model, target):
     return run
 
 
-def specforge_config(projector: str, **dflash_config):
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+def specforge_config(projector: str, vocab: int = VOCAB, **dflash_config):
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       layer_types=["full_attention"] * 2)
     cfg.num_target_layers = 6
     cfg.block_size = 6
-    cfg.dflash_config = {"mask_token_id": MASK, "target_layer_ids": [1, 3], **dflash_config}
+    cfg.dflash_config = {"mask_token_id": MASK if vocab > MASK else SMALL_MASK, "target_layer_ids": [1, 3],
+                         **dflash_config}
     if projector == "dspark":
         cfg.dflash_config["projector_type"] = "dspark"
     cfg._attn_implementation = "eager"
@@ -214,20 +221,20 @@ def specforge_config(projector: str, **dflash_config):
 
 
 @needs_specforge
-@pytest.mark.parametrize(
-    "family,head",
-    [("qwen3", "vanilla"), ("qwen3", "gated"), ("qwen3", "rnn"), ("llama", "vanilla"), ("qwen3", "dflash")],
-)
-def test_specforge_checkpoint_drafts_as_specforge(tmp_path, family, head):
+@pytest.mark.parametrize("family,head,vocab", [
+    ("qwen3", "vanilla", VOCAB), ("qwen3", "gated", VOCAB), ("qwen3", "rnn", VOCAB), ("llama", "vanilla", VOCAB),
+    ("qwen3", "dflash", VOCAB), ("qwen3", "vanilla", SMALL_VOCAB),
+])
+def test_specforge_checkpoint_drafts_as_specforge(tmp_path, family, head, vocab):
     from specforge.modeling.draft.dflash import DFlashDraftModel
     from specforge.modeling.draft.dspark import DSparkDraftModel
 
-    target = tiny_target(family)
+    target = tiny_target(family, vocab=vocab)
     if head == "dflash":
-        cls, cfg = DFlashDraftModel, specforge_config("dflash")
+        cls, cfg = DFlashDraftModel, specforge_config("dflash", vocab)
     else:
         cls = DSparkDraftModel
-        cfg = specforge_config("dspark", markov_rank=8, markov_head_type=head, enable_confidence_head=True,
+        cfg = specforge_config("dspark", vocab, markov_rank=8, markov_head_type=head, enable_confidence_head=True,
                                confidence_head_with_markov=head != "gated", attention_mode="gqa")
     torch.manual_seed(4)
     peer = cls(cfg).eval()
@@ -238,7 +245,9 @@ def test_specforge_checkpoint_drafts_as_specforge(tmp_path, family, head):
 
     drafter = load_dspark(tmp_path, target)
     peer = cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    rounds = check_rounds(target, drafter, specforge_round(peer, target), prompt(seed=3))
+    rounds = check_rounds(target, drafter, specforge_round(peer, target),
+                          prompt(seed=3 if vocab == VOCAB else 1, vocab=vocab),
+                          max_new_tokens=40, min_commit=2 if vocab == SMALL_VOCAB else 1)
     if head != "dflash":
         assert rounds[0][2] and all(len(c) == len(t) for _, t, c in rounds)
 
