@@ -6,6 +6,8 @@ import math
 
 from transformers import PretrainedConfig
 
+# special token ids copied from the target (transformers' pipeline compares them with the target's)
+SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
 DRAFT_LAYER_STYLES = ("qwen3", "target")
 # text-model families whose decoder hidden states, embedding table and LM head dspark reads, and whose assisted
@@ -115,6 +117,9 @@ class DSparkConfig(PretrainedConfig):
         ce_weight, tv_weight, conf_weight (`float`): loss weights of eq. 14 (0.1, 0.9, 1.0).
         loss_decay (`float`, optional): decay of the position weights w_k = exp(−(k−1)/decay); `None` = γ.
         initializer_range (`float`): std of the normal init of new weights.
+        bos_token_id, eos_token_id, pad_token_id (`int | list[int]`, optional): the target's special tokens
+            (`from_target_config` and `DSparkDraftModel.bind_target` copy them; the drafter shares the target's
+            tokenizer). `pipeline(..., assistant_model=drafter)` compares them with the target's.
 
     Raises:
         ValueError: unknown `sequential_head` or `draft_layer_style`, unsupported `target_model_type`, bad
@@ -206,6 +211,8 @@ class DSparkConfig(PretrainedConfig):
         self.conf_weight = conf_weight
         self.loss_decay = loss_decay
         self.initializer_range = initializer_range
+        for name in SPECIAL_TOKEN_FIELDS:  # the target's: the drafter shares its tokenizer (read by pipeline())
+            kwargs.setdefault(name, None)
         super().__init__(**kwargs)
         self.validate_fields()
 
@@ -324,6 +331,7 @@ class DSparkConfig(PretrainedConfig):
             target_num_hidden_layers=t["num_hidden_layers"],
             embedding_scale=math.sqrt(hidden) if gemma else 1.0,
             final_logit_softcapping=t.get("final_logit_softcapping"),
+            **{name: t.get(name) for name in SPECIAL_TOKEN_FIELDS},
         )
         facts.update(kwargs)
         return cls(**facts)

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import ModelOutput
 
 from .common import block_positions, softcap
-from .configuration_dspark import DSparkConfig, check_target_family
+from .configuration_dspark import SPECIAL_TOKEN_FIELDS, DSparkConfig, check_target_family
 from .heads import ConfidenceHead, GatedMarkovHead, MarkovHead, RNNHead
 
 
@@ -251,6 +251,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError(f"target {type(target).__name__} has no LM head (need a *ForCausalLM model)")
         for p in list(embed.parameters()) + list(lm_head.parameters()):
             p.requires_grad_(False)
+        for name in SPECIAL_TOKEN_FIELDS:  # the target's tokenizer is the drafter's (pipeline() compares them)
+            setattr(c, name, getattr(tc, name, None))
         self._target = {"embed": embed, "lm_head": lm_head, "model": target}
         return self
 

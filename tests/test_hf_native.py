@@ -1,0 +1,341 @@
+"""Hugging Face-native use: after `import modeling_dspark`, `AutoModel` drafters, `target.generate(assistant_model=)`,
+`pipeline(...)`, `num_assistant_tokens`, Hub ids through `huggingface_hub`, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers.generation.utils import GenerationMixin
+
+import modeling_dspark as md
+from generation import collect_stats, dspark_options
+from modeling_dspark.configuration_dspark import SUPPORTED_TARGET_FAMILIES
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = [f for f in ("llama", "qwen2", "qwen3") if f in SUPPORTED_TARGET_FAMILIES]
+
+
+def _save_tiny_target(family: str, path: Path) -> Path:
+    """A tiny random causal LM of ``family``, saved with its special tokens (bos 1, eos 2, pad 0)."""
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(4.0)  # a peaked random model: greedy continuations vary
+    model.save_pretrained(path)
+    return path
+
+
+def _save_drafter(target, path: Path, seed: int = 0, **kw) -> Path:
+    torch.manual_seed(seed)
+    cfg = md.DSparkConfig.from_target_config(target.config, **{"block_size": 4, "markov_rank": 8, **kw})
+    md.DSparkDraftModel(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    """(target loaded with AutoModelForCausalLM in fp32, drafter directory) for one family."""
+    root = tmp_path_factory.mktemp(request.param)
+    target = AutoModelForCausalLM.from_pretrained(_save_tiny_target(request.param, root / "target"),
+                                                  dtype=torch.float32).eval()
+    return target, _save_drafter(target, root / "drafter")
+
+
+PROMPT = torch.tensor([[1, 5, 9, 13, 17, 21]])
+
+
+def _generate(target, drafter=None, **kw):
+    kw = {"max_new_tokens": 24, "do_sample": False, **kw}
+    if drafter is None:
+        return target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), **kw)
+    return target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), assistant_model=drafter, **kw)
+
+
+def _count_forwards(model):
+    calls = {"n": 0}
+    handle = model.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+    return calls, handle
+
+
+# ---------------------------------------------------------------------------------------------- the generate hook
+def test_hook_is_installed_once_at_class_level():
+    hook = GenerationMixin._get_candidate_generator
+    assert getattr(hook, "_dspark_hook", False), "importing modeling_dspark must install the hook"
+    md.install_generate_hook()
+    from generation import enable_dspark
+
+    target = object.__new__(GPT2LMHeadModel)
+    assert enable_dspark(target) is target  # the old per-instance call is a harmless alias
+    assert GenerationMixin._get_candidate_generator is hook
+    assert "_get_candidate_generator" not in vars(target)
+    assert not getattr(hook.__wrapped__, "_dspark_hook", False)  # wraps transformers' own method, not itself
+
+
+@pytest.mark.parametrize("how", ["AutoModel", "from_pretrained", "from_pretrained(target=)", "bind_target"])
+def test_generate_with_any_loading_path_equals_plain_greedy(tiny, how):
+    """With no other call, each way of loading the drafter drafts with DSpark and gives plain greedy's output."""
+    target, drafter_dir = tiny
+    if how == "AutoModel":
+        drafter = AutoModel.from_pretrained(drafter_dir)
+        assert isinstance(drafter, md.DSparkDraftModel) and isinstance(AutoConfig.from_pretrained(drafter_dir),
+                                                                        md.DSparkConfig)
+    elif how == "from_pretrained":
+        drafter = md.DSparkDraftModel.from_pretrained(drafter_dir)
+    elif how == "from_pretrained(target=)":
+        drafter = md.DSparkDraftModel.from_pretrained(drafter_dir, target=target)
+    else:
+        drafter = md.DSparkDraftModel.from_pretrained(drafter_dir).bind_target(target)
+    reference = _generate(target)
+    with collect_stats() as runs:
+        out = _generate(target, drafter)
+    assert torch.equal(out, reference)
+    assert runs and runs[-1].rounds, "DSpark's candidate generator was not used"
+    assert sum(r.drafted for r in runs[-1].rounds) > 0
+    assert drafter._target["model"] is target  # an unbound drafter binds itself to the generate() target
+
+
+def test_other_assistants_still_use_transformers(tiny):
+    """A plain causal-LM assistant and prompt lookup keep transformers' own candidate generators."""
+    target, _ = tiny
+    reference = _generate(target)
+    with collect_stats() as runs:
+        assert torch.equal(_generate(target, target), reference)
+        assert torch.equal(_generate(target, prompt_lookup_num_tokens=3), reference)
+    assert runs == []
+
+
+def test_unbound_drafter_for_another_target_fails_before_compute(tiny, tmp_path):
+    target, _ = tiny
+    other = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True))
+    drafter = AutoModel.from_pretrained(_save_drafter(other, tmp_path / "d"))
+    calls, handle = _count_forwards(target)
+    try:
+        with pytest.raises(ValueError, match=r"mismatch.*hidden size 48"):
+            _generate(target, drafter)
+    finally:
+        handle.remove()
+    assert calls["n"] == 0 and not drafter._target
+
+
+# ---------------------------------------------------------------------------------------------- generation options
+def test_num_assistant_tokens_sets_the_block_size(tiny):
+    target, drafter_dir = tiny
+    drafter = AutoModel.from_pretrained(drafter_dir)
+    reference = _generate(target)
+    for n in (1, 3):
+        with collect_stats() as runs:
+            assert torch.equal(_generate(target, drafter, num_assistant_tokens=n), reference)
+        drafted = [r.drafted for r in runs[-1].rounds]
+        assert max(drafted) == n, (n, drafted)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_assistant_tokens": 5}, r"num_assistant_tokens=5 out of range.*\[1, 4\]"),
+        ({"num_assistant_tokens": 0}, r"num_assistant_tokens=0 out of range"),
+        ({"num_assistant_tokens_schedule": "heuristic"}, r"num_assistant_tokens_schedule='heuristic' is not supp"),
+        ({"assistant_confidence_threshold": 0.7}, r"assistant_confidence_threshold=0.7 is not supported"),
+        ({"prompt_lookup_num_tokens": 3}, r"prompt_lookup_num_tokens .*cannot be combined"),
+        ({"assistant_ensemble_weight": 0.5}, r"assistant_ensemble_weight"),
+    ],
+)
+def test_generation_options_dspark_cannot_honour_fail_before_compute(tiny, kwargs, message):
+    target, drafter_dir = tiny
+    drafter = AutoModel.from_pretrained(drafter_dir)
+    calls, handle = _count_forwards(target)
+    try:
+        with pytest.raises(ValueError, match=message):
+            _generate(target, drafter, **kwargs)
+    finally:
+        handle.remove()
+    assert calls["n"] == 0
+
+
+def test_num_assistant_tokens_and_dspark_options_must_agree(tiny):
+    target, drafter_dir = tiny
+    drafter = AutoModel.from_pretrained(drafter_dir)
+    with dspark_options(block_size=2), pytest.raises(ValueError, match=r"num_assistant_tokens=3 and dspark_options"):
+        _generate(target, drafter, num_assistant_tokens=3)
+    with dspark_options(block_size=2), collect_stats() as runs:
+        _generate(target, drafter, num_assistant_tokens=2)
+    assert max(r.drafted for r in runs[-1].rounds) == 2
+
+
+# ---------------------------------------------------------------------------------------------- pipeline (real target)
+@pytest.mark.parametrize("which", ["shipped", "new"])
+def test_auto_model_drafter_in_generate_and_pipeline_equals_plain_greedy(smollm, tmp_path, which):
+    """The shipped drafter (or a new one) from AutoModel, unbound: target.generate and pipeline("text-generation")
+    give plain greedy's output, and pipeline's num_assistant_tokens sets the block size."""
+    from transformers import pipeline
+
+    target, tok = smollm
+    if which == "shipped":
+        path = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
+    else:
+        path = _save_drafter(target, tmp_path / "d", block_size=4, markov_rank=16)
+    drafter = AutoModel.from_pretrained(path)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with collect_stats() as runs:
+        out = target.generate(**ids, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, target.generate(**ids, max_new_tokens=24, do_sample=False))
+    assert runs[-1].rounds
+    plain = pipeline("text-generation", model=target, tokenizer=tok)
+    spec = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=drafter)
+    reference = plain(messages, max_new_tokens=24, do_sample=False)
+    with collect_stats() as runs:
+        assert spec(messages, max_new_tokens=24, do_sample=False) == reference
+        assert runs and runs[-1].rounds
+        assert spec(messages, max_new_tokens=24, do_sample=False, num_assistant_tokens=2) == reference
+    assert max(r.drafted for r in runs[-1].rounds) == 2
+
+
+# ---------------------------------------------------------------------------------------------- Hub ids, paths
+def _fill_hub_cache(cache: Path, repo_id: str, src: Path, revision: str = "a" * 40) -> str:
+    """Lay out ``repo_id`` in a Hugging Face cache by hand, as huggingface_hub would: snapshots/<rev>/ + refs/main."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(src, repo / "snapshots" / revision)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    return revision
+
+
+def test_hub_id_loads_from_the_local_cache(tiny, tmp_path, monkeypatch):
+    target, drafter_dir = tiny
+    cache = tmp_path / "hub"
+    rev = _fill_hub_cache(cache, "someorg/tiny-dspark", drafter_dir)
+    reference = _generate(target)
+    d = md.DSparkDraftModel.from_pretrained("someorg/tiny-dspark", target=target, cache_dir=cache,
+                                            local_files_only=True)
+    assert torch.equal(_generate(target, d), reference)
+    d = md.DSparkDraftModel.from_pretrained("someorg/tiny-dspark", cache_dir=cache, revision=rev,
+                                            local_files_only=True)
+    assert torch.equal(_generate(target, d), reference)
+    d = AutoModel.from_pretrained("someorg/tiny-dspark", cache_dir=cache, local_files_only=True)
+    assert isinstance(d, md.DSparkDraftModel) and torch.equal(_generate(target, d), reference)
+    # the default cache location (HF_HUB_CACHE), read at call time, with HF_HUB_OFFLINE=1 (conftest)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    assert constants.HF_HUB_OFFLINE
+    d = md.DSparkDraftModel.from_pretrained("someorg/tiny-dspark")
+    assert torch.equal(_generate(target, d), reference)
+
+
+@pytest.mark.parametrize("revision", [None, "b" * 40])
+def test_unknown_hub_id_or_revision_is_a_clear_not_found(tiny, tmp_path, revision):
+    _, drafter_dir = tiny
+    cache = tmp_path / "hub"
+    _fill_hub_cache(cache, "someorg/tiny-dspark", drafter_dir)
+    name = "someorg/tiny-dspark" if revision else "someorg/absent"
+    with pytest.raises(FileNotFoundError, match=r"not found: no local directory .*could not be fetched"):
+        md.DSparkDraftModel.from_pretrained(name, cache_dir=cache, revision=revision, local_files_only=True)
+
+
+def test_relative_paths_resolve_as_paths(tiny, tmp_path, monkeypatch):
+    """Outside the repository root, the shipped drafter's relative path is not found (a clear error, no network);
+    an existing relative directory loads as a path even when it also has the form of a Hub id."""
+    target, drafter_dir = tiny
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"drafters/smollm2-135m-dspark.*not found: no local directory"):
+        md.DSparkDraftModel.from_pretrained("drafters/smollm2-135m-dspark", local_files_only=True)
+    with pytest.raises(FileNotFoundError, match=r"drafter directory not found: './absent'"):
+        md.DSparkDraftModel.from_pretrained("./absent")
+    shutil.copytree(drafter_dir, tmp_path / "someorg" / "tiny-dspark")
+    d = md.DSparkDraftModel.from_pretrained("someorg/tiny-dspark", target=target)
+    assert torch.equal(_generate(target, d), _generate(target))
+
+
+def test_drafter_directory_without_config_json_fails(tiny, tmp_path):
+    _, drafter_dir = tiny
+    shutil.copytree(drafter_dir, tmp_path / "d")
+    (tmp_path / "d" / "config.json").unlink()
+    with pytest.raises(OSError, match=r"has no config.json"):
+        md.DSparkDraftModel.from_pretrained(tmp_path / "d")
+
+
+def test_not_a_dspark_config_is_refused(tiny, tmp_path):
+    target, _ = tiny
+    target.save_pretrained(tmp_path / "t")
+    with pytest.raises(ValueError, match=r"unrecognised drafter config"):
+        md.DSparkDraftModel.from_pretrained(tmp_path / "t")
+
+
+def test_other_formats_load_through_from_pretrained(tiny, tmp_path):
+    """A checkpoint in another implementation's format (here speculators, written by dspark's exporter) loads with
+    from_pretrained, from a directory and from a Hub id, and drafts what the original drafts."""
+    from modeling_dspark import formats
+
+    target, _ = tiny
+    original = md.DSparkDraftModel.from_pretrained(_save_drafter(target, tmp_path / "d", mask_token_id=3),
+                                                   target=target)
+    exported = formats.export_drafter(original, tmp_path / "spec", format="speculators")
+    assert formats.detect_format(json.loads((exported / "config.json").read_text())) == "speculators"
+    _fill_hub_cache(tmp_path / "hub", "someorg/spec-drafter", exported)
+    with collect_stats() as runs:
+        reference = _generate(target, original)
+        for loaded in (md.DSparkDraftModel.from_pretrained(exported, target=target),
+                       md.DSparkDraftModel.from_pretrained("someorg/spec-drafter", target=target,
+                                                           cache_dir=tmp_path / "hub", local_files_only=True)):
+            assert isinstance(loaded, md.DSparkDraftModel) and loaded.dtype == torch.float32
+            assert torch.equal(_generate(target, loaded), reference)
+    drafts = [[r.draft_tokens for r in run.rounds] for run in runs]
+    assert drafts[1] == drafts[0] and drafts[2] == drafts[0]
+
+
+# ---------------------------------------------------------------------------------------------- unsupported family
+@pytest.fixture(scope="module")
+def gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=128)).eval()
+
+
+def test_unsupported_target_family_is_named_before_compute(tiny, gpt2):
+    _, drafter_dir = tiny
+    with pytest.raises(ValueError, match=r"family .gpt2. is not supported"):
+        md.DSparkConfig.from_target_config(gpt2.config)
+    with pytest.raises(ValueError, match=r"family .gpt2. is not supported"):
+        md.DSparkDraftModel.from_pretrained(drafter_dir, target=gpt2)
+    with pytest.raises(ValueError, match=r"family .gpt2. is not supported"):
+        md.DSparkDraftModel.from_pretrained(drafter_dir).bind_target(gpt2)
+    drafter = AutoModel.from_pretrained(drafter_dir)
+    calls, handle = _count_forwards(gpt2)
+    try:
+        with pytest.raises(ValueError, match=r"family .gpt2. is not supported"):
+            gpt2.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), assistant_model=drafter, max_new_tokens=4)
+    finally:
+        handle.remove()
+    assert calls["n"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- dspark generate
+def test_cli_target_without_drafter_is_an_error(tmp_path, capsys):
+    from dspark_cli.main import main
+
+    (tmp_path / "t").mkdir()
+    assert main(["generate", "--prompt", "hi", "--target", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "--drafter" in err and "--no-draft" in err and "random" in err
+
+
+def test_cli_relative_drafter_outside_the_repository(tmp_path, monkeypatch, capsys):
+    from dspark_cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--prompt", "hi", "--drafter", "drafters/smollm2-135m-dspark"]) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and str(tmp_path / "drafters") in err
+    assert main(["generate", "--prompt", "hi", "--drafter", "./absent/drafter"]) == 2
+    assert "drafter path does not exist" in capsys.readouterr().err
