@@ -395,7 +395,9 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
     A format must reproduce the drafter's drafts exactly in the engine that loads it: Qwen3-style draft layers,
     a real mask token, its slot convention, its heads (vLLM has only the vanilla Markov head) and vocabulary.
     ``need_target=False`` leaves out the one check a bound target answers (DeepSpec's copies of the target's
-    embedding and LM head), so a command can refuse before it loads the target.
+    embedding and LM head), so a command can refuse before it loads the target. A drafter with its own copies
+    (imported from DeepSpec) written as speculators or DFlash drops them for the target's: when it is bound, the
+    copies must equal the target's.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {EXPORT_FORMATS}")
@@ -446,6 +448,15 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
         if need_target and not c.own_embeddings and not getattr(drafter, "_target", None):
             problems.append("DeepSpec checkpoints hold the target's embedding and LM head: load the drafter with "
                             "target=... (or bind_target) first")
+    bound = getattr(drafter, "_target", None)
+    if fmt != "deepspec" and c.own_embeddings and bound:
+        # the format drops the drafter's copies and uses the target's table and head: they must be the same
+        head = bound["lm_head"].weight
+        if drafter.draft_vocab_ids is not None:
+            head = head[drafter.draft_vocab_ids.to(head.device)]
+        if not (torch.equal(drafter.embed_tokens.weight, bound["embed"].weight.to(drafter.embed_tokens.weight))
+                and torch.equal(drafter.lm_head.weight, head.to(drafter.lm_head.weight))):
+            problems.append("its own embedding / LM-head copies differ from the target's, which this format uses")
     if problems:
         raise ValueError(f"cannot export this drafter as {fmt!r}: " + "; ".join(problems))
 

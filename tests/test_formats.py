@@ -161,6 +161,25 @@ def test_deepspec_export_round_trip(tmp_path):
         assert torch.equal(out_state[key], value), key
 
 
+def test_deepspec_import_exports_as_speculators(tmp_path):
+    """A DeepSpec checkpoint (own copies of the target's table and head) written as speculators drafts the same;
+    copies that differ from the target's are refused."""
+    target = tiny_target("qwen3")
+    deepspec_checkpoint(tmp_path / "src", target)
+    drafter = md.DSparkDraftModel.from_pretrained(tmp_path / "src", target=target).eval()
+    formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
+    back = md.DSparkDraftModel.from_pretrained(tmp_path / "spec", target=target).eval()
+    assert not back.config.own_embeddings and back.config.anchor_predicts
+    ids = prompt(seed=7)
+    _, rounds_a = dspark_rounds(target, drafter, ids)
+    _, rounds_b = dspark_rounds(target, back, ids)
+    assert [(p.tolist(), t, c) for p, t, c in rounds_a] == [(p.tolist(), t, c) for p, t, c in rounds_b]
+    with torch.no_grad():
+        drafter.lm_head.weight[0] += 1.0
+    with pytest.raises(ValueError, match="copies differ"):
+        formats.export_drafter(drafter, tmp_path / "bad", format="speculators")
+
+
 def test_export_carries_sts_and_own_embeddings(tmp_path):
     """A dspark drafter (target's embedding shared) exported as DeepSpec gets the target's table and head, its STS
     temperatures and offsets as extra keys, and drafts the same after loading back."""

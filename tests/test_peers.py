@@ -329,14 +329,15 @@ def speculators_peer(kind, target, verifier_dir, draft_vocab=None, **kwargs):
 
 
 @needs_speculators
-@pytest.mark.parametrize("kind,anchor,vocab,head,with_markov", [
-    ("dspark", True, 40, "vanilla", True),
-    ("dspark", False, None, "gated", False),
-    ("dspark", True, None, "rnn", True),
-    ("dflash", False, None, None, False),
+@pytest.mark.parametrize("family,kind,anchor,vocab,head,with_markov", [
+    ("qwen3", "dspark", True, 40, "vanilla", True),
+    ("llama", "dspark", True, None, "vanilla", False),
+    ("qwen3", "dspark", False, None, "gated", False),
+    ("qwen3", "dspark", True, None, "rnn", True),
+    ("qwen3", "dflash", False, None, None, False),
 ])
-def test_speculators_checkpoint_drafts_as_speculators(tmp_path, kind, anchor, vocab, head, with_markov):
-    target = tiny_target("qwen3")
+def test_speculators_checkpoint_drafts_as_speculators(tmp_path, family, kind, anchor, vocab, head, with_markov):
+    target = tiny_target(family)
     target.save_pretrained(tmp_path / "verifier")
     extra = dict(markov_rank=8, markov_head_type=head, confidence_head_with_markov=with_markov) if head else {}
     peer = speculators_peer(kind, target, tmp_path / "verifier", vocab, sample_from_anchor=anchor, **extra)
