@@ -67,16 +67,15 @@ def _count_forwards(model):
 
 
 # ---------------------------------------------------------------------------------------------- the generate hook
-def test_hook_is_installed_once_at_class_level():
+def test_hook_is_installed_once_at_class_level(gpt2):
     hook = GenerationMixin._get_candidate_generator
     assert getattr(hook, "_dspark_hook", False), "importing modeling_dspark must install the hook"
     md.install_generate_hook()
     from generation import enable_dspark
 
-    target = object.__new__(GPT2LMHeadModel)
-    assert enable_dspark(target) is target  # the old per-instance call is a harmless alias
+    assert enable_dspark(gpt2) is gpt2  # the old per-instance call is a harmless alias
     assert GenerationMixin._get_candidate_generator is hook
-    assert "_get_candidate_generator" not in vars(target)
+    assert "_get_candidate_generator" not in vars(gpt2)
     assert not getattr(hook.__wrapped__, "_dspark_hook", False)  # wraps transformers' own method, not itself
 
 
@@ -339,3 +338,22 @@ def test_cli_relative_drafter_outside_the_repository(tmp_path, monkeypatch, caps
     assert "not found" in err and str(tmp_path / "drafters") in err
     assert main(["generate", "--prompt", "hi", "--drafter", "./absent/drafter"]) == 2
     assert "drafter path does not exist" in capsys.readouterr().err
+
+
+def test_cli_unsupported_target_family(tmp_path, capsys):
+    """--target of an unsupported family: plain generation when asked (--no-draft), a clear error with a drafter."""
+    from dspark_cli.main import main
+    from transformers import AutoTokenizer
+
+    from modeling_dspark.target import default_target_path
+
+    tok = AutoTokenizer.from_pretrained(default_target_path())
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=2, n_head=2, n_positions=64)).save_pretrained(
+        tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    argv = ["generate", "--prompt", "hi", "--target", str(tmp_path / "gpt2"), "--max-new-tokens", "2"]
+    assert main([*argv, "--no-draft"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--drafter", "random"]) == 2
+    assert "family 'gpt2' is not supported" in capsys.readouterr().err
