@@ -54,7 +54,7 @@ def _load_target(path, dtype):
 
 
 def _export(args) -> Path:
-    from modeling_dspark import formats
+    from modeling_dspark import DSparkDraftModel, formats
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -62,7 +62,7 @@ def _export(args) -> Path:
     if not Path(args.drafter).is_dir():
         raise CLIError(f"drafter {args.drafter!r} is not a local directory")
     try:
-        drafter = formats.load_drafter(args.drafter)
+        drafter = DSparkDraftModel.from_pretrained(args.drafter).eval()
         formats.check_exportable(drafter, args.format, need_target=False)
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None

@@ -117,23 +117,6 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_drafter(path: str | os.PathLike, target_config=None):
-    """A :class:`DSparkDraftModel` (unbound, eval mode) from a local drafter directory of any format in
-    :data:`FORMATS` (see :func:`load_config_and_state`)."""
-    from .modeling_dspark import DSparkDraftModel
-
-    config, state = load_config_and_state(path, target_config)
-    drafter = DSparkDraftModel(config)
-    dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
-    if len(dtypes) == 1:  # keep the checkpoint's precision
-        drafter.to(dtypes.pop())
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise OSError(f"incomplete or incompatible drafter checkpoint in {str(path)!r}: missing tensors {missing}, "
-                      f"unexpected tensors {unexpected}")
-    return drafter.eval()
-
-
 def load_config_and_state(path: str | os.PathLike, target_config=None) -> tuple[DSparkConfig, dict]:
     """Read a local drafter directory of any format in :data:`FORMATS` as DSpark's config and state dict.
 

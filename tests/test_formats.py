@@ -270,7 +270,7 @@ def test_target_config_mismatch_is_refused():
 # ---------------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("fmt", formats.EXPORT_FORMATS)
 def test_shipped_drafter_export_is_refused(tmp_path, fmt):
-    drafter = formats.load_drafter(SHIPPED_DRAFTER)
+    drafter = md.DSparkDraftModel.from_pretrained(SHIPPED_DRAFTER)
     with pytest.raises(ValueError, match="'target'-style") as err:
         formats.export_drafter(drafter, tmp_path / "out", format=fmt)
     assert "learned mask embedding" in str(err.value)

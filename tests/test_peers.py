@@ -117,10 +117,8 @@ def check_rounds(target, drafter, peer_round, ids, max_new_tokens=24, min_commit
 
 
 def load_dspark(path, target):
-    config, state = formats.load_config_and_state(path, target.config)
-    drafter = md.DSparkDraftModel(config)
-    drafter.load_state_dict(state, strict=True)
-    return drafter.eval().bind_target(target)
+    """The drafter in ``path`` (any format), as a user loads it."""
+    return md.DSparkDraftModel.from_pretrained(path, target=target).eval()
 
 
 # ---------------------------------------------------------------------------------------------------- z-lab DFlash
