@@ -360,14 +360,16 @@ def test_speculators_rnn_without_anchor_slot_is_refused(tmp_path):
 
 
 @needs_speculators
-@pytest.mark.parametrize("anchor,vocab", [(True, 40), (False, None)])
-def test_speculators_export_loads_in_speculators(tmp_path, anchor, vocab):
+@pytest.mark.parametrize("anchor,vocab,heads", [(True, 40, True), (False, None, True), (False, None, False)])
+def test_speculators_export_loads_in_speculators(tmp_path, anchor, vocab, heads):
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
     target = tiny_target("qwen3")
     target.save_pretrained(tmp_path / "verifier")
+    extra = {} if heads else dict(sequential_head="none", use_confidence_head=False)
     cfg = md.DSparkConfig.from_target_config(
-        target.config, block_size=4, num_draft_layers=2, target_layer_ids=[0, 2], mask_token_id=MASK,
+        target.config, block_size=4, num_draft_layers=2, target_layer_ids=[0, 2], mask_token_id=MASK, **extra,
         markov_rank=8, draft_vocab_size=vocab, anchor_predicts=anchor, intermediate_size=96,
         target_name_or_path=str(tmp_path / "verifier"),
         sts_temperatures=[1.5, 1.2, 1.1, 1.0], sts_biases=[0.1, 0, 0, -0.2])
@@ -377,17 +379,21 @@ def test_speculators_export_loads_in_speculators(tmp_path, anchor, vocab):
         drafter.draft_vocab_ids.copy_(torch.randperm(VOCAB)[:vocab].sort().values)
     drafter.bind_target(target)
     out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
-    config = DSparkSpeculatorConfig.model_validate(json.loads((out / "config.json").read_text()))
+    model_cls, config_cls = (DSparkDraftModel, DSparkSpeculatorConfig) if heads else (
+        DFlashDraftModel, DFlashSpeculatorConfig)
+    config = config_cls.model_validate(json.loads((out / "config.json").read_text()))
     assert config.sample_from_anchor == anchor and config.draft_vocab_size == (vocab or VOCAB)
     assert config.aux_hidden_state_layer_ids == [1, 3]
 
-    config = DSparkSpeculatorConfig.from_pretrained(out)
+    config = config_cls.from_pretrained(out)
     config.transformer_layer_config._attn_implementation = "eager"  # not flex attention (compiled) on CPU
-    peer = DSparkDraftModel.from_pretrained(out, config=config).eval()
+    peer = model_cls.from_pretrained(out, config=config).eval()
     peer_round = speculators_round(peer, target)
 
     def calibrated(prefix):  # dspark reports c_k = σ(logit_k / T_k + b_k) with the drafter's STS
         tokens, conf = peer_round(prefix)
+        if conf is None:
+            return tokens, None
         logits = torch.logit(torch.tensor(conf, dtype=torch.float64))
         k = torch.arange(len(conf))
         temps, biases = torch.tensor(cfg.sts_temperatures).double(), torch.tensor(cfg.sts_biases).double()
