@@ -183,6 +183,22 @@ def test_dflash_export_loads_in_zlab_dflash(tmp_path):
     check_rounds(target, drafter, zlab_round(peer, target), prompt(seed=2))
 
 
+@needs_specforge
+def test_dflash_export_loads_in_specforge(tmp_path):
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+
+    target = tiny_target("llama")
+    cfg = md.DSparkConfig.from_target_config(
+        target.config, block_size=5, num_draft_layers=2, target_layer_ids=[0, 2, 4], mask_token_id=MASK,
+        anchor_predicts=False, sequential_head="none", use_confidence_head=False, intermediate_size=96)
+    drafter = md.DSparkDraftModel(cfg).eval()
+    scale_weights(drafter, seed=8)
+    drafter.bind_target(target)
+    formats.export_drafter(drafter, tmp_path / "out", format="dflash")
+    peer = DFlashDraftModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    check_rounds(target, drafter, specforge_round(peer, target), prompt(seed=4))
+
+
 # ---------------------------------------------------------------------------------------------------- SpecForge
 def specforge_round(model, target):
     """SpecForge's drafting round (`DFlashDraftModel.spec_generate` / `DSparkDraftModel._sample_draft_tokens`) at a
