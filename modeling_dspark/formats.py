@@ -250,8 +250,9 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             mask_token_id=int(config["mask_token_id"]),
             target_layer_ids=[int(i) for i in config["target_layer_ids"]],
             target_num_hidden_layers=int(config["num_target_layers"]),
-            own_embeddings=True,
-            final_logit_softcapping=config.get("final_logit_softcapping"),
+            # DeepSpec saves frozen copies of the target's table and head; vLLM also loads files without them
+            own_embeddings="embed_tokens.weight" in state and "lm_head.weight" in state,
+            final_logit_softcapping=None,  # Qwen3DSparkModel.compute_logits never soft-caps
             **_sts(config, gamma),
         )
         if config.get("draft_vocab_size") not in (None, fields["vocab_size"]):
@@ -359,7 +360,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
 def _state_to_dspark(fmt: str, config: dict, state: dict, dc: DSparkConfig, where: str) -> dict:
     state = _rename_in(state, where)
     drop = ("rotary_emb.", "verifier_lm_head.", "verifier_norm.", "t2d", "mask_embedding")
-    if fmt != "deepspec":  # the target's table (speculators saves a reduced-vocabulary lm_head: the target's rows)
+    if not dc.own_embeddings:  # the target's table and head (a reduced-vocabulary lm_head holds the target's rows)
         drop = drop + ("embed_tokens.", "lm_head.")
     if fmt == "speculators" or (fmt == "deepspec" and dc.draft_vocab_size):
         d2t = state.pop("d2t", None)
@@ -395,8 +396,8 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
         problems.append("it uses a learned mask embedding; the format needs a real mask token id (mask_token_id)")
     if abs(c.embedding_scale - 1.0) > 0 and fmt != "dflash":
         problems.append(f"embedding_scale={c.embedding_scale} (Gemma-style scaled block inputs) has no key there")
-    if c.final_logit_softcapping is not None and fmt == "speculators":
-        problems.append("final_logit_softcapping has no key in the speculators format")
+    if c.final_logit_softcapping is not None and fmt != "dflash":
+        problems.append("final_logit_softcapping (Gemma) has no place in this format's Qwen3 drafter")
     if fmt == "dflash":
         if c.anchor_predicts:
             problems.append("every slot predicts (anchor_predicts=True); DFlash's anchor slot predicts nothing")
@@ -513,8 +514,6 @@ def convert_from_dspark(drafter, fmt: str) -> tuple[dict, dict]:
             **_heads_out(c),
             **sts,
         }
-        if c.final_logit_softcapping is not None:
-            config["final_logit_softcapping"] = c.final_logit_softcapping
         return config, out
     if fmt == "dflash":
         dflash_config = {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),

@@ -143,6 +143,19 @@ def test_deepspec_checkpoint_loads_and_is_lossless(tmp_path, family, head, confi
     assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20), plain)
 
 
+def test_deepspec_checkpoint_without_table_copies(tmp_path):
+    """vLLM also loads DeepSpec-flat files without embed_tokens / lm_head (the target's are used): so does dspark."""
+    target = tiny_target("qwen3")
+    _, state = deepspec_checkpoint(tmp_path / "full", target)
+    deepspec_checkpoint(tmp_path / "bare", target)
+    del state["embed_tokens.weight"], state["lm_head.weight"]
+    save_file(state, str(tmp_path / "bare" / "model.safetensors"))
+    full = md.DSparkDraftModel.from_pretrained(tmp_path / "full", target=target).eval()
+    bare = md.DSparkDraftModel.from_pretrained(tmp_path / "bare", target=target).eval()
+    assert full.config.own_embeddings and not bare.config.own_embeddings
+    check_rounds(target, bare, lambda prefix: _rounds_of(target, full, prefix), prompt(seed=8))
+
+
 def test_deepspec_export_round_trip(tmp_path):
     """DeepSpec checkpoint -> dspark -> DeepSpec: the same config keys and the same tensors."""
     target = tiny_target("qwen3")
