@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", required=True, choices=("deepspec", "speculators", "dflash"),
                    help="deepspec: vLLM method dspark / SGLang DSPARK; speculators: vLLM speculators; dflash: DFlash")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="the target's local directory, for --format deepspec and a reduced-vocabulary speculators export "
-                        "(default: SmolLM2-135M-Instruct)")
+                   help="the target's local directory, for --format deepspec and a reduced-vocabulary speculators "
+                        "export (default: SmolLM2-135M-Instruct)")
 
 
 def _load_target(path, dtype):

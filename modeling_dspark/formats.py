@@ -77,7 +77,9 @@ def detect_format(config: dict) -> str:
     if "Qwen3DSparkModel" in archs:
         return "deepspec"
     if "DFlash2DraftModel" in archs:
-        raise ValueError("architectures=['DFlash2DraftModel']: DFlash2 (convolutions, candidate selector) is not supported")
+        raise ValueError(
+            "architectures=['DFlash2DraftModel']: DFlash2 (convolutions, candidate selector) is not supported"
+        )
     dflash_config = config.get("dflash_config")
     if isinstance(dflash_config, dict):
         return "specforge" if dflash_config.get("projector_type") == "dspark" else "dflash"
@@ -569,7 +571,8 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     ``format``: ``"deepspec"`` (DeepSpec-flat: vLLM ``"method": "dspark"``, SGLang ``DSPARK``),
     ``"speculators"`` (vLLM serves the directory directly) or ``"dflash"`` (z-lab DFlash; vLLM ``"dflash"``).
     STS temperatures and offsets travel as extra config keys (``sts_temperatures``, ``sts_biases``); a DeepSpec
-    export whose offsets are all 0 also gets ``sglang_sts.json`` for SGLang's ``--speculative-dspark-confidence-sts-path``.
+    export whose offsets are all 0 also gets ``sglang_sts.json`` for SGLang's
+    ``--speculative-dspark-confidence-sts-path``.
     A reduced draft vocabulary travels as ``d2t`` / ``t2d`` (speculators).
 
     Raises:

@@ -64,7 +64,8 @@ def deepspec_checkpoint(path, target, block=5, layer_ids=(-1, 1, 3), rank=R, hea
         state["markov_head.markov_w1.weight"] = rand(VOCAB, rank)
         state["markov_head.markov_w2.weight"] = rand(VOCAB, rank)
         if head == "gated":
-            state["markov_head.gate_proj.weight"], state["markov_head.gate_proj.bias"] = rand(rank, H + rank), rand(rank)
+            state["markov_head.gate_proj.weight"] = rand(rank, H + rank)
+            state["markov_head.gate_proj.bias"] = rand(rank)
         if head == "rnn":
             state["markov_head.joint_proj.weight"] = rand(3 * rank, 2 * rank + H)
             state["markov_head.joint_proj.bias"] = rand(3 * rank)

@@ -89,7 +89,7 @@ def dspark_rounds(target, drafter, ids, max_new_tokens=24):
 
 
 def context(target, prefix, layer_ids):
-    """The target's features of positions 0..L−2 of ``prefix`` [1, L] (the anchor is at L−1): ``[1, L−1, m·H]``."""
+    """The target's features of positions 0..L−2 of ``prefix`` [1, L] (the anchor is at L−1): [1, L−1, m·H]."""
     with torch.no_grad():
         hs = target(prefix, output_hidden_states=True).hidden_states
     return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[:, : prefix.shape[1] - 1]
