@@ -144,6 +144,31 @@ def test_deepspec_checkpoint_loads_and_is_lossless(tmp_path, family, head, confi
     assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20), plain)
 
 
+def test_published_deepspec_config():
+    """The config of deepseek-ai/dspark_qwen3_8b_block7 as DeepSpec's build_draft_config writes it (Qwen3-8B's
+    config.json edited with DeepSpec's config/dspark/dspark_qwen3_8b.py) converts field by field."""
+    config = {
+        "architectures": ["Qwen3DSparkModel"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 40960,
+        "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936, "num_target_layers": 36, "block_size": 7,
+        "layer_types": ["full_attention"] * 5, "mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33],
+        "num_anchors": 512, "enable_confidence_head": True, "confidence_head_with_markov": True,
+        "markov_rank": 256, "markov_head_type": "vanilla",
+    }
+    c, _ = formats.convert_to_dspark("deepspec", config, {"embed_tokens.weight": 0, "lm_head.weight": 0})
+    assert (c.block_size, c.anchor_predicts, c.mask_token_id, c.own_embeddings) == (7, True, 151669, True)
+    assert (c.num_draft_layers, c.target_num_hidden_layers, c.target_layer_ids) == (5, 36, [1, 9, 17, 25, 33])
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        4096, 12288, 32, 8, 128)
+    assert c.rope_parameters["rope_theta"] == 1000000 and c.rms_norm_eps == 1e-06 and c.draft_layer_style == "qwen3"
+    assert (c.sequential_head, c.markov_rank, c.use_confidence_head, c.confidence_head_with_markov) == (
+        "markov", 256, True, True)
+
+
 def test_deepspec_checkpoint_without_table_copies(tmp_path):
     """vLLM also loads DeepSpec-flat files without embed_tokens / lm_head (the target's are used): so does dspark."""
     target = tiny_target("qwen3")
