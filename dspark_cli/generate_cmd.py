@@ -113,7 +113,11 @@ def _resolve_drafter(args) -> str | None:
     if args.no_draft:
         return None
     if args.drafter is None:
-        default_target = args.target is None or args.target == "SmolLM2-135M-Instruct"  # target.DEFAULT_TARGET
+        default_target = args.target is None
+        if not default_target:
+            from modeling_dspark.target import DEFAULT_TARGET
+
+            default_target = args.target == DEFAULT_TARGET
         if default_target and (SHIPPED_DRAFTER / "config.json").is_file():
             return str(SHIPPED_DRAFTER)
         which = "the default target (none shipped)" if default_target else "this target"
