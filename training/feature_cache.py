@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling_dspark.common import gather_slots
+from modeling_dspark.common import gather_slots, softcap
 from modeling_dspark.target import context_features, decoder_of, hidden_state_indices
 from .trainer import DSparkCollator
 
@@ -166,6 +166,7 @@ def build_feature_cache(
 
     decoder = decoder_of(target)
     head = target.get_output_embeddings()
+    cap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)  # Gemma's soft-capping
     device = next(target.parameters()).device
     was_training = target.training
     target.eval()
@@ -194,7 +195,7 @@ def build_feature_cache(
                 lo = min(max(plen - 1, 0), n)
                 if lo < n:  # slots are response positions (anchor ≥ prompt_len); one earlier for safety
                     # from the bf16-rounded state that is stored (training computes the draft columns from it)
-                    logits = head(h[b, lo:n].to(torch.bfloat16).to(head.weight.dtype))
+                    logits = softcap(head(h[b, lo:n].to(torch.bfloat16).to(head.weight.dtype)), cap)
                     values[lo:] = torch.logsumexp(logits.float(), dim=-1).cpu().numpy()
                 lse[o : o + n] = values
             feats.flush()
