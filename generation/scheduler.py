@@ -181,17 +181,17 @@ def _is_scalar(value: object) -> bool:
     return shape is not None and tuple(shape) == ()
 
 
-def _survival_rows(rows: list[list[float]]) -> list[list[float]]:
-    """a_{r,j} = Π_{i≤j} c_{r,i} on validated python rows (float64 arithmetic)."""
-    out = []
-    for row in rows:
-        prod = 1.0
-        acc = []
-        for c in row:
-            prod *= c
-            acc.append(prod)
-        out.append(acc)
+def survival_row(confidences: Sequence[float]) -> list[float]:
+    """Survival a_j = Π_{i≤j} c_i of one request's prefix up to j (docs/method.md §3): γ floats, non-increasing."""
+    out, prod = [], 1.0
+    for c in confidences:
+        prod *= c
+        out.append(prod)
     return out
+
+
+def _survival_rows(rows: list[list[float]]) -> list[list[float]]:
+    return [survival_row(row) for row in rows]
 
 
 def _ranked_entries(a: list[list[float]]) -> list[tuple[int, int, float]]:
