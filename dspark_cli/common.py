@@ -38,9 +38,19 @@ def add_device_option(p) -> None:
                    help="where the models run (default: cuda if available, else cpu)")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def add_threads_option(p) -> None:
-    """``--threads N`` (apply with :func:`set_threads`)."""
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    """``--threads N``, N >= 1 (apply with :func:`set_threads`)."""
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="torch CPU threads (default: torch's setting, one per core)")
 
 

@@ -1,4 +1,4 @@
-"""DSpark draft models for Hugging Face transformers (SPEC §2–§5).
+"""DSpark draft models for Hugging Face transformers (docs/method.md §2–§5).
 
 Importing this package registers `DSparkConfig` / `DSparkDraftModel` with `AutoConfig` / `AutoModel`, so
 `AutoModel.from_pretrained(drafter_dir)` works without `trust_remote_code`.

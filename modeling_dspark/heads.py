@@ -77,7 +77,7 @@ class RNNHead(nn.Module):
 class ConfidenceHead(nn.Module):
     """c_k = σ(wᵀ [h_k; W_1[x_{k−1}]]) (eq. 7): probability that x_k survives verification given x_<k survived.
 
-    Returns the *logit* wᵀ[·]; the caller divides by the STS temperature T_k (SPEC §3) and adds the offset b_k
+    Returns the *logit* wᵀ[·]; the caller divides by the STS temperature T_k (docs/method.md §3) and adds the offset b_k
     (``sts_biases``, 0 unless calibrated with ``--bias``) before the sigmoid.
     """
 

@@ -113,7 +113,7 @@ def decoder_of(target):
 def hidden_state_indices(target_layer_ids) -> list[int]:
     """Indices into ``outputs.hidden_states`` for the raw outputs of decoder layers ``target_layer_ids``.
 
-    transformers puts the embeddings at index 0, so layer ``l`` is index ``l + 1`` (SPEC §2, eq. 2).
+    transformers puts the embeddings at index 0, so layer ``l`` is index ``l + 1`` (docs/method.md §2, eq. 2).
     """
     return [int(i) + 1 for i in target_layer_ids]
 

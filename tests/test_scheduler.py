@@ -1,4 +1,4 @@
-"""Tests for the hardware-aware prefix scheduler (DSpark Algorithm 1, SPEC §4, §5.2).
+"""Tests for the hardware-aware prefix scheduler (DSpark Algorithm 1, docs/method.md §4).
 
 Fast, CPU only, no models.
 """
@@ -28,7 +28,7 @@ from generation.scheduler import (
 def full_scan_schedule(confidences, sps) -> list[int]:
     """TEST FIXTURE ONLY — not lossless. Scans the whole greedy Θ(B) curve of
     the CURRENT confidences without early stop and returns the best lengths.
-    This is the anticipating scheduler of the SPEC §4 counterexample."""
+    This is the anticipating scheduler of the counterexample of docs/method.md §4."""
     a = survival(confidences).tolist()
     num_requests = len(a)
     pool = sorted(
@@ -98,7 +98,7 @@ def random_instance(gen: torch.Generator, monotone_sps: bool):
 
 
 # --------------------------------------------------------------------------
-# worked examples (SPEC §4)
+# worked examples (docs/method.md §4)
 # --------------------------------------------------------------------------
 TWO_REQ_C = [[0.9, 0.5], [0.6, 0.6]]
 TWO_REQ_SPS = {2: 1.0, 3: 0.8, 4: 0.55, 5: 0.5, 6: 0.3}
@@ -128,7 +128,7 @@ def test_two_request_example():
 def test_three_request_example():
     result = prefix_schedule_detailed(torch.tensor(THREE_REQ_C, dtype=torch.float64), THREE_REQ_SPS)
     assert result.lengths == [1, 0, 0]
-    assert result.theta == pytest.approx(3.3575, abs=1e-12)  # = 3.95 · 0.85; SPEC rounds to 3.358
+    assert result.theta == pytest.approx(3.3575, abs=1e-12)  # = 3.95 · 0.85 (docs/method.md §4)
     assert result.theta == pytest.approx(3.358, abs=1e-3)
     assert result.batch_tokens == 4
 
@@ -233,7 +233,7 @@ def test_lagged_schedule_detailed():
 
 
 # --------------------------------------------------------------------------
-# non-anticipation counterexample (SPEC §4, paper appendix A), statistically
+# non-anticipation counterexample (docs/method.md §4, paper appendix A), statistically
 # --------------------------------------------------------------------------
 TOKEN_A, TOKEN_B = 0, 1
 P_TARGET = torch.tensor([0.7, 0.3], dtype=torch.float64)
