@@ -131,8 +131,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--plot", default=None, metavar="FILE.png",
                    help="Pareto plot file (default: the JSON's path with .png)")
     add_progress_option(s)
-    s.add_argument("--no-drafting-veto", action="store_true",
-                   help="engines without the drafting veto (generation/round_rates.py), for an ablation")
+    s.add_argument("--no-draft-gate", action="store_true",
+                   help="scheduler / lagged engines without the cost model's draft gate, for an ablation (default: "
+                        "gate on)")
+    s.add_argument("--draft-cost", default="auto", metavar="auto|none|MS",
+                   help="the drafting time scheduler / lagged price: measured (auto), not priced (none, as the "
+                        "paper's Algorithm 1) or a fixed number of milliseconds (default: auto)")
     s.add_argument("--profile", default=None, metavar="FILE.json",
                    help="SPS(B) profile file (default: the profile cache, see `dspark profile`)")
     s.set_defaults(func=run)
@@ -182,12 +186,29 @@ def _prompts(args, tok) -> list[dict]:
     return pool
 
 
-def _engine(target, drafter, policy, block_size, sps, drafting_veto: bool = True):
+def _draft_cost_ms(text: str):
+    """``--draft-cost``: ``"auto"``, None for ``"none"``, or milliseconds (>= 0).
+
+    Raises:
+        CLIError: anything else.
+    """
+    if text in ("auto", "none"):
+        return None if text == "none" else "auto"
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:
+        raise CLIError(f"--draft-cost must be auto, none or a number of milliseconds >= 0, got {text!r}")
+    return ms
+
+
+def _engine(target, drafter, policy, block_size, sps, draft_gate: bool = True, draft_cost_ms="auto"):
     """One serving engine per policy, kept for the whole benchmark (steady state, see the module doc)."""
     from generation.engine import DSparkEngine
 
     return DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps,
-                        drafting_veto=drafting_veto)
+                        draft_gate=draft_gate, draft_cost_ms=draft_cost_ms)
 
 
 def _committed(engine) -> int:
@@ -233,9 +254,6 @@ def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
         "skipped_draft_rounds": summ["skipped_draft_rounds"],
         "gated_request_rounds": summ["gated_request_rounds"],
         "probe_rounds": summ["probe_rounds"],
-        "veto_skip_rounds": summ["veto_skip_rounds"],
-        "veto_pair_rounds": summ["veto_pair_rounds"],
-        "veto_probe_rounds": summ["veto_probe_rounds"],
     }, [o.output_ids for o in outs]
 
 
@@ -396,20 +414,19 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from generation.engine import parse_engine_policy
+    from generation.policies import parse_policy
 
     if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
             or args.repeats < 1 or args.waves < 1):
         raise CLIError("--requests, --limit, --min-requests, --waves, --max-new-tokens and --repeats must be >= 1")
     if args.warmup_repeats < 0:
         raise CLIError("--warmup-repeats must be >= 0")
-    if args.threads is not None and args.threads < 1:
-        raise CLIError("--threads must be >= 1")
     for pol in args.policies:
         try:
-            parse_engine_policy(pol)
+            parse_policy(pol)
         except ValueError as err:
             raise CLIError(str(err)) from None
+    draft_cost = _draft_cost_ms(args.draft_cost)
 
     import torch
 
@@ -428,7 +445,7 @@ def _run(args) -> int:
     levels = sorted(set(args.requests))
     mean_prompt = statistics.fmean(len(p["ids"]) for p in prompts)
     context = 2 ** max(4, round(math.log2(mean_prompt + args.max_new_tokens / 2)))  # power-of-2 bucket
-    needs_sps = any(parse_engine_policy(p).kind in ("scheduler", "lagged") for p in args.policies)
+    needs_sps = any(parse_policy(p).needs_sps for p in args.policies)
     sps = None
     if needs_sps:
         tokens = tuple(sorted(set(profiling.BATCHED_TOKENS) | {gamma + 1}))
@@ -439,7 +456,8 @@ def _run(args) -> int:
             progress=lambda s: log("  " + s, file=sys.stderr),
         )
 
-    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_drafting_veto) for pol in args.policies}
+    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_draft_gate, draft_cost)
+               for pol in args.policies}
     # interleaved: repetition by repetition; within one, each R's policies back to back in a rotated order; the
     # first --warmup-repeats repetitions are not timed (new shapes' first forwards, the gate's learned state)
     reps: dict[tuple[int, str], list[dict]] = {}
@@ -480,7 +498,7 @@ def _run(args) -> int:
             "engines": "one per policy for the whole run (steady state)",
             "order": "interleaved: repeat > R > policies (rotated per repeat)",
             "requests": levels, "policies": args.policies, "sps_context": context,
-            "drafting_veto": not args.no_drafting_veto,
+            "draft_gate": not args.no_draft_gate, "draft_cost": args.draft_cost,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "processor": profiling.device_model(target.device),
         },

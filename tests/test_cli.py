@@ -252,3 +252,15 @@ def test_generate_with_the_scheduler_policy(tmp_path, monkeypatch, capsys):
     (rec,) = _json_lines(cap.out)
     assert rec["num_new_tokens"] >= 1 and rec["dtype"] == "float32"
     assert any((tmp_path / "profiles").iterdir())  # the table was measured and cached
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_bench_serve_rejects_a_bad_draft_cost_before_loading(value, capsys):
+    assert main(["bench", "serve", "--draft-cost", value]) == 2
+    assert "--draft-cost" in capsys.readouterr().err
+
+
+def test_threads_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hi", "--threads", "0"])
+    assert exc.value.code == 2 and "--threads" in capsys.readouterr().err
