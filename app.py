@@ -621,7 +621,9 @@ def build_ui(bank: ModelBank):
                         list(POLICY_CHOICES), value="scheduler" if sched_ok else "full", allow_custom_value=True,
                         elem_id="dspark-policy", label="verify policy (none, full, fixed:N, threshold:P, scheduler)",
                         info=("scheduler: ℓ each round from c_k and the measured SPS(B)" if sched_ok
-                              else f"scheduler: {sched_reason}; it is measured on first use"))
+                              else "scheduler: SPS(B) is measured on its first request (about a minute; "
+                                   "`dspark profile` does it ahead)" if sched_reason.startswith("no SPS(B)")
+                              else f"scheduler: {sched_reason}"))
                     fast, why = auto_dtype()
                     dtype = gr.Radio(list(DTYPES), value=bank.default_dtype, label="dtype", elem_id="dspark-dtype",
                                      info=f"picked for this machine: {fast} ({why}). float32 is token-exact; "

@@ -76,7 +76,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (default: all)")
     p.add_argument("--block-size", type=int, default=None,
                    help="draft slots per round, 1..the drafter's block size (default: the drafter's)")
-    p.add_argument("--policy", default="full", help="verify policy: full, fixed:N or threshold:P (default: full)")
+    p.add_argument("--policy", default="full", metavar="POLICY",
+                   help="verify policy: none, full, fixed:N, threshold:P, scheduler or lagged[:LAG]; scheduler "
+                        "profiles SPS(B) on first use (default: full)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per prompt (default: 128)")
     p.add_argument("--modes", default="greedy,sample", help="comma-separated: greedy, sample (default: both)")
     add_dtype_option(p, "bfloat16")
@@ -124,15 +126,12 @@ def _check_args(args) -> tuple[list[str], list[str]]:
         raise CLIError(f"--limit must be >= 1, got {args.limit}")
     if args.block_size is not None and args.block_size < 1:
         raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
-    from generation.policies import make_policy
+    from generation.policies import parse_policy
 
-    if args.policy.startswith("scheduler"):
-        raise CLIError("--policy scheduler is not supported by eval (it needs an SPS table); "
-                       "use full, fixed:N or threshold:P")
     try:
-        make_policy(args.policy, None)
-    except (ValueError, TypeError) as err:
-        raise CLIError(f"bad --policy {args.policy!r}: {err}") from None
+        args.policy = parse_policy(args.policy).name
+    except ValueError as err:
+        raise CLIError(f"--policy: {err}") from None
     return sets, modes
 
 
