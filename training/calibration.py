@@ -3,14 +3,14 @@
 The confidence head (docs/method.md eq. 7) gives c_k = σ(logit_k), the probability that
 draft token x_k survives verification given that x_<k survived. The
 scheduler (docs/method.md §4, Algorithm 1) needs the *absolute* prefix-survival
-probabilities a_k = Π_{i≤k} c_i, so they must be calibrated. STS fits one
+probabilities a_k = Π_{i≤k} c_i (docs/method.md eq. 9), so they must be calibrated. STS fits one
 temperature per position, left to right, on held-out data:
 
     c_k(T_k) = σ(logit_k / T_k),   a_k = Π_{i≤k} c_i(T_i),
     T_k = argmin_{T ∈ grid} ECE(a_k, accepted[:, k])   with T_1..T_{k−1} fixed.
 
 Extension (not in the paper): :func:`fit_sts_bias` fits a temperature *and* a logit offset per position,
-c_k = σ(logit_k / T_k + b_k). A temperature alone cannot remove a constant over- or under-confidence: on the
+c_k = σ(logit_k / T_k + b_k) (docs/method.md eq. 10). A temperature alone cannot remove a constant over- or under-confidence: on the
 shipped SmolLM2 drafter, position 1 predicts ~4 points more survival than observed across the middle of its
 range, and the best T leaves an ECE near 4 %. Two parameters are fitted by maximum likelihood (Platt scaling of
 each conditional c_k on the blocks whose first k−1 tokens survived), not by minimising the binned ECE: a search
