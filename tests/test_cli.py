@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dspark_cli.main import main
 
@@ -58,6 +59,10 @@ def test_no_draft_and_text_output(capsys):
     lines = cap.out.strip().splitlines()
     assert lines[-1].startswith("[dspark]") and "tok/s" in lines[-1]
     assert "random" not in cap.err
+    from modeling_dspark.target import fast_dtype
+
+    picked = "bfloat16" if fast_dtype("cpu") == torch.bfloat16 else "float32"
+    assert f"dspark generate: dtype {picked}" in cap.err  # --dtype auto says what it picked
 
 
 def test_sampling_seeded_reproducible(capsys):
