@@ -5,7 +5,7 @@ transformers 5.24 picks a candidate generator in a fixed chain inside `Generatio
 returns a :class:`DSparkCandidateGenerator`, otherwise it defers to transformers unchanged (other assistants,
 prompt lookup, …). `DSparkDraftModel.from_pretrained(path, target=model)` calls it for you.
 
-Per-call options (verify policy, block size) are context-local, so concurrent users never share them::
+Per-call options (verify policy, block size, SPS(B) table, draft gate) are context-local, so concurrent users never share them::
 
     with dspark_options(policy="fixed:3", block_size=4):
         target.generate(ids, assistant_model=drafter)
@@ -20,23 +20,27 @@ import types
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 
 from .candidate_generator import DSparkCandidateGenerator, validate_request
-from .policies import make_policy
+from .policies import Policy, parse_policy
 
 _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options", default={})
 
 
 @contextlib.contextmanager
-def dspark_options(policy=None, block_size: int | None = None, sps=None, draft_gate: bool = True):
-    """Set the verify policy (``"full"``, ``"fixed:N"``, ``"threshold:P"``, ``"scheduler"`` or a
-    :class:`~generation.policies.VerifyPolicy`), the block size γ', the SPS(B) table and, for the scheduler,
-    whether the draft gate may skip drafting (:class:`~generation.draft_gate.DraftGate`) for `generate()` calls
-    made inside the block (this thread / task only).
+def dspark_options(policy: str | Policy | None = None, block_size: int | None = None, sps=None,
+                   draft_gate: bool = True):
+    """Set, for `generate()` calls made inside the block (this thread / task only): the verify policy (a spec of
+    :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler when
+    the drafter has a confidence head and an SPS(B) table is given or cached, else ``full``), the block size γ', the
+    SPS(B) table (``scheduler`` / ``lagged`` profile one on first use when none is given or cached) and whether the
+    cost model's draft gate may skip drafting (:class:`~generation.cost_model.CostModel`).
 
     Raises:
-        ValueError: ``draft_gate`` not a bool.
+        ValueError: a bad policy spec, ``draft_gate`` not a bool.
     """
     if not isinstance(draft_gate, bool):
         raise ValueError(f"draft_gate must be True or False; got {draft_gate!r}")
+    if policy is not None:
+        parse_policy(policy)
     token = _options.set({"policy": policy, "block_size": block_size, "sps": sps, "draft_gate": draft_gate})
     try:
         yield
@@ -44,17 +48,36 @@ def dspark_options(policy=None, block_size: int | None = None, sps=None, draft_g
         _options.reset(token)
 
 
-def default_policy(drafter: DSparkDraftModel, sps=None, *, target=None, context_len=None, block_size=None):
-    """The policy used when none is given: the DSpark scheduler when the drafter has a confidence head and an
-    SPS(B) table is given or cached for ``target`` (its name, dtype and torch's thread count; see
-    :func:`generation.profiling.sps_for_generate`), else the full block."""
-    if sps is None and target is not None:
-        from .profiling import sps_for_generate
+def build_candidate_generator(target, generation_config, input_ids, logits_processor, model_kwargs, drafter,
+                              tokenizer=None) -> DSparkCandidateGenerator:
+    """The candidate generator of one `target.generate(..., assistant_model=drafter)` call, with the options of
+    :func:`dspark_options`. Bad input fails here, before any profiling or model compute.
 
-        sps = sps_for_generate(target, drafter, context_len, block_size=block_size)
-    if sps is not None and drafter.confidence_head is not None:
-        return make_policy("scheduler", sps)
-    return make_policy("full")
+    The policy: the one asked for; else the scheduler when the drafter has a confidence head and an SPS(B) table
+    is given or cached for ``target`` (its name, dtype and torch's thread count), else ``full``. ``scheduler`` and
+    ``lagged`` asked for without a table profile one on first use and cache it
+    (:func:`generation.profiling.sps_for_generate`).
+    """
+    from .cost_model import cost_model_for
+    from .profiling import sps_for_generate
+
+    opts = _options.get()
+    sps, block_size = opts.get("sps"), opts.get("block_size")
+    policy = parse_policy(opts["policy"]) if opts.get("policy") is not None else None
+    gamma = validate_request(drafter, target, generation_config, input_ids, block_size, policy)
+    context_len = input_ids.shape[1]
+    if sps is None and (policy is None or policy.needs_sps):
+        sps = sps_for_generate(target, drafter, context_len, block_size=block_size,
+                               profile_if_missing=policy is not None)
+    if policy is None:
+        policy = parse_policy("scheduler" if sps is not None and drafter.confidence_head is not None else "full")
+    if policy.needs_sps and sps is None:
+        raise ValueError(f"verify policy {policy.name!r} needs an SPS(B) table and none could be profiled "
+                         "(the drafter has no confidence head, or $DSPARK_SCHEDULER is off)")
+    cost = cost_model_for(drafter, target, gamma, sps, opts.get("draft_gate", True)) if policy.needs_sps else None
+    return DSparkCandidateGenerator(drafter, target, generation_config, logits_processor=logits_processor,
+                                    input_ids=input_ids, policy=policy, block_size=block_size, cost_model=cost,
+                                    tokenizer=tokenizer)
 
 
 def enable_dspark(target):
@@ -70,33 +93,8 @@ def enable_dspark(target):
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
         if isinstance(assistant_model, DSparkDraftModel):
-            opts = _options.get()
-            sps, policy, block_size = opts.get("sps"), opts.get("policy"), opts.get("block_size")
-            # bad input fails here, before any profiling or model compute
-            validate_request(assistant_model, self, generation_config, input_ids, model_kwargs, block_size,
-                             make_policy(policy, {}) if isinstance(policy, str) else policy)
-            context_len = input_ids.shape[1]
-            if policy == "scheduler" and sps is None:  # asked for the scheduler: profile on first use, cache it
-                from .profiling import sps_for_generate
-
-                sps = sps_for_generate(self, assistant_model, context_len, block_size=block_size,
-                                       profile_if_missing=True)
-            if policy is not None:
-                policy = make_policy(policy, sps)
-            else:
-                policy = default_policy(assistant_model, sps, target=self, context_len=context_len,
-                                        block_size=block_size)
-            return DSparkCandidateGenerator(
-                assistant_model,
-                self,
-                generation_config,
-                logits_processor=logits_processor,
-                input_ids=input_ids,
-                model_kwargs=model_kwargs,
-                policy=policy,
-                block_size=opts.get("block_size"),
-                draft_gate=opts.get("draft_gate", True),
-            )
+            return build_candidate_generator(self, generation_config, input_ids, logits_processor, model_kwargs,
+                                             assistant_model, target_tokenizer)
         return original(
             generation_config=generation_config,
             input_ids=input_ids,

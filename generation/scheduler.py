@@ -1,50 +1,26 @@
-"""Hardware-aware prefix scheduler (DSpark Algorithm 1, SPEC §4, paper §5.2).
+"""Hardware-aware prefix scheduler: DSpark Algorithm 1 and the lagged budget (docs/method.md §4), pure functions.
 
-Given R active requests, each with γ calibrated confidences c_{r,k} (the
-probability that draft token x_{r,k} survives verification given that
-x_{r,<k} survived), and a profiled step-rate curve SPS(B) (target forward
-steps per second when the verify batch holds B tokens), choose how many
-draft tokens ℓ_r ∈ {0..γ} of each request to send to the target.
+Given R active requests, each with γ calibrated confidences c_{r,k} (the probability that draft token x_{r,k}
+survives verification given that x_{r,<k} survived), and a profiled step-rate curve SPS(B) (target forward steps per
+second when the verify batch holds B tokens), choose how many draft tokens ℓ_r ∈ {0..γ} of each request to verify.
+Every request occupies one anchor slot, so a verify batch holds B = R + Σ_r ℓ_r tokens and is expected to commit
+τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j} tokens, a_{r,j} = Π_{i≤j} c_{r,i} (the survival of the prefix up to j). The
+objective is the system throughput Θ = τ* · SPS(B) (expected committed tokens per second).
 
-Every request always occupies one anchor slot, so a verify batch holds
-B = R + Σ_r ℓ_r tokens and is expected to commit
-τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j} tokens, where a_{r,j} = Π_{i≤j} c_{r,i}
-(the survival of the prefix up to j). The objective is the system
-throughput Θ = τ* · SPS(B) (expected committed tokens per second).
+* :func:`prefix_schedule` — Algorithm 1 exactly: greedy over the pooled (r, j) ranking with an early STOP at the
+  first non-improving Θ. The STOP is a correctness requirement (non-anticipation): whether x_{r,k} is verified
+  never depends on c_{r,k+1} or later, which may depend on the sampled value of x_{r,k}.
+* :func:`budget_from_confidences` + :func:`fill_budget` — the production variant: the verify budget K comes from a
+  full search of the Θ(B) curve over the confidences of ``lag`` rounds earlier, and the K slots are filled by the
+  current round's ranking (the state is :class:`generation.policies.LaggedBudget`).
+* :func:`effective_sps` — SPS_eff(B) = 1 / (1/SPS(B) + t_draft): Algorithm 1 fed SPS_eff prices the whole round,
+  drafting included (the draft-time term of :class:`generation.cost_model.CostModel`).
+* :func:`yield_gate` — the cost model's draft gate: whether drafting is expected to pay, from realized yields.
 
-Two schedulers live here:
-
-* :func:`prefix_schedule` — Algorithm 1 exactly: greedy over the pooled
-  (r, j) ranking with an early STOP at the first non-improving Θ. The STOP
-  is a correctness requirement (non-anticipation, SPEC §4): whether x_{r,k}
-  is verified never depends on c_{r,k+1} or later, which may depend on the
-  sampled value of x_{r,k}.
-* :class:`LaggedBudgetScheduler` — the production variant (paper §5.2):
-  the verify budget K (extra tokens beyond the R anchor slots) comes from a
-  full search of the Θ(B) curve over confidences of ``lag`` (default 2)
-  rounds earlier, and the K slots are filled by the current round's a_{r,j}
-  ranking. K never depends on the current draft tokens, so the scheme stays
-  lossless without the early STOP and the batch shape is known ahead (as
-  CUDA-graph replay needs).
-
-Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j
-first, then smaller r. Since a_{r,j} is non-increasing in j, every prefix
-of this order is prefix-closed per request (a valid ℓ vector) and, for its
-size, value-maximal.
-
-Note: the pool holds every (r, j), including a_{r,j} = 0, as SPEC §4
-states (the Chinese review filters a_{r,j} > 0). With a non-increasing
-SPS(B) a zero-value entry can never raise Θ, so this only matters for
-curves that rise with B.
-
-Draft cost (serving engine, not in the paper's Algorithm 1): on hardware where drafting a round takes a
-noticeable t_draft next to the verify forward, a round that drafted lasts 1/SPS(B) + t_draft.
-:func:`effective_sps` turns SPS(B) into SPS_eff(B) = 1 / (1/SPS(B) + t_draft); Algorithm 1 fed SPS_eff (instead of
-SPS) prices the whole round. Whether to draft at all is a separate decision, made BEFORE drafting from past
-information only: :func:`draft_gate` prices estimated survivals (full scan, the draft cost depending on how many
-requests draft) against R·SPS(R) without drafting; :func:`yield_gate`, which the serving engine uses, prices each
-request's REALIZED yield of its past drafted rounds (accepted and verified draft tokens under the policy's own ℓ),
-which includes the value of choosing ℓ after seeing the confidences.
+Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j first, then smaller r. Since a_{r,j} is
+non-increasing in j, every prefix of this order is prefix-closed per request (a valid ℓ vector) and, for its size,
+value-maximal. The pool holds every (r, j), including a_{r,j} = 0; with a non-increasing SPS(B) a zero-value entry
+can never raise Θ.
 
 Pure python/torch; no model imports.
 """
@@ -64,15 +40,14 @@ __all__ = [
     "SPSLike",
     "ConfidencesLike",
     "survival",
+    "survival_row",
     "prefix_schedule",
     "prefix_schedule_detailed",
     "budget_from_confidences",
     "fill_budget",
-    "LaggedBudgetScheduler",
     "DraftCostLike",
     "effective_sps",
     "DraftGateResult",
-    "draft_gate",
     "yield_gate",
 ]
 
@@ -270,7 +245,7 @@ def survival(confidences: ConfidencesLike) -> torch.Tensor:
 
 
 def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> ScheduleResult:
-    """DSpark Algorithm 1 (SPEC §4) with early STOP; returns ℓ* and Θ_best.
+    """DSpark Algorithm 1 (docs/method.md §4) with early STOP; returns ℓ* and Θ_best.
 
     1. a_{r,j} = Π_{i≤j} c_{r,i}.
     2. Pool E = {(r, j)} sorted by a_{r,j} descending (ties: smaller j, then
@@ -321,7 +296,7 @@ def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> Sche
 
 
 def prefix_schedule(confidences: ConfidencesLike, sps: SPSLike) -> list[int]:
-    """DSpark Algorithm 1 (SPEC §4): verify lengths ℓ* (R ints in 0..γ).
+    """DSpark Algorithm 1 (docs/method.md §4): verify lengths ℓ* (R ints in 0..γ).
 
     See :func:`prefix_schedule_detailed` for arguments, semantics and errors.
     """
@@ -338,7 +313,7 @@ def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
     Only safe (lossless) when ``confidences`` are from an EARLIER round than
     the draft tokens the budget will be spent on (see
     :class:`LaggedBudgetScheduler`); applied to the current round it
-    anticipates and biases the output distribution (SPEC §4 counterexample).
+    anticipates and biases the output distribution (docs/method.md §4 counterexample).
 
     Args:
         confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1].
@@ -400,91 +375,6 @@ def fill_budget(confidences: ConfidencesLike, budget: int) -> list[int]:
     return lengths
 
 
-class LaggedBudgetScheduler:
-    """Production scheduler (DSpark §5.2): lagged verify budget, current ranking.
-
-    Each :meth:`schedule` call is one decoding round. The verify budget K
-    spent this round was computed (by :func:`budget_from_confidences`, full
-    Θ(B) search, no early stop) from the confidences passed ``lag`` calls
-    ago; the K slots are then filled by this round's a_{r,j} ranking
-    (:func:`fill_budget`). K never depends on this round's draft tokens, so
-    verification stays lossless, and the next ``lag`` batch sizes are known
-    in advance (CUDA-graph replay).
-
-    Fallback: during the first ``lag`` calls (no history yet) the budget is
-    ``default_budget``, a fixed number that never looks at current
-    confidences; when None it is R (one draft token per request on
-    average, the MTP-1-like shape).
-
-    Args:
-        sps: SPS(B) in steps/s (Mapping or callable); every B in
-            R..R·(1+γ) of each round is looked up.
-        lag: rounds between the confidences a budget is computed from and
-            the round that spends it; must be ≥ 1 (paper: 2).
-        default_budget: K for the first ``lag`` rounds (int ≥ 0) or None.
-
-    Raises:
-        ValueError: lag < 1 or a negative default_budget.
-    """
-
-    def __init__(self, sps: SPSLike, lag: int = 2, default_budget: int | None = None):
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
-            raise ValueError(f"lag must be an int >= 1 (a budget may not use the current round); got {lag!r}")
-        if default_budget is not None and (
-            isinstance(default_budget, bool) or not isinstance(default_budget, int) or default_budget < 0
-        ):
-            raise ValueError(f"default_budget must be None or an int >= 0; got {default_budget!r}")
-        self._sps = _SPSLookup(sps) if not isinstance(sps, _SPSLookup) else sps
-        self.lag = lag
-        self.default_budget = default_budget
-        self._pending: deque[int] = deque()
-        self.last_budget: int | None = None
-
-    @property
-    def pending_budgets(self) -> list[int]:
-        """Budgets already fixed for the next rounds, oldest (next) first."""
-        return list(self._pending)
-
-    def reset(self) -> None:
-        """Forget the history (e.g. at the start of a new generate() call)."""
-        self._pending.clear()
-        self.last_budget = None
-
-    def schedule(self, confidences: ConfidencesLike) -> list[int]:
-        """Verify lengths ℓ (R ints in 0..γ) for this round.
-
-        Args:
-            confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1] of this round.
-
-        Raises:
-            ValueError / TypeError: as :func:`budget_from_confidences`.
-        """
-        rows = _confidence_rows(confidences)
-        # Budget for `lag` rounds ahead, from this round's confidences; computed
-        # first so a bad SPS table fails before any state changes.
-        future_budget = budget_from_confidences(rows, self._sps)
-        if len(self._pending) >= self.lag:
-            budget = self._pending.popleft()
-        else:
-            budget = len(rows) if self.default_budget is None else self.default_budget
-        self._pending.append(future_budget)
-        self.last_budget = budget
-        return fill_budget(rows, budget)
-
-    def schedule_detailed(self, confidences: ConfidencesLike) -> ScheduleResult:
-        """Like :meth:`schedule`, plus Θ, B and τ* of the chosen lengths.
-
-        Raises:
-            ValueError: additionally if SPS lacks the chosen B.
-        """
-        rows = _confidence_rows(confidences)
-        lengths = self.schedule(rows)
-        a = _survival_rows(rows)
-        expected_tokens = len(rows) + sum(sum(row[:ell]) for row, ell in zip(a, lengths))
-        batch_tokens = len(rows) + sum(lengths)
-        return ScheduleResult(lengths, expected_tokens * self._sps(batch_tokens), batch_tokens, expected_tokens)
-
-
 # --------------------------------------------------------------------------
 # draft cost and draft gating (serving engine)
 # --------------------------------------------------------------------------
@@ -538,63 +428,6 @@ class DraftGateResult:
     theta_draft: float
     theta_none: float
     budget: int
-
-
-def draft_gate(
-    confidences: ConfidencesLike,
-    sps: SPSLike,
-    draft_cost: DraftCostLike,
-    max_lengths: Sequence[int] | None = None,
-) -> DraftGateResult:
-    """Decide, before drafting, which requests are worth drafting this round (serving engine; not Algorithm 1).
-
-    Pool the ESTIMATED survivals a_{r,j} (j ≤ max_lengths[r]) in the usual order, scan every prefix of k entries
-    (no early stop): B = R + k, τ = R + Σ top-k a, n(k) = requests with an entry in the top k, and
-    Θ_k = τ / (1/SPS(B) + t_draft(n(k))); Θ_0 = R·SPS(R) (no drafting, no draft cost). The requests in the best
-    prefix are drafted; if no prefix beats Θ_0 (strictly), none is.
-
-    Lossless only when ``confidences`` are an estimate from EARLIER rounds (the engine passes per-request moving
-    averages of past calibrated confidences): whether a request drafts never depends on this round's draft.
-
-    Args:
-        confidences: [R, γ] estimated c_{r,k} ∈ [0, 1].
-        sps: SPS(B) in steps/s (Mapping or callable).
-        draft_cost: seconds per drafting round, a constant or a callable n_rows -> seconds.
-        max_lengths: per request, the most draft tokens it may verify this round (default γ each); 0 = cannot draft.
-
-    Raises:
-        ValueError / TypeError: bad confidences or SPS (as :func:`prefix_schedule_detailed`), a bad draft cost,
-            max_lengths of the wrong length or negative.
-    """
-    a = _survival_rows(_confidence_rows(confidences))
-    lookup = _as_lookup(sps)
-    num_requests = len(a)
-    if max_lengths is None:
-        max_lengths = [len(row) for row in a]
-    max_lengths = list(max_lengths)
-    if len(max_lengths) != num_requests or any(
-        isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in max_lengths
-    ):
-        raise ValueError(f"max_lengths must be {num_requests} ints >= 0; got {max_lengths!r}")
-    a = [[v if j < m else 0.0 for j, v in enumerate(row)] for row, m in zip(a, max_lengths)]
-    theta_none = num_requests * lookup(num_requests)
-    entries = [e for e in _ranked_entries(a) if e[1] <= max_lengths[e[0]]]
-    best_theta, best_k = theta_none, 0
-    expected_tokens = float(num_requests)
-    rows: set[int] = set()
-    for k, (r, _, a_rj) in enumerate(entries, start=1):
-        rows.add(r)
-        expected_tokens += a_rj
-        try:
-            verify_sps = lookup(num_requests + k)
-        except MissingSPSEntry:  # a table that stops before R + k: larger verify batches are not considered
-            break
-        round_s = 1.0 / verify_sps + _draft_seconds(draft_cost, len(rows))
-        theta = expected_tokens / round_s
-        if theta > best_theta:
-            best_theta, best_k = theta, k
-    chosen = {r for r, _, _ in entries[:best_k]}
-    return DraftGateResult([r in chosen for r in range(num_requests)], best_theta, theta_none, best_k)
 
 
 def yield_gate(

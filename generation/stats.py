@@ -6,7 +6,8 @@ import contextlib
 import contextvars
 from dataclasses import asdict, dataclass, field
 
-from .draft_gate import SKIP_REASONS
+SKIP_REASONS = frozenset({"gated"})
+"""The :attr:`RoundStats.gate` reasons of a round that did not draft (the cost model's draft gate skipped it)."""
 
 
 @dataclass
@@ -22,9 +23,9 @@ class RoundStats:
         draft_tokens: the drafted token ids.
         t_draft_ms: drafter time (context ingestion + block forward + sequential sampling), ms.
         t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms.
-        gate: the draft gate's reason for this round with the DSpark scheduler (:class:`generation.draft_gate.
-            DraftGate`): ``"warmup"``, ``"model"`` or ``"probe"`` (drafted), ``"gated"``, ``"veto"`` or ``"pair"``
-            (skipped: no drafter forward, ℓ = 0); ``""`` without a gate.
+        gate: the draft gate's reason for this round with ``scheduler`` / ``lagged``
+            (:meth:`generation.cost_model.CostModel.plan`): ``"warmup"``, ``"model"`` or ``"probe"`` (drafted),
+            ``"gated"`` (skipped: no drafter forward, ℓ = 0); ``""`` without a gate.
         ingested: target positions the drafter ingested into its context this round (0 when skipped).
     """
 
