@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -128,7 +129,7 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     import torch
 
     from dspark_cli.generate_cmd import load_models, timed_generate
-    from generation import dspark_options
+    from generation import collect_stats, dspark_options
     from modeling_dspark.target import apply_chat_template
 
     target, tok, drafter = load_models(args.target, args.drafter, dtype_name)
@@ -138,17 +139,25 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     encoded = [torch.tensor([apply_chat_template(tok, p)]) for p in prompts]
     variants = {"on": [True], "off": [False], "both": [True, False]}[args.draft_gate]
 
-    def run(ids, gate):
+    def options(gate):
+        opts = {"policy": args.policy, "block_size": args.block_size, "draft_gate": gate}
+        if "lookup" in inspect.signature(dspark_options).parameters:  # the drafter alone, no second proposer
+            opts["lookup"] = False
+        return dspark_options(**opts)
+
+    def run(ids, gate, kw=gen):
+        """One greedy generate() call: (new token ids, seconds, GenerationStats or None)."""
         if gate is None:
-            return timed_generate(target, ids, None, gen, None)
-        with dspark_options(policy=args.policy, block_size=args.block_size, draft_gate=gate):
-            return timed_generate(target, ids, drafter, gen, None, args.block_size, args.policy)
+            return timed_generate(target, ids, None, kw, None)
+        with torch.inference_mode(), options(gate), collect_stats() as stats:
+            t0 = time.perf_counter()
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, **kw)
+            seconds = time.perf_counter() - t0
+        return out[0, ids.shape[1]:].tolist(), seconds, stats[-1]
 
     warm = dict(gen, max_new_tokens=min(16, args.max_new_tokens))  # one-time costs (allocator, kernels, profiling)
-    timed_generate(target, encoded[0], None, warm, None)
-    for gate in variants:
-        with dspark_options(policy=args.policy, block_size=args.block_size, draft_gate=gate):
-            timed_generate(target, encoded[0], drafter, warm, None, args.block_size, args.policy)
+    for key in [None] + variants:
+        run(encoded[0], key, warm)
 
     keys = [None] + variants
     runs = {k: [] for k in keys}  # per key: (pass, prompt index, ids, seconds, stats)

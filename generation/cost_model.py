@@ -1,6 +1,7 @@
 """The cost model a round is priced with, shared by `generate()` (R = 1) and the batched engine (R ≥ 1).
 
-Algorithm 1 (docs/method.md §4) prices the verify batch only: Θ = τ* · SPS(B). :class:`CostModel` holds what the
+Algorithm 1 (docs/method.md §4) prices the verify batch only: Θ = τ* · SPS(B). This object adds the
+"Drafting cost" of docs/method.md §4, Θ = τ* / (1/SPS(B) + T_draft(n)). :class:`CostModel` holds what the
 machine measured beside it:
 
 * **SPS(B)**: the profiled table (``dspark profile``; a fixed table, a callable, or an
@@ -13,8 +14,9 @@ machine measured beside it:
   all. The realized yield of past drafted rounds (decayed means of the draft tokens verified and accepted per
   drafting request, per R) goes into :func:`generation.scheduler.yield_gate`, which drafts the n requests (those
   skipped longest first) whose Θ_n = (R + n·accepted) / (1/SPS(R + n·verified) + t_draft(n)) beats the
-  no-drafting R·SPS(R). When nothing pays, a probe still drafts one request after 1, 2, 4, … up to
-  :attr:`CostModel.PROBE_MAX_INTERVAL` skipped rounds, so that the estimates follow the text. Where drafting does
+  no-drafting R·SPS(R); the yields of the nearest R measured stand in for an R not yet measured. When nothing pays,
+  a probe still drafts one request after 1, 2, 4, … up to :attr:`CostModel.PROBE_MAX_INTERVAL` skipped rounds (one
+  back-off for every R, reset when drafting pays), so that the estimates follow the text. Where drafting does
   not pay (a CPU where verifying a few tokens costs much more than one), the gate keeps speculative decoding from
   running slower than plain decoding (docs/benchmarks.md, "Engine cost-model ablation").
 
@@ -60,7 +62,7 @@ class CostModel:
     DRAFT_TIME_EMA = 0.3
     """Weight of the newest steady drafting round in the drafting-time average."""
     WARMUP_ROUNDS = 3
-    """Drafted request-rounds before the gate may skip drafting (the yield and the drafting time are unknown)."""
+    """Drafted request-rounds (any R) before the gate may skip drafting (the yield and the drafting time are unknown)."""
     PROBE_MAX_INTERVAL = 32
     """Longest run of skipped rounds before a probe drafts anyway."""
 
@@ -79,8 +81,8 @@ class CostModel:
         self._draft_ms: dict[int, float] = {}  # n drafting requests -> moving average of measured ms
         self._draft_seen: dict[int, int] = {}  # n -> steady rounds measured
         self._yield: dict[int, list[float]] = {}  # R -> decayed [accepted, verified, request-rounds]
-        self._drafted: dict[int, int] = {}  # R -> drafted request-rounds (not decayed: the warm-up count)
-        self._probe: dict[int, list[int]] = {}  # R -> [probe interval, rounds skipped since]
+        self._drafted = 0  # drafted request-rounds, any R (not decayed: the warm-up count)
+        self._probe = [1, 0]  # [probe interval, rounds skipped since the last drafting round]
         self._curves: dict = {}
 
     # ------------------------------------------------------------------ prices
@@ -130,14 +132,14 @@ class CostModel:
         if not self.draft_gate or not any(budgets):
             return budgets, ""
         near = self._nearest(num)
-        if near is None or self._drafted.get(near, 0) < self.WARMUP_ROUNDS or self.draft_seconds(1) == 0.0:
+        if near is None or self._drafted < self.WARMUP_ROUNDS or self.draft_seconds(1) == 0.0:
             return budgets, "warmup"
         acc, ver, n = self._yield[near]
         order = sorted(range(num), key=lambda i: (-skipped[i], i))  # the request skipped longest drafts first
         result = yield_gate([acc / n] * num, [ver / n] * num, self.curve(num, context_len), self.draft_seconds,
                             max_lengths=[budgets[i] for i in order])
         chosen = {order[j] for j, drafts in enumerate(result.draft) if drafts}
-        probe = self._probe.setdefault(num, [1, 0])
+        probe = self._probe
         if chosen:
             probe[:] = [1, 0]
             return [b if i in chosen else 0 for i, b in enumerate(budgets)], "model"
@@ -168,7 +170,7 @@ class CostModel:
         sums = self._yield.setdefault(num_requests, [0.0, 0.0, 0.0])
         for accepted, verified in yields:
             sums[:] = [d * sums[0] + accepted, d * sums[1] + verified, d * sums[2] + 1.0]
-        self._drafted[num_requests] = self._drafted.get(num_requests, 0) + rows
+        self._drafted += rows
         if self.draft_cost_ms == "auto" and max(ingested, default=0) <= num_slots + 1 and draft_seconds > 0:
             ms, prev = draft_seconds * 1e3, self._draft_ms.get(rows)
             seen = self._draft_seen[rows] = self._draft_seen.get(rows, 0) + 1

@@ -1,12 +1,12 @@
 """One drafting round for R ≥ 1 requests: the single implementation that `generate()` and the engine both call.
 
-A round, read top to bottom (docs/method.md §2, §4):
+A round, read top to bottom (docs/method.md §2 and §4):
 
 1. every drafting request ingests the target features of the positions committed since it last drafted into its
    own context K/V cache (:class:`DraftContext`; the drafter never re-reads the whole prefix);
 2. ONE drafter forward over [anchor, mask × (γ'−1)] for all drafting requests → h_k and the base logits U_k
-   (eqs. 2–4);
-3. slot by slot, batched over the requests still drafting: confidence c_k (eq. 7, STS-calibrated) → the verify
+   (docs/method.md eqs. 2–4);
+3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) → the verify
    policy decides from c_1..c_k whether x_k is verified (:func:`generation.policies.verify_lengths`; x_k is not
    sampled yet, so the decision cannot anticipate it) → correction B_k (eq. 5 or 6) → logits processors → argmax,
    or a sample from exactly the distribution returned as the candidate logits.

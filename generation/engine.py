@@ -7,7 +7,8 @@ One round (:meth:`DSparkEngine._round`) reads top to bottom:
    draft gate may skip drafting some requests (:class:`~generation.cost_model.CostModel`);
 2. **draft**: one drafting round for all requests (:func:`generation.drafting.draft_round`), which also chooses
    the verify lengths ℓ_r by the policy (Algorithm 1 over all R requests for ``scheduler``; docs/method.md §4);
-3. **verify**: ONE packed target forward over B = Σ_r (1 + ℓ_r) tokens (:class:`~generation.packed_target.PackedTarget`);
+3. **verify**: ONE packed target forward over B = Σ_r (1 + ℓ_r) tokens
+   (:class:`~generation.packed_target.PackedTarget`);
 4. **accept**: per request the longest prefix of drafts equal to the target's argmax, plus the target's own next
    token (:func:`accept_greedy`); rejected tokens are cropped from its K/V cache;
 5. **observe**: the cost model folds in the round (drafting time, realized yield).

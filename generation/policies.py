@@ -7,7 +7,7 @@ One vocabulary, one parser (:func:`parse_policy`), used by `generate()`, the bat
 ``full``            verify every drafted slot (γ' tokens; plain DFlash)
 ``fixed:N``         verify the first N drafted tokens (``fixed:1`` is the MTP-1 analogue)
 ``threshold:P``     verify while the survival a_k = Π_{j≤k} c_j stays ≥ P (DeepSpec style)
-``scheduler``       DSpark Algorithm 1 over all running requests (docs/method.md, Algorithm 1)
+``scheduler``       DSpark Algorithm 1 over all running requests (docs/method.md §4)
 ``lagged[:LAG]``    the production variant: verify budget K from the confidences of LAG (default 2) rounds
                     earlier, filled by the current round's a_{r,j} ranking
 ==================  =====================================================================================
@@ -130,7 +130,7 @@ def verify_lengths(policy: Policy, confidences: list[list[float]], budgets: list
         lag_budget: K, the extra verify slots of a ``lagged`` round (:class:`LaggedBudget`).
 
     Returns:
-        R ints, 0 ≤ ℓ_r ≤ budgets[r]. ``threshold``: the longest prefix with a_k ≥ P (eq. a_k = Π c_j);
+        R ints, 0 ≤ ℓ_r ≤ budgets[r]. ``threshold``: the longest prefix with a_k ≥ P (docs/method.md eq. 9);
         ``scheduler``: Algorithm 1 with its early stop (:func:`generation.scheduler.prefix_schedule`);
         ``lagged``: the top-K pooled a_{r,j} (:func:`generation.scheduler.fill_budget`).
 

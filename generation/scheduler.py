@@ -157,7 +157,7 @@ def _is_scalar(value: object) -> bool:
 
 
 def survival_row(confidences: Sequence[float]) -> list[float]:
-    """Survival a_j = Π_{i≤j} c_i of one request's prefix up to j (docs/method.md §3): γ floats, non-increasing."""
+    """Survival a_j = Π_{i≤j} c_i of one request's prefix up to j (docs/method.md eq. 9): floats, non-increasing."""
     out, prod = [], 1.0
     for c in confidences:
         prod *= c
@@ -227,7 +227,7 @@ def _as_lookup(sps: SPSLike | _SPSLookup) -> _SPSLookup:
 # public API
 # --------------------------------------------------------------------------
 def survival(confidences: ConfidencesLike) -> torch.Tensor:
-    """Prefix survival probabilities a_{r,j} = Π_{i≤j} c_{r,i} (DSpark §3/§4, Alg. 1 step 1).
+    """Prefix survival probabilities a_{r,j} = Π_{i≤j} c_{r,i} (docs/method.md eq. 9; Algorithm 1 step 1).
 
     Args:
         confidences: [R, γ] calibrated confidences c_{r,k} ∈ [0, 1] (tensor or

@@ -565,16 +565,16 @@ def test_catch_up_rounds_are_not_timed(tiny):
     assert list(engine.cost._draft_ms) == [1]
 
 
-def test_probe_back_off_is_per_concurrency():
-    """The gate's probes back off per R (1, 2, 4, ... skipped rounds), and a round that drafts on the model's word
-    resets the back-off of its R only."""
+def test_probe_back_off():
+    """When drafting does not pay, the gate probes after 1, 2, 4, ... skipped rounds (one back-off for every R), with
+    the request skipped longest; yields measured at one R stand in for an R not yet measured."""
     from generation.cost_model import CostModel
 
     cost = CostModel({b: 100.0 / b for b in range(1, 50)}, draft_cost_ms=5.0)
-    for num in (1, 2):
-        for _ in range(3):
-            cost.observe(num, [(0, 2)] * num, 0.005, [1] * num, 4)  # nothing accepted: drafting does not pay
+    assert cost.plan([4], [0]) == ([4], "warmup")
+    for _ in range(3):
+        cost.observe(1, [(0, 2)], 0.005, [1], 4)  # nothing accepted: drafting does not pay
     reasons = [cost.plan([4], [0])[1] for _ in range(8)]
     assert reasons == ["gated", "probe", "gated", "gated", "probe", "gated", "gated", "gated"]
-    assert cost.plan([4, 4], [0, 3]) == ([0, 0], "gated")
+    assert cost.plan([4, 4], [0, 3]) == ([0, 0], "gated")  # R = 2 reads the R = 1 yields
     assert cost.plan([4, 4], [0, 3]) == ([0, 4], "probe")  # the request skipped longest probes
