@@ -5,7 +5,8 @@ transformers 5.24 picks a candidate generator in a fixed chain inside `Generatio
 returns a :class:`DSparkCandidateGenerator`, otherwise it defers to transformers unchanged (other assistants,
 prompt lookup, …). `DSparkDraftModel.from_pretrained(path, target=model)` calls it for you.
 
-Per-call options (verify policy, block size, SPS(B) table, draft gate) are context-local, so concurrent users never share them::
+Per-call options (verify policy, block size, SPS(B) table, draft gate) are context-local, so concurrent users never
+share them::
 
     with dspark_options(policy="fixed:3", block_size=4):
         target.generate(ids, assistant_model=drafter)
@@ -35,12 +36,11 @@ def dspark_options(policy: str | Policy | None = None, block_size: int | None = 
     cost model's draft gate may skip drafting (:class:`~generation.cost_model.CostModel`).
 
     Raises:
-        ValueError: a bad policy spec, ``draft_gate`` not a bool.
+        ValueError: ``draft_gate`` not a bool (a bad policy spec fails when `generate()` starts, before any
+            compute).
     """
     if not isinstance(draft_gate, bool):
         raise ValueError(f"draft_gate must be True or False; got {draft_gate!r}")
-    if policy is not None:
-        parse_policy(policy)
     token = _options.set({"policy": policy, "block_size": block_size, "sps": sps, "draft_gate": draft_gate})
     try:
         yield
