@@ -340,8 +340,8 @@ def collect_pairs(target, tokenizer, drafter, prompt_ids: Sequence[Sequence[int]
         x = torch.tensor([list(ids)], device=target.device)
         if do_sample:
             torch.manual_seed(seed + pi)
-        with torch.inference_mode(), collect_stats() as runs, dspark_options(policy="full", block_size=gamma), \
-                record_confidence_logits(drafter) as calls:
+        with torch.inference_mode(), collect_stats() as runs, \
+                dspark_options(policy="full", block_size=gamma, lookup=False), record_confidence_logits(drafter) as calls:
             out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
         new = out[0, x.shape[1]:].tolist()
         new_tokens += len(new)

@@ -175,7 +175,8 @@ def run_one(target, ids, kind: str, gen_kwargs: dict, counter: ForwardCounter, d
         _sync(ids.device)
         n0 = counter.n
         if kind == "dspark":
-            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size):
+            # the drafter alone (no lookup proposer): τ and the per-position acceptance are the drafter's
+            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size, lookup=False):
                 t0 = time.perf_counter()
                 out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kw)
                 _sync(ids.device)

@@ -59,6 +59,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="DSpark drafter directory, or 'random' for an untrained drafter "
                         f"(default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, else random)")
     p.add_argument("--no-draft", action="store_true", help="plain target.generate() without a drafter")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="turn off the n-gram lookup proposer that runs beside the drafter (generation.lookup); "
+                        "--policy none with lookup on is lookup alone")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per prompt (default: 128)")
     p.add_argument("--block-size", type=int, default=None,
                    help="draft slots per round, 1..the drafter's block size (default: the drafter's)")
@@ -166,7 +169,7 @@ def _gen_kwargs(args, tok) -> dict:
     return kw
 
 
-def timed_generate(target, ids, drafter, gen_kwargs, seed: int | None, block_size=None, policy=None):
+def timed_generate(target, ids, drafter, gen_kwargs, seed: int | None, block_size=None, policy=None, lookup=True):
     """One generate() call: ``(new_token_ids list, seconds, GenerationStats | None)``."""
     import torch
 
@@ -182,7 +185,7 @@ def timed_generate(target, ids, drafter, gen_kwargs, seed: int | None, block_siz
             dt = time.perf_counter() - t0
             stats = None
         else:
-            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size):
+            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size, lookup=lookup):
                 t0 = time.perf_counter()
                 out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **gen_kwargs)
                 dt = time.perf_counter() - t0
@@ -277,11 +280,12 @@ def _run(args) -> int:
     if args.compare:  # warm-up both paths once so the first prompt's numbers are not one-time costs
         warm = dict(gen_kwargs, max_new_tokens=min(4, args.max_new_tokens))
         timed_generate(target, encoded[0], None, warm, seed)
-        timed_generate(target, encoded[0], drafter, warm, seed, args.block_size, policy)
+        timed_generate(target, encoded[0], drafter, warm, seed, args.block_size, policy, not args.no_lookup)
 
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         try:
-            new_ids, secs, stats = timed_generate(target, ids, drafter, gen_kwargs, seed, args.block_size, policy)
+            new_ids, secs, stats = timed_generate(target, ids, drafter, gen_kwargs, seed, args.block_size, policy,
+                                                  not args.no_lookup)
         except ValueError as err:  # e.g. block size / policy rejected by the candidate generator
             raise CLIError(str(err)) from None
         rec = _record(i, prompt, tok, new_ids, secs, stats, drafter_spec)

@@ -11,6 +11,15 @@ With the ``scheduler`` or ``lagged`` policy the round is priced by a :class:`~ge
 not pay: the round then returns no candidates (one plain decoding step) and its features wait for the next drafting
 round.
 
+The n-gram lookup proposer (:class:`generation.lookup.LookupChain`, on unless ``dspark_options(lookup=False)``)
+proposes a second candidate chain at no model cost: the continuation of the most recent earlier occurrence of the
+last committed tokens. Each round verifies one chain, a prefix of the drafter's block or of the lookup
+continuation, whichever has the larger expected committed tokens per second (Algorithm 1 with two candidate chains,
+:func:`generation.scheduler.choose_chain`); when the lookup is expected to beat drafting, the drafter forward is
+skipped and its features wait for the next drafting round. A lookup proposal is a point mass, returned without
+candidate logits: transformers then draws the target's token at every position and keeps the candidates while they
+agree, which is its rejection rule for a one-hot proposal, so greedy and sampled outputs stay lossless.
+
 Stop strings: transformers' assisted loop checks its stopping criteria once per round, on the last committed token,
 so a stop string completed by an accepted draft token inside the block would go unseen. When the call has stop
 strings, the draft is cut before the first token whose acceptance would complete one, so a stop string can only
@@ -31,6 +40,7 @@ from modeling_dspark.target import context_features, hidden_state_indices
 
 from .cost_model import CostModel
 from .drafting import DraftContext, Sampler, draft_round
+from .lookup import LookupChain
 from .packed_target import RequestKV
 from .policies import LaggedBudget, Policy, parse_policy
 from .stats import GenerationStats, RoundStats, register
@@ -93,6 +103,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         block_size: γ' ≤ γ slots per round (default ``drafter.config.block_size``).
         cost_model: prices ``scheduler`` / ``lagged`` rounds (SPS(B), drafting time, draft gate); required by them.
         tokenizer: the call's tokenizer (needed with ``stop_strings``, as for plain `generate()`).
+        lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
+            proposer.
 
     Raises:
         ValueError: batch size > 1, an empty prompt, block_size out of range, a drafter that does not match the
@@ -114,6 +126,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         block_size: int | None = None,
         cost_model: CostModel | None = None,
         tokenizer=None,
+        lookup: bool = True,
     ):
         self.policy = parse_policy(policy)
         gamma = validate_request(drafter, target, generation_config, input_ids, block_size, self.policy)
@@ -138,6 +151,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats()
         register(self.stats)
         self._round: tuple[float, RoundStats, int] | None = None  # (end of drafting, its record, ingested)
+        self.lookup = LookupChain(num_positions=max(16, gamma)) if lookup else None
+        self._verify_s: float | None = None  # moving averages pricing the lookup without a cost model (seconds)
+        self._draft_s: float | None = None
 
     def _take_features(self, input_ids: torch.LongTensor, model_outputs) -> None:
         """Queue the target features of the newly committed positions [num_context, L − 1) for the drafter."""
@@ -146,6 +162,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         n_new = input_ids.shape[1] - 1 - self.num_context
         self.context.pending.append(context_features(model_outputs.hidden_states, self.layer_ids, 0, n_new))
         self.num_context += n_new
+
+    def _prices(self, length: int):
+        """SPS(B) of the verify alone and the drafter's time t_draft (s) for the lookup chooser: the cost model's
+        where the policy is priced, else a flat SPS at the measured mean verify time (B tokens cost one forward, as
+        on memory-bound hardware) and the measured mean drafting time."""
+        if self.cost is not None:
+            return self.cost.curve(1, length), self.cost.draft_seconds(1)
+        verify = self._verify_s or 1.0
+        return (lambda batch_tokens: 1.0 / verify), (self._draft_s or 0.0)
 
     def _stop_cut(self, input_ids: torch.LongTensor, tokens: list[int]) -> int:
         """How many leading draft tokens can be accepted without completing a stop string (module doc)."""
@@ -172,20 +197,38 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if is_first_iteration:  # the target must prefill first: its features are the drafter's context
             return input_ids, None
         length = input_ids.shape[1]
-        budget = min(self.block_size, self.max_length - length - 1)
-        if budget <= 0 or not self.policy.drafts:  # one plain step; no later round needs the context
+        room = self.max_length - length - 1
+        budget = min(self.block_size, room) if self.policy.drafts else 0
+        # the lookup proposes at most γ' tokens: an SPS(B) profile covers the drafter's verify sizes B ≤ γ' + 1
+        proposal = None
+        if self.lookup is not None and room > 0:
+            proposal = self.lookup.propose(input_ids, min(room, self.block_size))
+        if budget <= 0 and not (proposal and proposal.tokens):  # one plain step; no later round needs the context
             return input_ids, None
         t0 = time.perf_counter()
-        self._take_features(input_ids, model_outputs)
         budgets, reason = [budget], ""
-        if self.cost is not None:
-            budgets, reason = self.cost.plan(budgets, [self.skipped], length)
-        if budgets[0] == 0:  # gated: one plain step; the features wait for the next drafting round
-            self.skipped += 1
-            record = RoundStats(drafted=0, verified=0, gate=reason)
+        if budget > 0:
+            self._take_features(input_ids, model_outputs)
+            if self.cost is not None:
+                budgets, reason = self.cost.plan(budgets, [self.skipped], length)
+        verify_sps, draft_s = self._prices(length) if proposal is not None else (None, 0.0)
+        if budgets[0] > 0 and proposal is not None and proposal.tokens:
+            if self.lookup.before_drafting(budgets[0], verify_sps, draft_s).source == "lookup":
+                budgets = [0]  # the lookup beats drafting: no drafter forward this round (the gate's reason kept)
+        if budgets[0] == 0:  # no drafter forward: the lookup's prefix or one plain step; features wait
+            if budget > 0:
+                self.skipped += 1
+            cand = []
+            if proposal is not None:
+                choice = self.lookup.without_drafter(verify_sps)
+                cand = proposal.tokens[: choice.length] if choice.source == "lookup" else []
+            n = self._stop_cut(input_ids, cand)
+            if self.lookup is not None:
+                self.lookup.verifying("lookup" if n else "none")
+            record = RoundStats(drafted=0, verified=n, draft_tokens=cand[:n], gate=reason, source="lookup" if n else "")
             self.stats.rounds.append(record)
             self._round = (time.perf_counter(), record, 0)
-            return input_ids, None
+            return torch.cat([input_ids, input_ids.new_tensor([cand[:n]])], dim=-1) if n else input_ids, None
         self.skipped = 0
         sps = self.cost.round_sps(1, length, 1) if self.cost is not None else None
         sampler = None
@@ -196,19 +239,35 @@ class DSparkCandidateGenerator(CandidateGenerator):
                           num_slots=self.block_size, sps=sps, lag_budget=lag_budget, sampler=sampler)
         if self.lagged is not None:
             self.lagged.push(out.confidences, budgets, sps)
-        n = self._stop_cut(input_ids, out.tokens[0][: out.lengths[0]])
-        tokens = input_ids.new_tensor([out.tokens[0][:n]])
-        logits = out.logits[0][None, :n] if out.logits[0] is not None and n > 0 else None
+        source, cand = "draft", out.tokens[0][: out.lengths[0]]
+        if proposal is not None and proposal.tokens:
+            # t_draft as measured in earlier rounds: this round's time depends on how many slots were drafted
+            choice = self.lookup.after_drafting(out.confidences[0], out.lengths[0], budgets[0], verify_sps, draft_s,
+                                                greedy=not self.do_sample)
+            if choice.source == "lookup":
+                source, cand = "lookup", proposal.tokens[: choice.length]
+        n = self._stop_cut(input_ids, cand)
+        tokens = input_ids.new_tensor([cand[:n]])
+        logits = None  # a lookup proposal is a point mass: no candidate logits (module doc)
+        if source == "draft" and out.logits[0] is not None and n > 0:
+            logits = out.logits[0][None, :n]
+        if self.lookup is not None:
+            self.lookup.verifying(source, cand[:n])
         t1 = time.perf_counter()
-        record = RoundStats(drafted=len(out.tokens[0]), verified=n, confidences=out.confidences[0][:n],
-                            draft_tokens=out.tokens[0], t_draft_ms=(t1 - t0) * 1e3, gate=reason,
-                            ingested=out.ingested[0])
+        record = RoundStats(drafted=len(out.tokens[0]), verified=n,
+                            confidences=out.confidences[0][:n] if source == "draft" else [],
+                            draft_tokens=out.tokens[0] if source == "draft" else cand[:n],
+                            t_draft_ms=(t1 - t0) * 1e3, gate=reason,
+                            ingested=out.ingested[0], source=source if n else "")
         self.stats.rounds.append(record)
         self._round = (t1, record, out.ingested[0])
         return torch.cat([input_ids, tokens], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        """Record the round's outcome (accepted count, committed tokens, verify time) and feed the cost model."""
+        """Record the round's outcome (accepted count, committed tokens, verify time), judge the lookup proposal and
+        feed the cost model."""
+        if self.lookup is not None:
+            self.lookup.observe(input_ids)
         if self._round is None:
             return
         t1, record, ingested = self._round
@@ -216,6 +275,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         record.accepted = int(num_matches)
         record.committed = int(num_matches) + 1
         record.t_verify_ms = (time.perf_counter() - t1) * 1e3
-        if self.cost is not None and ingested > 0:  # the drafter ran
+        self._verify_s = _average(self._verify_s, record.t_verify_ms / 1e3)
+        if 0 < ingested <= self.block_size + 1:  # a steady drafting round (no catch-up)
+            self._draft_s = _average(self._draft_s, record.t_draft_ms / 1e3)
+        if self.cost is not None and ingested > 0 and record.source != "lookup":  # the drafter's chain was verified
             self.cost.observe(1, [(record.accepted, record.verified)], record.t_draft_ms / 1e3, [ingested],
                               self.block_size)
+
+
+def _average(mean: float | None, value: float, weight: float = 0.3) -> float:
+    """Exponential moving average (the first value starts it)."""
+    return value if mean is None else (1.0 - weight) * mean + weight * value

@@ -28,20 +28,25 @@ _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options"
 
 @contextlib.contextmanager
 def dspark_options(policy: str | Policy | None = None, block_size: int | None = None, sps=None,
-                   draft_gate: bool = True):
+                   draft_gate: bool = True, lookup: bool = True):
     """Set, for `generate()` calls made inside the block (this thread / task only): the verify policy (a spec of
     :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler when
     the drafter has a confidence head and an SPS(B) table is given or cached, else ``full``), the block size γ', the
     SPS(B) table (``scheduler`` / ``lagged`` profile one on first use when none is given or cached) and whether the
-    cost model's draft gate may skip drafting (:class:`~generation.cost_model.CostModel`).
+    cost model's draft gate may skip drafting (:class:`~generation.cost_model.CostModel`) and whether the n-gram
+    lookup proposer runs beside the drafter (:mod:`generation.lookup`; ``policy="none"`` with ``lookup=True`` is
+    lookup alone).
 
     Raises:
-        ValueError: ``draft_gate`` not a bool (a bad policy spec fails when `generate()` starts, before any
-            compute).
+        ValueError: ``draft_gate`` or ``lookup`` not a bool (a bad policy spec fails when `generate()` starts, before
+            any compute).
     """
     if not isinstance(draft_gate, bool):
         raise ValueError(f"draft_gate must be True or False; got {draft_gate!r}")
-    token = _options.set({"policy": policy, "block_size": block_size, "sps": sps, "draft_gate": draft_gate})
+    if not isinstance(lookup, bool):
+        raise ValueError(f"lookup must be True or False; got {lookup!r}")
+    token = _options.set({"policy": policy, "block_size": block_size, "sps": sps, "draft_gate": draft_gate,
+                          "lookup": lookup})
     try:
         yield
     finally:
@@ -77,7 +82,7 @@ def build_candidate_generator(target, generation_config, input_ids, logits_proce
     cost = cost_model_for(drafter, target, gamma, sps, opts.get("draft_gate", True)) if policy.needs_sps else None
     return DSparkCandidateGenerator(drafter, target, generation_config, logits_processor=logits_processor,
                                     input_ids=input_ids, policy=policy, block_size=block_size, cost_model=cost,
-                                    tokenizer=tokenizer)
+                                    tokenizer=tokenizer, lookup=opts.get("lookup", True))
 
 
 def enable_dspark(target):

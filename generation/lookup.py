@@ -1,10 +1,10 @@
-"""The n-gram lookup proposer and the online estimate of its acceptance (a second candidate chain, issue 22).
+"""The n-gram lookup proposer and the online estimate of its acceptance: a second candidate chain beside the drafter.
 
 Lookup proposes, at no model cost, the text that followed the most recent earlier occurrence of the last n
 committed tokens (prompt and generated text alike), as transformers' ``PromptLookupCandidateGenerator`` does; it
 wins where the answer copies the prompt or itself (code, restated questions), the drafter where it must predict new
 text. The confidence scheduler chooses between the two chains each round by expected committed tokens per second
-(:func:`choose_chain`, Algorithm 1 of docs/method.md §4 with two candidate chains), and needs
+(:func:`generation.scheduler.choose_chain`, Algorithm 1 of docs/method.md §4 with two candidate chains), and needs
 for the lookup chain a survival a_k like the drafter's calibrated one (eq. 9); :class:`AcceptanceEstimator` gives
 it from the rounds seen so far.
 
@@ -14,8 +14,8 @@ it from the rounds seen so far.
 * :class:`AcceptanceEstimator` — decayed counts, per key (the lookup's match length n, or the drafter) and per
   continuation position k, of how often token k of a proposal was reached and accepted; the conditional rate
   c_k is shrunk towards the key's pooled rate and that towards a prior, and a_k = Π_{j≤k} c_j (eq. 9).
-* :func:`choose_chain` — what a round verifies: a prefix of the drafter's block, of the lookup continuation, or the
-  anchor only, by expected committed tokens per second (:func:`best_prefix` walks one chain).
+* :class:`LookupChain` — one sequence's lookup state inside `generate()`'s round: propose, choose the chain to
+  verify (:func:`generation.scheduler.choose_chain`), judge the proposals against the committed tokens.
 
 A lookup proposal is a point mass (its tokens are a function of the committed text), so verifying it is lossless:
 greedy accepts a token while it equals the target's argmax; sampling accepts token k with probability p_t^k(x_k)
@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LookupProposal", "NGramLookup", "AcceptanceEstimator", "DRAFT", "ChainChoice", "best_prefix", "choose_chain"]
+from .scheduler import ChainChoice, choose_chain
+
+__all__ = ["LookupProposal", "NGramLookup", "AcceptanceEstimator", "DRAFT", "LookupChain"]
 
 DRAFT = "draft"
 """The :class:`AcceptanceEstimator` key of the drafter's chain (the lookup's keys are its match lengths n ≥ 1)."""
@@ -232,134 +234,107 @@ class AcceptanceEstimator:
         return judged
 
 
-# --------------------------------------------------------------------------------------------- the chooser
-@dataclass(frozen=True)
-class ChainChoice:
-    """What one round verifies (outcome of :func:`choose_chain`).
+# --------------------------------------------------------------------------------------------- one sequence's state
+class LookupChain:
+    """The lookup proposer beside the drafter for one generated sequence (`generate()`, R = 1).
 
-    Attributes:
-        source: ``"draft"`` (a prefix of the drafter's block), ``"lookup"`` (a prefix of the lookup continuation)
-            or ``"none"`` (the anchor only: one plain decoding step).
-        length: ℓ, the chain's tokens to verify (0 for ``"none"``).
-        theta: Θ, expected committed tokens per second of the round (the drafting time included where charged).
-        expected_tokens: τ* = 1 + Σ_{j≤ℓ} a_j, expected tokens committed by the round.
-    """
+    One round, as :class:`generation.candidate_generator.DSparkCandidateGenerator` runs it:
 
-    source: str
-    length: int
-    theta: float
-    expected_tokens: float
+    1. :meth:`propose` — the matcher's continuation of the committed text and its estimated survival a_k;
+    2. before drafting, :meth:`before_drafting` — whether the lookup chain beats drafting (then the drafter forward
+       is skipped; the features of the positions committed meanwhile are ingested at the next drafting round);
+    3. after drafting, :meth:`after_drafting` — which chain to verify; without drafting, :meth:`without_drafter`;
+    4. :meth:`verifying` records the chain sent to the target, and :meth:`observe` (after the target's verify)
+       judges the lookup proposal and the verified drafts against the committed tokens (:class:`AcceptanceEstimator`).
 
-
-def _check_survival(name: str, survival: Sequence[float] | None) -> list[float]:
-    values = [float(a) for a in (survival or [])]
-    for k, a in enumerate(values):
-        if not 0.0 <= a <= 1.0:  # also rejects NaN
-            raise ValueError(f"{name}[{k}] = {a!r} is not a survival probability in [0, 1]")
-    return values
-
-
-def _round_theta(sps, batch_tokens: int, expected_tokens: float, seconds: float) -> float | None:
-    """τ* / (seconds + 1/SPS(B)), or None where an SPS table has no entry for B (such B are not considered)."""
-    from .scheduler import MissingSPSEntry
-
-    try:
-        return expected_tokens / (seconds + 1.0 / sps(batch_tokens))
-    except MissingSPSEntry:
-        return None
-
-
-def best_prefix(survival: Sequence[float], sps, seconds: float = 0.0) -> tuple[int, float, float]:
-    """Algorithm 1 (docs/method.md §4) for one request and one chain, the round's extra time included.
-
-    Walks ℓ = 1, 2, … with Θ(ℓ) = (1 + Σ_{j≤ℓ} a_j) / (seconds + 1/SPS(1 + ℓ)) and stops at the first ℓ that does
-    not improve on the best so far (the early stop keeps the choice of x_ℓ independent of anything drawn after
-    it), or where an SPS table ends.
+    Non-anticipation (docs/method.md §4) under sampling: the choice reads the lookup proposal and estimates from
+    earlier rounds (functions of the committed text), the drafter's c_1 (computed before x_1 is drawn) and whether
+    the verify policy admitted x_1 (decided from c_1), never a drafted token. Under greedy decoding any choice is
+    lossless, and the realized survival of the drafted block is used.
 
     Args:
-        survival: a_1..a_m ∈ [0, 1], non-increasing (eq. 9).
-        sps: SPS(B) in verify forwards per second (table or callable, :data:`generation.scheduler.SPSLike`).
-        seconds: time added to every option of the walk (s ≥ 0), e.g. the drafter's time.
-
-    Returns:
-        ``(ℓ, Θ, τ*)``: the chosen length (0 = the anchor only), its rate in tokens/s and its expected tokens.
-
-    Raises:
-        ValueError: a survival outside [0, 1]; a bad SPS value; SPS(1) missing from a table.
+        num_tokens: K, the most lookup tokens proposed per round.
+        max_ngram: longest suffix matched.
+        num_positions: positions estimated per chain (≥ K and ≥ the drafter's block size).
     """
-    from .scheduler import _as_lookup
 
-    values = _check_survival("survival", survival)
-    lookup = _as_lookup(sps)
-    best = (0, 1.0 / (seconds + 1.0 / lookup(1)), 1.0)
-    tokens = 1.0
-    for ell, a in enumerate(values, start=1):
-        tokens += a
-        theta = _round_theta(lookup, 1 + ell, tokens, seconds)
-        if theta is None or theta <= best[1]:
-            break
-        best = (ell, theta, tokens)
-    return best
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, num_positions: int = 16):
+        self.matcher = NGramLookup(max_ngram=max_ngram, num_tokens=num_tokens)
+        self.acceptance = AcceptanceEstimator(max(num_positions, num_tokens))
+        self.proposal = LookupProposal([], 0)
+        self.survival: list[float] = []
+        self._committed = 0  # committed tokens when the proposal was made
+        self._draft_tokens: list[int] = []  # the drafts verified this round (judged by observe)
 
+    def propose(self, input_ids, max_tokens: int) -> LookupProposal:
+        """Step 1 for the committed ``input_ids`` (``[1, L]`` tensor or list): the proposal (≤ ``max_tokens``)."""
+        self.matcher.update(input_ids)
+        self._committed = len(self.matcher)
+        self._draft_tokens = []
+        self.proposal = self.matcher.propose(max_tokens)
+        self.survival = self.acceptance.survival(self.proposal.match_length, len(self.proposal.tokens)) \
+            if self.proposal.tokens else []
+        return self.proposal
 
-def choose_chain(
-    draft_survival: Sequence[float] | None,
-    lookup_survival: Sequence[float] | None,
-    sps,
-    *,
-    draft_seconds: float = 0.0,
-    drafted: bool = False,
-    draft_length: int | None = None,
-) -> ChainChoice:
-    """Algorithm 1 with two candidate chains (docs/method.md §4): verify a prefix of the drafter's block, a prefix
-    of the lookup continuation, or the anchor only — whichever has the largest expected committed tokens per second.
+    def predicted_draft_survival(self, length: int, first: float | None = None) -> list[float]:
+        """The drafter's a_1..a_length from earlier rounds' verified drafts; ``first`` replaces c_1 when known."""
+        c = self.acceptance.conditional(DRAFT, length)
+        if first is not None and c:
+            c[0] = float(first)
+        out, prod = [], 1.0
+        for x in c:
+            prod *= x
+            out.append(prod)
+        return out
 
-    Each chain's prefix is chosen by :func:`best_prefix` (the early stop of Algorithm 1), priced as one verify
-    forward of B = 1 + ℓ tokens, 1/SPS(B) seconds, plus the drafter's time where it applies: a round that has not
-    drafted yet (``drafted=False``) pays ``draft_seconds`` only if it verifies the draft chain — choosing the lookup
-    or the anchor skips the drafter forward; a round that already drafted (``drafted=True``) pays it whatever it
-    verifies. Ties go to the cheaper option (anchor, then lookup).
+    def before_drafting(self, budget: int, sps, draft_seconds: float) -> ChainChoice:
+        """Step 2: :func:`choose_chain` with the drafter's predicted survival (``budget`` slots) and its time
+        unspent; ``source == "lookup"`` means the drafter forward is skipped this round."""
+        return choose_chain(self.predicted_draft_survival(budget), self.survival, sps, draft_seconds=draft_seconds)
 
-    Lossless use: under sampling the choice must not depend on the drafter's tokens of this round; pass a draft
-    survival that does not (one predicted from earlier rounds and c_1, which is computed before x_1 is drawn). Under
-    greedy decoding any choice is lossless, and the realized a_k of the drafted block may be passed.
+    def after_drafting(self, confidences, draft_length: int, budget: int, sps, draft_seconds: float,
+                       greedy: bool) -> ChainChoice:
+        """Step 3 once the drafter ran (its time spent whatever is verified).
 
-    Args:
-        draft_survival: a_1..a_m of the drafter's chain (calibrated, eq. 9, or predicted); None or empty: no chain.
-        lookup_survival: a_1..a_K' estimated for the lookup proposal (:class:`AcceptanceEstimator`); None or
-            empty: no proposal.
-        sps: SPS(B) in verify forwards per second (table or callable).
-        draft_seconds: t_draft ≥ 0, the drafter's time for this round in seconds.
-        drafted: whether ``draft_seconds`` is already spent (see above).
-        draft_length: verify exactly this many draft tokens (the verify policy's ℓ) instead of walking the chain.
+        Args:
+            confidences: calibrated c_k of the slots the drafting round reached (may be empty: no confidence head).
+            draft_length: ℓ, the drafts the verify policy admitted.
+            budget: the most drafts this round could verify (the chain length predicted under sampling).
+            greedy: greedy decoding (the realized survival of the ℓ drafts is used) or sampling (a survival that
+                does not depend on the drafted tokens: c_1 and earlier rounds; an empty chain when ℓ = 0).
+        """
+        if greedy:
+            if confidences:
+                draft = []
+                prod = 1.0
+                for c in list(confidences)[:draft_length]:
+                    prod *= float(c)
+                    draft.append(prod)
+                if len(draft) < draft_length:  # fewer confidences than drafts: no confidence for the rest
+                    draft += self.predicted_draft_survival(draft_length)[len(draft):]
+            else:
+                draft = self.predicted_draft_survival(draft_length)
+            return choose_chain(draft, self.survival, sps, draft_seconds=draft_seconds, drafted=True,
+                                draft_length=draft_length)
+        draft = [] if draft_length == 0 else self.predicted_draft_survival(
+            budget, float(confidences[0]) if len(confidences) else None)
+        return choose_chain(draft, self.survival, sps, draft_seconds=draft_seconds, drafted=True)
 
-    Returns:
-        :class:`ChainChoice`.
+    def without_drafter(self, sps, draft_seconds: float = 0.0, drafted: bool = False) -> ChainChoice:
+        """Step 3 when the drafter does not run (gated, or turned off): the lookup prefix, or the anchor only."""
+        return choose_chain(None, self.survival, sps, draft_seconds=draft_seconds, drafted=drafted)
 
-    Raises:
-        ValueError: a survival outside [0, 1]; ``draft_seconds`` negative or not finite; ``draft_length`` out of
-            0..m; a bad SPS value; SPS(1) or SPS(1 + draft_length) missing from a table.
-    """
-    from .scheduler import _as_lookup
+    def verifying(self, source: str, draft_tokens=()) -> None:
+        """Step 4a: the chain sent to the target (``"draft"`` with its tokens, ``"lookup"`` or ``"none"``)."""
+        self._draft_tokens = [int(t) for t in draft_tokens] if source == "draft" else []
 
-    draft = _check_survival("draft_survival", draft_survival)
-    lookup_a = _check_survival("lookup_survival", lookup_survival)
-    draft_seconds = float(draft_seconds)
-    if not 0.0 <= draft_seconds < float("inf"):
-        raise ValueError(f"draft_seconds must be a finite time >= 0 seconds; got {draft_seconds!r}")
-    if draft_length is not None and not (isinstance(draft_length, int) and 0 <= draft_length <= len(draft)):
-        raise ValueError(f"draft_length must be an int in 0..{len(draft)}; got {draft_length!r}")
-    sps = _as_lookup(sps)
-    sunk = draft_seconds if drafted else 0.0
-    choice = ChainChoice("none", 0, 1.0 / (sunk + 1.0 / sps(1)), 1.0)
-    ell, theta, tokens = best_prefix(lookup_a, sps, sunk)
-    if ell > 0 and theta > choice.theta:
-        choice = ChainChoice("lookup", ell, theta, tokens)
-    if draft_length is None:
-        ell, theta, tokens = best_prefix(draft, sps, draft_seconds)
-    else:
-        ell, tokens = draft_length, 1.0 + sum(draft[:draft_length])
-        theta = tokens / (draft_seconds + 1.0 / sps(1 + ell))
-    if ell > 0 and theta > choice.theta:
-        choice = ChainChoice("draft", ell, theta, tokens)
-    return choice
+    def observe(self, input_ids) -> None:
+        """Step 4b, after the verify: judge the lookup proposal (whichever chain was verified) and the verified
+        drafts against the tokens committed since :meth:`propose`."""
+        self.matcher.update(input_ids)
+        committed = self.matcher.tokens[self._committed:]
+        if self.proposal.tokens:
+            self.acceptance.observe(self.proposal.match_length, self.proposal.tokens, committed)
+        if self._draft_tokens:
+            self.acceptance.observe(DRAFT, self._draft_tokens, committed)
+        self.proposal, self.survival, self._draft_tokens = LookupProposal([], 0), [], []

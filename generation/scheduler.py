@@ -16,6 +16,8 @@ objective is the system throughput Θ = τ* · SPS(B) (expected committed tokens
 * :func:`effective_sps` — SPS_eff(B) = 1 / (1/SPS(B) + t_draft): Algorithm 1 fed SPS_eff prices the whole round,
   drafting included (the draft-time term of :class:`generation.cost_model.CostModel`).
 * :func:`yield_gate` — the cost model's draft gate: whether drafting is expected to pay, from realized yields.
+* :func:`choose_chain` — Algorithm 1 with two candidate chains (the drafter's block and the n-gram lookup's
+  continuation, :mod:`generation.lookup`): which chain, and which prefix of it, one request verifies.
 
 Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j first, then smaller r. Since a_{r,j} is
 non-increasing in j, every prefix of this order is prefix-closed per request (a valid ℓ vector) and, for its size,
@@ -49,6 +51,9 @@ __all__ = [
     "effective_sps",
     "DraftGateResult",
     "yield_gate",
+    "ChainChoice",
+    "best_prefix",
+    "choose_chain",
 ]
 
 SPSLike = Union[Mapping[int, float], Callable[[int], float]]
@@ -498,3 +503,132 @@ def yield_gate(
             best_theta, best_n, best_budget = theta, n, budget
     chosen = set(order[:best_n])
     return DraftGateResult([r in chosen for r in range(num_requests)], best_theta, theta_none, best_budget)
+
+
+# --------------------------------------------------------------------------
+# two candidate chains: the drafter's block and the n-gram lookup's continuation
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChainChoice:
+    """What one round verifies (outcome of :func:`choose_chain`).
+
+    Attributes:
+        source: ``"draft"`` (a prefix of the drafter's block), ``"lookup"`` (a prefix of the lookup continuation)
+            or ``"none"`` (the anchor only: one plain decoding step).
+        length: ℓ, the chain's tokens to verify (0 for ``"none"``).
+        theta: Θ, expected committed tokens per second of the round (the drafting time included where charged).
+        expected_tokens: τ* = 1 + Σ_{j≤ℓ} a_j, expected tokens committed by the round.
+    """
+
+    source: str
+    length: int
+    theta: float
+    expected_tokens: float
+
+
+def _check_survival(name: str, survival: Sequence[float] | None) -> list[float]:
+    values = [float(a) for a in (survival or [])]
+    for k, a in enumerate(values):
+        if not 0.0 <= a <= 1.0:  # also rejects NaN
+            raise ValueError(f"{name}[{k}] = {a!r} is not a survival probability in [0, 1]")
+    return values
+
+
+def _round_theta(sps, batch_tokens: int, expected_tokens: float, seconds: float) -> float | None:
+    """τ* / (seconds + 1/SPS(B)), or None where an SPS table has no entry for B (such B are not considered)."""
+    try:
+        return expected_tokens / (seconds + 1.0 / sps(batch_tokens))
+    except MissingSPSEntry:
+        return None
+
+
+def best_prefix(survival: Sequence[float], sps, seconds: float = 0.0) -> tuple[int, float, float]:
+    """Algorithm 1 (docs/method.md §4) for one request and one chain, the round's extra time included.
+
+    Walks ℓ = 1, 2, … with Θ(ℓ) = (1 + Σ_{j≤ℓ} a_j) / (seconds + 1/SPS(1 + ℓ)) and stops at the first ℓ that does
+    not improve on the best so far (the early stop keeps the choice of x_ℓ independent of anything drawn after
+    it), or where an SPS table ends.
+
+    Args:
+        survival: a_1..a_m ∈ [0, 1], non-increasing (eq. 9).
+        sps: SPS(B) in verify forwards per second (table or callable, :data:`SPSLike`).
+        seconds: time added to every option of the walk (s ≥ 0), e.g. the drafter's time.
+
+    Returns:
+        ``(ℓ, Θ, τ*)``: the chosen length (0 = the anchor only), its rate in tokens/s and its expected tokens.
+
+    Raises:
+        ValueError: a survival outside [0, 1]; a bad SPS value; SPS(1) missing from a table.
+    """
+    values = _check_survival("survival", survival)
+    lookup = _as_lookup(sps)
+    best = (0, 1.0 / (seconds + 1.0 / lookup(1)), 1.0)
+    tokens = 1.0
+    for ell, a in enumerate(values, start=1):
+        tokens += a
+        theta = _round_theta(lookup, 1 + ell, tokens, seconds)
+        if theta is None or theta <= best[1]:
+            break
+        best = (ell, theta, tokens)
+    return best
+
+
+def choose_chain(
+    draft_survival: Sequence[float] | None,
+    lookup_survival: Sequence[float] | None,
+    sps,
+    *,
+    draft_seconds: float = 0.0,
+    drafted: bool = False,
+    draft_length: int | None = None,
+) -> ChainChoice:
+    """Algorithm 1 with two candidate chains (docs/method.md §4): verify a prefix of the drafter's block, a prefix
+    of the lookup continuation, or the anchor only — whichever has the largest expected committed tokens per second.
+
+    Each chain's prefix is chosen by :func:`best_prefix` (the early stop of Algorithm 1), priced as one verify
+    forward of B = 1 + ℓ tokens, 1/SPS(B) seconds, plus the drafter's time where it applies: a round that has not
+    drafted yet (``drafted=False``) pays ``draft_seconds`` only if it verifies the draft chain — choosing the lookup
+    or the anchor skips the drafter forward; a round that already drafted (``drafted=True``) pays it whatever it
+    verifies. Ties go to the cheaper option (anchor, then lookup).
+
+    Lossless use: under sampling the choice must not depend on the drafter's tokens of this round; pass a draft
+    survival that does not (one predicted from earlier rounds and c_1, which is computed before x_1 is drawn). Under
+    greedy decoding any choice is lossless, and the realized a_k of the drafted block may be passed.
+
+    Args:
+        draft_survival: a_1..a_m of the drafter's chain (calibrated, eq. 9, or predicted); None or empty: no chain.
+        lookup_survival: a_1..a_K' estimated for the lookup proposal (:class:`generation.lookup.AcceptanceEstimator`); None or
+            empty: no proposal.
+        sps: SPS(B) in verify forwards per second (table or callable).
+        draft_seconds: t_draft ≥ 0, the drafter's time for this round in seconds.
+        drafted: whether ``draft_seconds`` is already spent (see above).
+        draft_length: verify exactly this many draft tokens (the verify policy's ℓ) instead of walking the chain.
+
+    Returns:
+        :class:`ChainChoice`.
+
+    Raises:
+        ValueError: a survival outside [0, 1]; ``draft_seconds`` negative or not finite; ``draft_length`` out of
+            0..m; a bad SPS value; SPS(1) or SPS(1 + draft_length) missing from a table.
+    """
+    draft = _check_survival("draft_survival", draft_survival)
+    lookup_a = _check_survival("lookup_survival", lookup_survival)
+    draft_seconds = float(draft_seconds)
+    if not 0.0 <= draft_seconds < float("inf"):
+        raise ValueError(f"draft_seconds must be a finite time >= 0 seconds; got {draft_seconds!r}")
+    if draft_length is not None and not (isinstance(draft_length, int) and 0 <= draft_length <= len(draft)):
+        raise ValueError(f"draft_length must be an int in 0..{len(draft)}; got {draft_length!r}")
+    sps = _as_lookup(sps)
+    sunk = draft_seconds if drafted else 0.0
+    choice = ChainChoice("none", 0, 1.0 / (sunk + 1.0 / sps(1)), 1.0)
+    ell, theta, tokens = best_prefix(lookup_a, sps, sunk)
+    if ell > 0 and theta > choice.theta:
+        choice = ChainChoice("lookup", ell, theta, tokens)
+    if draft_length is None:
+        ell, theta, tokens = best_prefix(draft, sps, draft_seconds)
+    else:
+        ell, tokens = draft_length, 1.0 + sum(draft[:draft_length])
+        theta = tokens / (draft_seconds + 1.0 / sps(1 + ell))
+    if ell > 0 and theta > choice.theta:
+        choice = ChainChoice("draft", ell, theta, tokens)
+    return choice

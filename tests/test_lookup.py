@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from generation.lookup import DRAFT, AcceptanceEstimator, NGramLookup, best_prefix, choose_chain
+from generation.lookup import DRAFT, AcceptanceEstimator, LookupChain, NGramLookup
+from generation.scheduler import best_prefix, choose_chain
 
 
 def _lookup(tokens, max_ngram=3, num_tokens=10):
@@ -225,3 +226,38 @@ def test_callable_sps_and_errors():
         choose_chain([0.5], None, SPS, draft_length=2)
     with pytest.raises(ValueError, match="SPS"):
         choose_chain([0.5], None, {2: 1.0})
+
+
+# ------------------------------------------------------------------------------------------------ one sequence's state
+def test_lookup_chain_round_protocol():
+    chain = LookupChain(num_tokens=4, max_ngram=2, num_positions=4)
+    text = [1, 2, 3, 4, 5, 1, 2]
+    p = chain.propose(torch.tensor([text]), max_tokens=10)
+    assert p.tokens == [3, 4, 5, 1] and p.match_length == 2 and chain.survival == [0.5, 0.25, 0.125, 0.0625]
+    chain.verifying("lookup")
+    chain.observe(torch.tensor([text + [3, 4, 9]]))  # tokens 1, 2 accepted, the third is the target's own
+    assert chain.acceptance._accepted[2][:3] == [1.0, 1.0, 0.0]
+    assert DRAFT not in chain.acceptance._reached  # no drafts were verified
+    chain.propose(text + [3, 4, 9], max_tokens=10)
+    chain.verifying("draft", [7, 7])
+    chain.observe(text + [3, 4, 9, 7, 8])
+    assert chain.acceptance._reached[DRAFT][:3] == [1.0, 1.0, 0.0]
+    assert chain.acceptance._accepted[DRAFT][:2] == [1.0, 0.0]
+
+
+def test_lookup_chain_choices():
+    chain = LookupChain(num_tokens=4, max_ngram=2, num_positions=4)
+    for _ in range(10):  # the lookup's 2-gram matches have been accepted in full
+        chain.acceptance.observe(2, [1, 2, 3, 4], [1, 2, 3, 4])
+    chain.propose([1, 2, 3, 4, 5, 1, 2], max_tokens=10)
+    assert chain.before_drafting(4, SPS, draft_seconds=0.05).source == "lookup"
+    # under sampling a drafted chain whose first slot the policy refused (ℓ = 0) is not a candidate
+    assert chain.after_drafting([0.99], 0, 4, lambda b: 10.0, 0.05, greedy=False).source == "lookup"
+    # greedy: the realized survival of the drafted block (a_k = 1) against the lookup's (c_k ≈ 0.99)
+    greedy = chain.after_drafting([1.0] * 4, 4, 4, lambda b: 10.0, 0.05, greedy=True)
+    assert (greedy.source, greedy.length) == ("draft", 4)
+    # sampling: c_1 = 0.99 then the drafter's prior 0.5 per slot, which loses to the lookup
+    assert chain.after_drafting([1.0] * 4, 4, 4, lambda b: 10.0, 0.05, greedy=False).source == "lookup"
+    none = LookupChain(num_tokens=4)
+    none.propose([1, 2, 3], max_tokens=4)
+    assert none.proposal.tokens == [] and none.without_drafter(SPS).source == "none"

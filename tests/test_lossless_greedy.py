@@ -89,14 +89,15 @@ def test_adversarial_drafter_rejected_yet_identical(
 
 
 def test_drafter_input_does_not_grow_with_prefix(smollm, prompt_ids, random_drafter):
-    """The drafter reads only the newly committed positions each round (≤ γ'+1 rows), never the whole prefix."""
+    """The drafter reads only the newly committed positions each round (≤ γ'+1 rows), never the whole prefix (the
+    lookup proposer off: a round it wins skips the drafter, whose next round then ingests two rounds' positions)."""
     target, _ = smollm
     rows = []
     hook = random_drafter.register_forward_hook(
         lambda mod, args, kwargs, out: rows.append(args[2].shape[1]), with_kwargs=True
     )
     try:
-        with dspark_options(block_size=4):
+        with dspark_options(block_size=4, lookup=False):
             target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=40, do_sample=False)
     finally:
         hook.remove()
