@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     ns = argparse.Namespace(target=args.target, drafter=args.drafter, dtype=args.dtype, datasets=args.datasets,
-                            limit=args.limit)
+                            limit=args.limit, device="cpu")
     target, tok, drafter, drafter_spec = bench_cmd._load(ns)
     prompts = bench_cmd._prompts(ns, tok)
     gamma = drafter.config.block_size
