@@ -1,7 +1,7 @@
 """DSpark demo page: speculative decoding you can watch, token by token.
 
     python app.py                      # http://127.0.0.1:7860, the default target + the shipped drafter
-    python app.py --port 7861 --drafter random --dtype bfloat16
+    python app.py --port 7861 --drafter random --dtype float32
     python app.py --host 0.0.0.0       # listen on all interfaces (off by default); --share: a gradio.live link
 
 A thin layer over the library (``modeling_dspark`` loads the models, ``generation`` runs
@@ -54,6 +54,8 @@ SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
 RANDOM_DRAFTER_SEED = 0
 RANDOM_DRAFTER_BLOCK_SIZE = 8
 DTYPES = ("float32", "bfloat16")
+POLICY_CHOICES = ("scheduler", "full", "threshold:0.5", "fixed:1", "fixed:4", "none")
+"""The policy dropdown's entries (any spec of :func:`generation.policies.parse_policy` may be typed in)."""
 
 MAX_PROMPT_CHARS = 4000
 MAX_PROMPT_TOKENS = 1024
@@ -87,7 +89,7 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     block_size: int | None = None
-    use_scheduler: bool = False
+    policy: str = "full"
     dtype: str = "float32"
     drafter: str = "random"
 
@@ -107,7 +109,7 @@ def _number(value, name: str, kind=float):
 
 
 def validate_request(prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, decoding="greedy", temperature=1.0, top_p=1.0,
-                     seed=0, block_size=None, use_scheduler=False, dtype="float32", drafter="random") -> Request:
+                     seed=0, block_size=None, policy="full", dtype="float32", drafter="random") -> Request:
     """Check the page's inputs before any model work.
 
     Raises:
@@ -139,16 +141,23 @@ def validate_request(prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, decoding="gr
             raise AppError(f"block size must be at least 1, got {block_size}.")
     else:
         block_size = None
+    from generation.policies import parse_policy
+
+    try:
+        policy = parse_policy(str(policy or "full").strip()).name
+    except ValueError as err:
+        raise AppError(f"verify policy: {err}") from None
+    if dtype == "auto":
+        dtype = auto_dtype()[0]
     if dtype not in DTYPES:
-        raise AppError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+        raise AppError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}.")
     drafter = (drafter or "").strip() or "random"
     if drafter != "random":
         path = Path(drafter)
         if not path.is_dir() or not (path / "config.json").is_file():
             raise AppError(f"Drafter {drafter!r} is not a drafter directory (no config.json); "
                            "give a directory saved by DSparkDraftModel.save_pretrained, or 'random'.")
-    return Request(prompt, max_new_tokens, do_sample, temperature, top_p, seed, block_size, bool(use_scheduler),
-                   dtype, drafter)
+    return Request(prompt, max_new_tokens, do_sample, temperature, top_p, seed, block_size, policy, dtype, drafter)
 
 
 def encode_prompt(tok, prompt: str, limit: int = MAX_PROMPT_TOKENS) -> torch.LongTensor:
@@ -169,6 +178,15 @@ def encode_prompt(tok, prompt: str, limit: int = MAX_PROMPT_TOKENS) -> torch.Lon
 
 
 # ---------------------------------------------------------------------------------------------- models
+def auto_dtype(device="cpu") -> tuple[str, str]:
+    """The fast dtype for this machine (:func:`modeling_dspark.target.fast_dtype`) and why, for the page."""
+    from modeling_dspark.target import fast_dtype
+
+    if fast_dtype(device) == torch.bfloat16:
+        return "bfloat16", "this machine has bf16 matrix instructions (AMX / AVX512-BF16) or a GPU"
+    return "float32", "this CPU has no native bf16 matrix instructions, so float32 is faster"
+
+
 def default_drafter_spec() -> str:
     """The shipped drafter's directory when it exists, else ``"random"``."""
     return str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
@@ -180,7 +198,7 @@ def resolve_sps(target, drafter, context_len: int | None = None, block_size: int
     profile (:func:`generation.profiling.sps_for_generate`; with ``profile_if_missing`` it measures one first).
 
     Returns:
-        ``(sps, "")`` or ``(None, reason)`` (the page then disables the scheduler and says why).
+        ``(sps, "")`` or ``(None, reason)`` (the page says why the scheduler cannot run).
     """
     if getattr(drafter, "confidence_head", None) is None:
         return None, "this drafter has no confidence head (the scheduler needs c_k)"
@@ -223,8 +241,9 @@ class ModelBank:
     """
 
     def __init__(self, target_path: str | None = None, default_drafter: str | None = None,
-                 profile_if_missing: bool = False):
+                 profile_if_missing: bool = False, default_dtype: str = "float32"):
         self.target_path = target_path
+        self.default_dtype = default_dtype
         self.profile_if_missing = profile_if_missing
         self.default_drafter = default_drafter or default_drafter_spec()
         self.lock = threading.Lock()
@@ -355,8 +374,7 @@ def stream_generate(models: Models, ids: torch.LongTensor, req: Request, specula
             mask = torch.ones_like(ids)
             with torch.inference_mode():
                 if speculative:
-                    policy = "scheduler" if req.use_scheduler else "full"
-                    with dspark_options(policy=policy, block_size=req.block_size, sps=sps), \
+                    with dspark_options(policy=req.policy, block_size=req.block_size, sps=sps), \
                             collect_stats() as runs:
                         t0 = time.perf_counter()
                         out = models.target.generate(ids, attention_mask=mask, assistant_model=models.drafter,
@@ -483,11 +501,18 @@ def run_demo(bank: ModelBank, req: Request, counts: dict | None = None, cancel: 
         ids = encode_prompt(models.tok, req.prompt).to(models.target.device)
         block = req.block_size or gamma
         sps = None
-        if req.use_scheduler:
-            sps, reason = (None, models.scheduler_reason) if models.sps is None else \
-                resolve_sps(models.target, models.drafter, ids.shape[1], block)
+        from generation.policies import parse_policy
+
+        policy = parse_policy(req.policy)
+        if policy.needs_confidence and getattr(models.drafter, "confidence_head", None) is None:
+            raise AppError(f"The policy {policy.name} is not available: this drafter has no confidence head. "
+                           "Choose full or fixed:N.")
+        if policy.needs_sps:
+            if models.sps is None:
+                yield "status", "Measuring the target's step rate SPS(B) on first use (about a minute)…"
+            sps, reason = resolve_sps(models.target, models.drafter, ids.shape[1], block, profile_if_missing=True)
             if sps is None:
-                raise AppError(f"The scheduler is not available: {reason}. Turn it off to verify full blocks.")
+                raise AppError(f"The scheduler is not available: {reason}. Choose full or fixed:N.")
 
         yield "status", "Generating with DSpark…"
         spec = None
@@ -526,8 +551,7 @@ def run_demo(bank: ModelBank, req: Request, counts: dict | None = None, cancel: 
                 tie = near_tie(models.target, torch.cat([ids, torch.tensor([base.new_ids[:i]], dtype=ids.dtype,
                                                                            device=ids.device)], dim=1))
             note, note_class = compare_note(spec.new_ids, base.new_ids, req, decode, tie)
-        policy = "scheduler" if req.use_scheduler else "full block"
-        note = (f"Drafter: {html.escape(models.drafter_label)} · block size γ'={block} · verify policy: {policy} · "
+        note = (f"Drafter: {html.escape(models.drafter_label)} · block size γ'={block} · verify policy: {req.policy} · "
                 f"{req.dtype} · {'sampling' if req.do_sample else 'greedy'}.<br>" + note)
         counts = update_position_counts(counts, views)
         cut = " (stopped early: time limit or Stop)" if spec.stopped or base.stopped else ""
@@ -552,7 +576,7 @@ def build_ui(bank: ModelBank):
     import gradio as gr
 
     try:
-        models = bank.get("float32", bank.default_drafter)
+        models = bank.get(bank.default_dtype, bank.default_drafter)
         gamma, notice = models.drafter.config.block_size, models.notice
         sched_ok, sched_reason = models.sps is not None, models.scheduler_reason
         drafter_label = models.drafter_label
@@ -593,12 +617,17 @@ def build_ui(bank: ModelBank):
                         top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="top-p")
                         seed = gr.Number(value=0, precision=0, label="seed", minimum=0)
                     block = gr.Slider(1, gamma, value=gamma, step=1, label=f"block size γ' (1–{gamma})")
-                    scheduler = gr.Checkbox(
-                        value=False, interactive=sched_ok, elem_id="dspark-scheduler", label="DSpark scheduler (verify length from c_k and SPS(B))",
-                        info=("on: the scheduler picks ℓ each round; off: verify the full block" if sched_ok
-                              else f"unavailable: {sched_reason}"))
-                    dtype = gr.Radio(list(DTYPES), value="float32", label="dtype",
-                                     info="float32: identical to plain generate(); bfloat16: faster, may part at a near-tie")
+                    policy_box = gr.Dropdown(
+                        list(POLICY_CHOICES), value="scheduler" if sched_ok else "full", allow_custom_value=True,
+                        elem_id="dspark-policy", label="verify policy (none, full, fixed:N, threshold:P, scheduler)",
+                        info=("scheduler: ℓ each round from c_k and the measured SPS(B)" if sched_ok
+                              else "scheduler: SPS(B) is measured on its first request (about a minute; "
+                                   "`dspark profile` does it ahead)" if sched_reason.startswith("no SPS(B)")
+                              else f"scheduler: {sched_reason}"))
+                    fast, why = auto_dtype()
+                    dtype = gr.Radio(list(DTYPES), value=bank.default_dtype, label="dtype", elem_id="dspark-dtype",
+                                     info=f"picked for this machine: {fast} ({why}). float32 is token-exact; "
+                                          "bfloat16 may part from plain generate() at a near-tie")
                     drafter = gr.Textbox(value=bank.default_drafter, label="drafter (directory or 'random')")
         with gr.Row():
             spec_out = gr.Textbox(label="DSpark output (streams)", lines=6, interactive=False, elem_id="dspark-out")
@@ -614,13 +643,13 @@ def build_ui(bank: ModelBank):
 
         outputs = [status, spec_out, base_out, summary, rounds, chart, counts_state, notice_box]
 
-        def on_generate(prompt_v, max_new_v, decoding_v, temp_v, top_p_v, seed_v, block_v, sched_v, dtype_v,
+        def on_generate(prompt_v, max_new_v, decoding_v, temp_v, top_p_v, seed_v, block_v, policy_v, dtype_v,
                         drafter_v, counts_v):
             skip = gr.skip()
             blank = {o: skip for o in outputs}
             cancel = threading.Event()
             try:
-                req = validate_request(prompt_v, max_new_v, decoding_v, temp_v, top_p_v, seed_v, block_v, sched_v,
+                req = validate_request(prompt_v, max_new_v, decoding_v, temp_v, top_p_v, seed_v, block_v, policy_v,
                                        dtype_v, drafter_v)
                 yield {**blank, status: "Starting…", spec_out: "", base_out: "", rounds: "", summary: ""}
                 for what, value in run_demo(bank, req, counts_v, cancel):
@@ -644,7 +673,7 @@ def build_ui(bank: ModelBank):
             finally:
                 cancel.set()
 
-        inputs = [prompt, max_new, decoding, temperature, top_p, seed, block, scheduler, dtype, drafter, counts_state]
+        inputs = [prompt, max_new, decoding, temperature, top_p, seed, block, policy_box, dtype, drafter, counts_state]
         ev1 = run_btn.click(on_generate, inputs, outputs)
         ev2 = prompt.submit(on_generate, inputs, outputs)
         stop_btn.click(None, None, None, cancels=[ev1, ev2])
@@ -654,7 +683,7 @@ def build_ui(bank: ModelBank):
 
 def warmup(bank: ModelBank) -> None:
     """One short call on each path so the first visitor's timings are not one-time costs."""
-    req = Request(prompt="Hi", max_new_tokens=4, drafter=bank.default_drafter)
+    req = Request(prompt="Hi", max_new_tokens=4, drafter=bank.default_drafter, dtype=bank.default_dtype)
     for _ in run_demo(bank, req):
         pass
 
@@ -662,15 +691,21 @@ def warmup(bank: ModelBank) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="DSpark demo page (Gradio).")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=7860, help="(default: 7860)")
+    p.add_argument("--port", type=int, default=7860, help="port to listen on (default: 7860)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="the page's starting dtype: auto picks bfloat16 on a CPU with bf16 matrix instructions (AMX, "
+                        "AVX512-BF16) or a GPU, else float32 (token-exact) (default: auto)")
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link (off by default)")
     p.add_argument("--target", default=None, metavar="PATH", help="local target checkpoint (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, metavar="PATH|random",
                    help="default drafter (default: drafters/smollm2-135m-dspark if present, else random)")
     p.add_argument("--profile", action="store_true",
                    help="measure the SPS(B) profile the scheduler needs at start if none is cached (about a minute)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation at start")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the short warm-up generation at start (default: warm up)")
     args = p.parse_args(argv)
+    dtype, why = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype()
+    print(f"app.py: dtype {dtype} ({why})", file=sys.stderr)
 
     try:
         drafter = validate_request("x", drafter=args.drafter or default_drafter_spec()).drafter
@@ -681,9 +716,9 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    bank = ModelBank(args.target, drafter, profile_if_missing=args.profile)
+    bank = ModelBank(args.target, drafter, profile_if_missing=args.profile, default_dtype=dtype)
     try:
-        bank.get("float32", drafter)
+        bank.get(dtype, drafter)
         if not args.no_warmup:
             warmup(bank)
     except AppError as err:

@@ -14,7 +14,7 @@ generated token ids and labels every slot of every round:
 ``rejected``   drafted, verified, the first draft the target did not accept (k = n + 1)
 ``discarded``  drafted and verified, but after a rejected one, so thrown away (k > n + 1)
 ``cut``        not verified: the policy stopped at ℓ < γ' (in DSpark it is then not drafted either)
-``skipped``    not drafted: the scheduler's draft gate skipped the drafter this round (:mod:`generation.draft_gate`)
+``skipped``    not drafted: the scheduler's draft gate skipped the drafter this round (:class:`generation.cost_model.CostModel`)
 ``resampled``  the target's token that replaced the rejected draft
 ``bonus``      the target's extra token after a fully accepted round (or a round with ℓ = 0)
 ``target``     a token from a target step that is not a speculative round (the prefill, the last step)
@@ -27,7 +27,7 @@ import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from generation.draft_gate import SKIP_REASONS
+from generation.stats import SKIP_REASONS
 
 __all__ = [
     "KINDS",

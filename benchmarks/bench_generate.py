@@ -9,6 +9,8 @@ the default rank). Greedy decoding, one warm-up call per path before measuring.
     python benchmarks/bench_generate.py                       # random (untrained) drafter, 4 prompts, 64 tokens
     python benchmarks/bench_generate.py --drafter drafters/smollm2-135m-dspark --num-prompts 8
     python benchmarks/bench_generate.py --num-prompts 2 --max-new-tokens 32 --out /tmp/g.json
+    python benchmarks/bench_generate.py --drafter drafters/smollm2-135m-dspark --policy scheduler --draft-gate both \
+        --repeats 3 --ranks ""                                # the draft gate's ablation (docs/benchmarks.md)
 
 Writes JSON to ``--out`` (default ``benchmarks/results/generate.json``) and prints a markdown table.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -48,6 +51,13 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=4, help="use the first N prompts (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
+    p.add_argument("--policy", default=None,
+                   help="verify policy (generation.policies; default: generate()'s default, the scheduler when an SPS "
+                        "table is cached and the drafter has a confidence head, else full)")
+    p.add_argument("--draft-gate", choices=("on", "off", "both"), default="on",
+                   help="the cost model's draft gate (generation.cost_model): on, off, or both (an ablation: every "
+                        "prompt runs plain, gated and ungated back to back)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (paired repetitions)")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--ranks", default="16,64,256", help="Markov-head ranks to time")
@@ -104,10 +114,22 @@ def load_prompts(args) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- generate()
-def bench_dtype(args, dtype_name: str, prompts: list[str]) -> dict:
+def _sign_test_p(faster: int, n: int) -> float:
+    """One-sided sign test: P(at least ``faster`` heads in ``n`` fair coin flips)."""
+    import math
+
+    return sum(math.comb(n, i) for i in range(faster, n + 1)) / 2 ** n
+
+
+def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
+    """Plain vs DSpark generate() on every prompt, ``--repeats`` passes; one result per draft-gate variant.
+
+    Every prompt runs plain and each variant back to back (the order rotated per prompt), so drift of the machine
+    hits all alike; a variant's per-pass speedups are paired with plain decoding of the same pass."""
     import torch
 
     from dspark_cli.generate_cmd import load_models, timed_generate
+    from generation import collect_stats, dspark_options
     from modeling_dspark.target import apply_chat_template
 
     target, tok, drafter = load_models(args.target, args.drafter, dtype_name)
@@ -115,54 +137,82 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> dict:
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False,
            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
     encoded = [torch.tensor([apply_chat_template(tok, p)]) for p in prompts]
+    variants = {"on": [True], "off": [False], "both": [True, False]}[args.draft_gate]
 
-    warm = dict(gen, max_new_tokens=min(16, args.max_new_tokens))  # one-time costs (allocator, kernels)
-    timed_generate(target, encoded[0], None, warm, None)
-    timed_generate(target, encoded[0], drafter, warm, None, args.block_size)
+    def options(gate):
+        opts = {"policy": args.policy, "block_size": args.block_size, "draft_gate": gate}
+        if "lookup" in inspect.signature(dspark_options).parameters:  # the drafter alone, no second proposer
+            opts["lookup"] = False
+        return dspark_options(**opts)
 
-    per_prompt, rounds = [], []
-    for prompt, ids in zip(prompts, encoded):
-        base_ids, base_s, _ = timed_generate(target, ids, None, gen, None)
-        ds_ids, ds_s, stats = timed_generate(target, ids, drafter, gen, None, args.block_size)
-        rounds.extend(stats.rounds)
-        per_prompt.append({
-            "prompt": prompt,
-            "prompt_tokens": ids.shape[1],
-            "plain_tokens": len(base_ids),
-            "plain_s": base_s,
-            "dspark_tokens": len(ds_ids),
-            "dspark_s": ds_s,
-            "identical": base_ids == ds_ids,
-            **{f"dspark_{k}": v for k, v in stats.summary().items()},
-        })
-    plain_tok = sum(r["plain_tokens"] for r in per_prompt)
-    plain_s = sum(r["plain_s"] for r in per_prompt)
-    ds_tok = sum(r["dspark_tokens"] for r in per_prompt)
-    ds_s = sum(r["dspark_s"] for r in per_prompt)
+    def run(ids, gate, kw=gen):
+        """One greedy generate() call: (new token ids, seconds, GenerationStats or None)."""
+        if gate is None:
+            return timed_generate(target, ids, None, kw, None)
+        with torch.inference_mode(), options(gate), collect_stats() as stats:
+            t0 = time.perf_counter()
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, **kw)
+            seconds = time.perf_counter() - t0
+        return out[0, ids.shape[1]:].tolist(), seconds, stats[-1]
+
+    warm = dict(gen, max_new_tokens=min(16, args.max_new_tokens))  # one-time costs (allocator, kernels, profiling)
+    for key in [None] + variants:
+        run(encoded[0], key, warm)
+
+    keys = [None] + variants
+    runs = {k: [] for k in keys}  # per key: (pass, prompt index, ids, seconds, stats)
+    for rep in range(args.repeats):
+        for i, ids in enumerate(encoded):
+            shift = (rep + i) % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                out_ids, secs, stats = run(ids, key)
+                runs[key].append((rep, i, out_ids, secs, stats))
+    plain = runs[None]
+    plain_tok = sum(len(r[2]) for r in plain)
+    plain_s = sum(r[3] for r in plain)
     s_per_token = plain_s / max(1, plain_tok)
-    n_rounds = max(1, len(rounds))
-    return {
-        "dtype": dtype_name,
-        "target_param_bytes": param_bytes,
-        "drafter": args.drafter,
-        "drafter_config": {k: getattr(drafter.config, k) for k in
-                           ("block_size", "num_draft_layers", "sequential_head", "markov_rank",
-                            "use_confidence_head", "target_layer_ids")},
-        "block_size": args.block_size or drafter.config.block_size,
-        "prompts": len(prompts),
-        "plain_tokens_per_s": plain_tok / plain_s,
-        "plain_ms_per_token": 1e3 * s_per_token,
-        "plain_bandwidth_GBps": param_bytes / s_per_token / 1e9,
-        "dspark_tokens_per_s": ds_tok / ds_s,
-        "speedup": (ds_tok / ds_s) / (plain_tok / plain_s),
-        "tau": sum(r.committed for r in rounds) / n_rounds,
-        "rounds": len(rounds),
-        "acceptance_per_drafted": sum(r.accepted for r in rounds) / max(1, sum(r.drafted for r in rounds)),
-        "t_draft_ms": sum(r.t_draft_ms for r in rounds) / n_rounds,
-        "t_verify_ms": sum(r.t_verify_ms for r in rounds) / n_rounds,
-        "identical": sum(r["identical"] for r in per_prompt),
-        "per_prompt": per_prompt,
-    }
+    results = []
+    for gate in variants:
+        mine = runs[gate]
+        rounds = [rd for r in mine for rd in r[4].rounds]
+        n_rounds = max(1, len(rounds))
+        ds_tok, ds_s = sum(len(r[2]) for r in mine), sum(r[3] for r in mine)
+        paired = []
+        for rep in range(args.repeats):
+            p_s = sum(r[3] for r in plain if r[0] == rep) / max(1, sum(len(r[2]) for r in plain if r[0] == rep))
+            d_s = sum(r[3] for r in mine if r[0] == rep) / max(1, sum(len(r[2]) for r in mine if r[0] == rep))
+            paired.append(p_s / d_s)
+        faster = sum(x > 1 for x in paired)
+        results.append({
+            "dtype": dtype_name,
+            "draft_gate": gate,
+            "policy": args.policy,
+            "target_param_bytes": param_bytes,
+            "drafter": args.drafter,
+            "drafter_config": {k: getattr(drafter.config, k) for k in
+                               ("block_size", "num_draft_layers", "sequential_head", "markov_rank",
+                                "use_confidence_head", "target_layer_ids")},
+            "block_size": args.block_size or drafter.config.block_size,
+            "prompts": len(prompts),
+            "repeats": args.repeats,
+            "plain_tokens_per_s": plain_tok / plain_s,
+            "plain_ms_per_token": 1e3 * s_per_token,
+            "plain_bandwidth_GBps": param_bytes / s_per_token / 1e9,
+            "dspark_tokens_per_s": ds_tok / ds_s,
+            "speedup": (ds_tok / ds_s) / (plain_tok / plain_s),
+            "speedup_per_pass": paired,
+            "faster_passes": faster,
+            "sign_p": _sign_test_p(faster, len(paired)),
+            "tau": sum(r.committed for r in rounds) / n_rounds,
+            "rounds": len(rounds),
+            "skipped_draft_rounds": sum(r.drafted == 0 for r in rounds),
+            "acceptance_per_drafted": sum(r.accepted for r in rounds) / max(1, sum(r.drafted for r in rounds)),
+            "t_draft_ms": sum(r.t_draft_ms for r in rounds) / n_rounds,
+            "t_verify_ms": sum(r.t_verify_ms for r in rounds) / n_rounds,
+            "identical": sum(a[2] == b[2] for a, b in zip(plain, mine)),
+            "outputs": len(mine),
+        })
+    return results
 
 
 # ---------------------------------------------------------------------------------------------- Markov head
@@ -217,15 +267,17 @@ def markdown(result: dict) -> str:
             f"{g0['prompts']} prompts × {result['settings']['max_new_tokens']} new tokens, greedy, "
             f"torch threads: {result['machine']['torch_threads']}, CPU: {result['machine']['cpu']}.",
             "",
-            "| dtype | plain tok/s | plain ms/tok | plain GB/s | DSpark tok/s | speedup | τ | T_draft ms | "
-            "T_verify ms | identical |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| dtype | draft gate | plain tok/s | plain ms/tok | plain GB/s | DSpark tok/s | speedup | faster passes "
+            "(sign p) | τ | rounds without drafting | T_draft ms | T_verify ms | identical |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in gen:
             lines.append(
-                f"| {g['dtype']} | {g['plain_tokens_per_s']:.1f} | {g['plain_ms_per_token']:.1f} | "
-                f"{g['plain_bandwidth_GBps']:.2f} | {g['dspark_tokens_per_s']:.1f} | {g['speedup']:.2f}× | "
-                f"{g['tau']:.2f} | {g['t_draft_ms']:.1f} | {g['t_verify_ms']:.1f} | {g['identical']}/{g['prompts']} |"
+                f"| {g['dtype']} | {'on' if g['draft_gate'] else 'off'} | {g['plain_tokens_per_s']:.1f} | "
+                f"{g['plain_ms_per_token']:.1f} | {g['plain_bandwidth_GBps']:.2f} | {g['dspark_tokens_per_s']:.1f} | "
+                f"{g['speedup']:.2f}× | {g['faster_passes']}/{g['repeats']} (p={g['sign_p']:.2g}) | {g['tau']:.2f} | "
+                f"{g['skipped_draft_rounds']}/{g['rounds']} | {g['t_draft_ms']:.1f} | {g['t_verify_ms']:.1f} | "
+                f"{g['identical']}/{g['outputs']} |"
             )
         lines.append("")
     heads = result.get("markov_head", [])
@@ -271,19 +323,20 @@ def main(argv=None) -> int:
         "machine": machine_info(threads),
         "target": args.target or DEFAULT_TARGET,
         "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup_calls_per_path": 1,
-                     "block_size": args.block_size, "dtypes": dtypes},
+                     "block_size": args.block_size, "dtypes": dtypes, "policy": args.policy,
+                     "draft_gate": args.draft_gate, "repeats": args.repeats},
         "generate": [],
         "markov_head": [],
     }
     if not args.skip_generate:
         for dt in dtypes:
             print(f"[bench] generate, {dt} ...", file=sys.stderr, flush=True)
-            result["generate"].append(bench_dtype(args, dt, prompts))
+            result["generate"].extend(bench_dtype(args, dt, prompts))
     from transformers import AutoConfig
 
     result["vocab_size"] = AutoConfig.from_pretrained(args.target or default_target_path()).vocab_size
     for dt in dtypes:
-        for rank in [None] + [int(r) for r in args.ranks.split(",")]:
+        for rank in ([None] + [int(r) for r in args.ranks.split(",") if r.strip()]) if args.ranks.strip() else []:
             result["markov_head"].append(bench_markov(args, result["vocab_size"], dt, rank))
     try:
         result["machine"]["load_average_at_end"] = os.getloadavg()

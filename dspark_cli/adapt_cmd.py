@@ -1,15 +1,15 @@
 """`dspark adapt`: LoRA-adapt an existing DSpark drafter to a new domain through `DSparkTrainer` (peft).
 
-Build the new domain's data with the target first (e.g. ``dspark data build --out data/math --sources gsm_symbolic
+Build the new domain's data with the target first (e.g. ``dspark data build --out-dir data/math --sources gsm_symbolic
 --per-source 2000``), then::
 
-    dspark adapt --drafter hub_cards/... --data data/math --output-dir runs/adapt-math --max-steps 300 --merge
+    dspark adapt --drafter drafters/smollm2-135m-dspark --data data/math --out-dir runs/adapt-math --max-steps 300 --merge
 
 Only the LoRA adapters (rank ``--lora-r`` on the draft layers' q/k/v/o and gate/up/down projections; optionally
 full copies of the heads with ``--train-heads``) are trained, with the same loss, online target features and
 checkpointing as ``dspark train``. ``--eval-prompts N`` rows of the domain data (or of ``--eval-data``) are held out
 of training and used to measure greedy τ (``target.generate(assistant_model=…)``, full-block verification) before
-and after adaptation. Outputs in ``--output-dir``: ``adapter_model.safetensors`` + ``adapter_config.json`` (the
+and after adaptation. Outputs in ``--out-dir``: ``adapter_model.safetensors`` + ``adapter_config.json`` (the
 adapter; load it with :func:`training.peft_adapt.load_adapter`), ``dspark_adapter.json``,
 ``adapt_manifest.json`` (τ before/after, steps, wall time, trainable parameters, command) and, with ``--merge``,
 ``merged/``: a plain drafter with the LoRA folded in (``DSparkDraftModel.from_pretrained``). The STS temperatures
@@ -21,50 +21,72 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .common import (
+    add_device_option,
+    add_dtype_option,
+    add_hidden_alias,
+    add_out_dir_option,
+    add_progress_option,
+    add_threads_option,
+    require_out_dir,
+    resolve_dtype,
+    set_threads,
+)
+
 DEFAULT_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, help="directory of the trained drafter to adapt")
-    p.add_argument("--data", required=True, help="new-domain data: a directory written by `dspark data build`")
-    p.add_argument("--output-dir", required=True, help="checkpoints, the adapter, the manifest (and merged/)")
-    p.add_argument("--target", default=None,
+    p.add_argument("--drafter", required=True, metavar="PATH", help="directory of the trained drafter to adapt (required)")
+    p.add_argument("--data", required=True, metavar="DIR",
+                   help="new-domain data: a directory written by `dspark data build` (required)")
+    add_out_dir_option(p, None, "checkpoints, the adapter, the manifest (and merged/)")
+    add_hidden_alias(p, "--output-dir", "out_dir")
+    p.add_argument("--target", default=None, metavar="PATH",
                    help="local target directory (default: the drafter's target if it is a local directory, "
                         "else SmolLM2-135M-Instruct)")
     lo = p.add_argument_group("LoRA")
-    lo.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
-    lo.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 × rank)")
-    lo.add_argument("--lora-dropout", type=float, default=0.0)
+    lo.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
+    lo.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 × rank)")
+    lo.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default: 0.0)")
     lo.add_argument("--target-modules", default=DEFAULT_MODULES,
-                    help=f"comma-separated module names to adapt (default {DEFAULT_MODULES}; add fc for W_c)")
+                    help=f"comma-separated module names to adapt; add fc for W_c (default: {DEFAULT_MODULES})")
     lo.add_argument("--train-heads", action="store_true",
-                    help="also train full copies of the sequential and confidence heads (saved with the adapter)")
-    lo.add_argument("--merge", action="store_true", help="also save the merged drafter to OUTPUT_DIR/merged")
+                    help="also train full copies of the sequential and confidence heads, saved with the adapter "
+                         "(default: frozen)")
+    lo.add_argument("--merge", action="store_true",
+                    help="also save the merged drafter to OUT_DIR/merged (default: adapter only)")
     t = p.add_argument_group("training")
-    t.add_argument("--max-steps", type=int, default=300)
-    t.add_argument("--lr", type=float, default=5e-4)
-    t.add_argument("--warmup-steps", type=int, default=None, help="default 3%% of max-steps")
-    t.add_argument("--batch-size", type=int, default=8, help="sequences per device per step")
-    t.add_argument("--grad-accum", type=int, default=1)
-    t.add_argument("--anchors-per-seq", type=int, default=8)
-    t.add_argument("--max-length", type=int, default=2048)
-    t.add_argument("--bf16", action="store_true", help="bf16 target and bf16 autocast (CPU or CUDA)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default: 300)")
+    t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate, cosine schedule (default: 5e-4)")
+    t.add_argument("--warmup-steps", type=int, default=None, help="learning-rate warm-up (default: 3%% of max-steps)")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per device per step (default: 8)")
+    t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    t.add_argument("--anchors-per-seq", type=int, default=8, help="random anchors (blocks) per sequence (default: 8)")
+    t.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens (default: 2048)")
+    add_dtype_option(t, "float32")
+    add_hidden_alias(t, "--bf16", "dtype", const="bfloat16")
+    t.add_argument("--seed", type=int, default=0, help="LoRA initialisation and data-order seed (default: 0)")
     t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="resume from CHECKPOINT, or from the latest checkpoint in --output-dir")
-    t.add_argument("--save-steps", type=int, default=100)
-    t.add_argument("--save-total-limit", type=int, default=2)
-    t.add_argument("--logging-steps", type=int, default=10)
-    t.add_argument("--num-workers", type=int, default=0)
-    t.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present")
+                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir "
+                        "(default: start fresh)")
+    t.add_argument("--save-steps", type=int, default=100, help="checkpoint every N steps (default: 100)")
+    t.add_argument("--save-total-limit", type=int, default=2, help="checkpoints kept (default: 2)")
+    t.add_argument("--logging-steps", type=int, default=10, help="log the losses every N steps (default: 10)")
+    t.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
     e = p.add_argument_group("τ before / after")
     e.add_argument("--eval-prompts", type=int, default=16,
-                   help="held-out domain prompts for greedy τ before and after (0 = skip; default 16)")
-    e.add_argument("--eval-data", default=None,
-                   help="take the τ prompts from this data directory instead of holding them out of --data")
-    e.add_argument("--eval-max-new-tokens", type=int, default=64)
-    e.add_argument("--eval-block-size", type=int, default=None, help="γ' for the τ measurement (default: drafter's)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+                   help="held-out domain prompts for greedy τ before and after, 0 = skip (default: 16)")
+    e.add_argument("--eval-data", default=None, metavar="DIR",
+                   help="take the τ prompts from this data directory (default: held out of --data)")
+    e.add_argument("--eval-max-new-tokens", type=int, default=64,
+                   help="new tokens per τ prompt (default: 64)")
+    e.add_argument("--eval-block-size", type=int, default=None,
+                   help="γ' for the τ measurement (default: the drafter's block size)")
+    add_device_option(p)
+    add_hidden_alias(p, "--cpu", "device", const="cpu")
+    add_threads_option(p)
+    add_progress_option(p)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -109,6 +131,7 @@ def split_eval(data, n: int, seed: int, eval_data=None):
 
 
 def run(args) -> int:
+    require_out_dir(args, "dspark adapt")
     import json
     import os
     import time
@@ -131,11 +154,12 @@ def run(args) -> int:
     from modeling_dspark.target import load_target
     from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    args.output_dir = args.out_dir
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    use_cpu = device.startswith("cpu")
+    args.bf16 = resolve_dtype(args.dtype, device, announce="dspark adapt") == "bfloat16"
     transformers.set_seed(args.seed)
-    use_cpu = args.cpu or not torch.cuda.is_available()
-    device = "cpu" if use_cpu else "cuda"
     target, tok = load_target(_resolve_target(args, args.drafter),
                               dtype=torch.bfloat16 if args.bf16 else torch.float32, device=device)
     drafter = DSparkDraftModel.from_pretrained(args.drafter, target=target)
@@ -171,6 +195,7 @@ def run(args) -> int:
     collator = DSparkCollator(gamma, args.anchors_per_seq, pad, args.seed, args.max_length)
     warmup = args.warmup_steps if args.warmup_steps is not None else int(0.03 * args.max_steps)
     targs = TrainingArguments(
+        disable_tqdm=args.no_progress,
         output_dir=args.output_dir, max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=warmup,
         lr_scheduler_type="cosine", per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, bf16=args.bf16, seed=args.seed, data_seed=args.seed,

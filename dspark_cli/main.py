@@ -32,11 +32,26 @@ def _import_optional(name: str):
         raise  # a missing dependency *inside* the module is a real error
 
 
+def version_string() -> str:
+    """``dspark X (torch Y, transformers Z)`` from the installed packages' metadata (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"dspark {v('dspark')} (torch {v('torch')}, transformers {v('transformers')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dspark",
         description="DSpark: confidence-scheduled speculative decoding for Hugging Face transformers.",
+        epilog="`dspark COMMAND --help` documents each command.",
     )
+    parser.add_argument("--version", action="version", version=version_string())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         mod = _import_optional(name)

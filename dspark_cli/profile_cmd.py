@@ -18,7 +18,15 @@ import json
 import sys
 from pathlib import Path
 
-from .common import DTYPES  # noqa: F401
+from .common import (
+    CLIError,
+    add_device_option,
+    add_dtype_option,
+    add_progress_option,
+    add_threads_option,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 
@@ -33,8 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: float32)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current setting)")
+    add_dtype_option(p, "float32")
+    add_device_option(p)
+    add_threads_option(p)
     p.add_argument("--contexts", type=int, nargs="+", default=[256], metavar="N",
                    help="context lengths in the KV cache (default: 256)")
     p.add_argument("--requests", type=int, nargs="+", default=[1], metavar="R",
@@ -47,10 +56,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="profile file to merge into (default: the profile cache)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot of the curves (default: next to the profile file)")
-    p.add_argument("--no-plot", action="store_true", help="do not write a plot")
+    p.add_argument("--no-plot", action="store_true", help="do not write a plot (default: write one)")
     p.add_argument("--show", action="store_true",
-                   help="print the cached tables for this target / dtype / threads; measure nothing")
-    p.add_argument("--json", action="store_true", help="print the tables as JSON")
+                   help="print the cached tables for this target / dtype / threads; measure nothing (default: measure)")
+    p.add_argument("--json", action="store_true", help="print the tables as JSON (default: text)")
+    add_progress_option(p)
     p.set_defaults(func=run)
     return p
 
@@ -89,7 +99,12 @@ def run(args) -> int:
 
     threads = args.threads or torch.get_num_threads()
     try:
-        target, _ = load_target(args.target, dtype=getattr(torch, args.dtype))
+        device = resolve_device(args.device)
+    except CLIError as err:
+        return _fail(str(err))
+    args.dtype = resolve_dtype(args.dtype, device, announce=None if args.show else "dspark profile")
+    try:
+        target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
     except (FileNotFoundError, OSError) as err:
         return _fail(f"could not load target: {err}")
     name = profiling.target_name(target)
@@ -102,12 +117,13 @@ def run(args) -> int:
         _print_tables(prof, args.json)
         return 0
 
-    print(f"profiling {name} ({args.dtype}, {threads} threads): contexts {args.contexts}, R {args.requests}",
-          file=sys.stderr)
+    log = (lambda *a, **k: None) if args.no_progress else print
+    log(f"profiling {name} ({args.dtype}, {threads} threads): contexts {args.contexts}, R {args.requests}",
+        file=sys.stderr)
     try:
         result = profiling.profile_target(
             target, contexts=args.contexts, requests=args.requests, tokens=args.tokens, threads=threads,
-            warmup=args.warmup, repeats=args.repeats, progress=lambda s: print("  " + s, file=sys.stderr),
+            warmup=args.warmup, repeats=args.repeats, progress=lambda s: log("  " + s, file=sys.stderr),
         )
         profiling.save_profile(result, path)
         prof = profiling.load_profile(name, args.dtype, threads, path, device=target.device)

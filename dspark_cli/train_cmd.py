@@ -1,15 +1,28 @@
-"""`dspark train`: train a DSpark drafter for a frozen target with `DSparkTrainer` (SPEC §5).
+"""`dspark train`: train a DSpark drafter for a frozen target with `DSparkTrainer` (docs/training.md).
 
-Standalone: ``python -m dspark_cli.train_cmd --data data/smollm2 --output-dir runs/dspark --max-steps 2000 --bf16``.
+Standalone: ``python -m dspark_cli.train_cmd --data data/smollm2 --out-dir runs/dspark --max-steps 2000 --dtype
+bfloat16`` (the form `accelerate launch -m dspark_cli.train_cmd` runs).
 Runs unchanged on CUDA (bf16) and under ``accelerate launch``. Checkpoints (drafter weights + config + optimizer
-state) go to ``--output-dir/checkpoint-N``; ``--resume`` continues from the latest one. The final drafter is saved
-to ``--output-dir`` with ``training_manifest.json``.
+state) go to ``OUT_DIR/checkpoint-N``; ``--resume`` continues from the latest one. The final drafter is saved
+to ``--out-dir`` with ``training_manifest.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from .common import (
+    add_device_option,
+    add_dtype_option,
+    add_hidden_alias,
+    add_out_dir_option,
+    add_progress_option,
+    add_threads_option,
+    require_out_dir,
+    resolve_dtype,
+    set_threads,
+)
 
 
 def _ints(text: str | None):
@@ -19,53 +32,64 @@ def _ints(text: str | None):
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="one or more directories written by `dspark data build` (or save_to_disk dirs), "
-                        "concatenated in the order given")
-    p.add_argument("--output-dir", required=True, help="checkpoints and the final drafter")
-    p.add_argument("--target", default=None, help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
+                        "concatenated in the order given (required)")
+    add_out_dir_option(p, None, "checkpoints (OUT_DIR/checkpoint-N) and the final drafter")
+    add_hidden_alias(p, "--output-dir", "out_dir")
+    p.add_argument("--target", default=None, metavar="PATH",
+                   help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
     g = p.add_argument_group("drafter")
-    g.add_argument("--block-size", type=int, default=8, help="γ (default 8)")
-    g.add_argument("--sequential-head", choices=["markov", "rnn", "none"], default="markov")
-    g.add_argument("--markov-rank", type=int, default=64, help="r of the Markov/RNN head (default 64)")
-    g.add_argument("--num-draft-layers", type=int, default=2)
+    g.add_argument("--block-size", type=int, default=8, help="block size γ: draft slots per round (default: 8)")
+    g.add_argument("--sequential-head", choices=["markov", "rnn", "none"], default="markov",
+                   help="sequential correction: Markov (docs/method.md eq. 5), RNN (eq. 6) or none = plain DFlash "
+                        "(default: markov)")
+    g.add_argument("--markov-rank", type=int, default=64, help="rank r of the Markov/RNN head (default: 64)")
+    g.add_argument("--num-draft-layers", type=int, default=2, help="decoder layers of the drafter (default: 2)")
     g.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft over the N most frequent response tokens of the data (default: full vocabulary)")
-    g.add_argument("--target-layer-ids", default=None, help="comma-separated target layers for the features")
-    g.add_argument("--no-confidence-head", action="store_true", help="drop the confidence head (plain DFlash: "
-                   "combine with --sequential-head none)")
+    g.add_argument("--target-layer-ids", default=None, metavar="L1,L2,...",
+                   help="comma-separated target layers for the context features (default: spread over the depth)")
+    g.add_argument("--no-confidence-head", action="store_true",
+                   help="drop the confidence head (plain DFlash: combine with --sequential-head none; default: kept)")
     g.add_argument("--init-from-target", nargs="?", const="last", default=None, metavar="LAYER_IDS",
-                   help="initialise the draft layers from target layers (default: the last num-draft-layers)")
-    l = p.add_argument_group("loss")
-    l.add_argument("--ce-weight", type=float, default=0.1)
-    l.add_argument("--tv-weight", type=float, default=0.9)
-    l.add_argument("--conf-weight", type=float, default=1.0)
-    l.add_argument("--loss-decay", type=float, default=None, help="position-weight decay (default γ)")
+                   help="initialise the draft layers from target layers; without a value the last "
+                        "--num-draft-layers (default: random initialisation)")
+    l = p.add_argument_group("loss (docs/method.md eqs. 11-14)")
+    l.add_argument("--ce-weight", type=float, default=0.1, help="weight of the cross-entropy term (default: 0.1)")
+    l.add_argument("--tv-weight", type=float, default=0.9, help="weight of the L1 (TV) term (default: 0.9)")
+    l.add_argument("--conf-weight", type=float, default=1.0, help="weight of the confidence term (default: 1.0)")
+    l.add_argument("--loss-decay", type=float, default=None,
+                   help="position weights w_k = exp(-(k-1)/decay) (default: γ)")
     t = p.add_argument_group("training")
-    t.add_argument("--anchors-per-seq", type=int, default=8, help="random anchors (blocks) per sequence (default 8)")
-    t.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
-    t.add_argument("--max-steps", type=int, default=1000)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--warmup-steps", type=int, default=None, help="default 3%% of max-steps")
-    t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--batch-size", type=int, default=8, help="sequences per device per step")
-    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--anchors-per-seq", type=int, default=8, help="random anchors (blocks) per sequence (default: 8)")
+    t.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens (default: 2048)")
+    t.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (default: 1000)")
+    t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate, cosine schedule (default: 6e-4)")
+    t.add_argument("--warmup-steps", type=int, default=None, help="learning-rate warm-up (default: 3%% of max-steps)")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0.0)")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per device per step (default: 8)")
+    t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
     t.add_argument("--sampling", choices=["group_by_length", "random"], default="group_by_length",
-                   help="batch sampling: group sequences of similar length (less padding; default) or random")
-    t.add_argument("--bf16", action="store_true", help="bf16 target and bf16 autocast (CPU or CUDA)")
-    t.add_argument("--seed", type=int, default=0)
+                   help="batch sampling: group sequences of similar length (less padding) or random "
+                        "(default: group_by_length)")
+    add_dtype_option(t, "float32")
+    add_hidden_alias(t, "--bf16", "dtype", const="bfloat16")
+    t.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed (default: 0)")
     t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="resume from CHECKPOINT, or from the latest checkpoint in --output-dir")
-    t.add_argument("--save-steps", type=int, default=500)
-    t.add_argument("--save-total-limit", type=int, default=3)
-    t.add_argument("--logging-steps", type=int, default=10)
-    t.add_argument("--num-workers", type=int, default=0, help="dataloader workers")
+                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir "
+                        "(default: start fresh)")
+    t.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default: 500)")
+    t.add_argument("--save-total-limit", type=int, default=3, help="checkpoints kept (default: 3)")
+    t.add_argument("--logging-steps", type=int, default=10, help="log the losses every N steps (default: 10)")
+    t.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
     t.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="run the frozen target once over the data, store its features in DIR (resumable; ~7 KB per "
                         "token for SmolLM2) and train from them: no target forward per step. Under `accelerate "
-                        "launch` rank 0 builds it while the others wait (at most ddp_timeout, 30 min): build it with one "
-                        "process first")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (on a busy machine 1 thread can be much faster than oversubscribing)")
-    t.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present")
+                        "launch` rank 0 builds it while the others wait (at most ddp_timeout, 30 min): build it with "
+                        "one process first (default: run the target online every step)")
+    add_device_option(p)
+    add_hidden_alias(p, "--cpu", "device", const="cpu")
+    add_threads_option(p)
+    add_progress_option(p)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -106,6 +130,7 @@ def load_training_data(paths):
 
 
 def run(args) -> int:
+    require_out_dir(args, "dspark train")
     import json
     import os
     import time
@@ -120,8 +145,10 @@ def run(args) -> int:
     from modeling_dspark.target import DEFAULT_TARGET, load_target
     from training.trainer import DSparkCollator, DSparkTrainer, init_from_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    args.output_dir = args.out_dir
+    args.cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    args.bf16 = resolve_dtype(args.dtype, "cpu" if args.cpu else "cuda", announce="dspark train") == "bfloat16"
     transformers.set_seed(args.seed)
     target, tok = load_target(args.target, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     extra = {}
@@ -154,6 +181,7 @@ def run(args) -> int:
     cache_wall = None
     warmup = args.warmup_steps if args.warmup_steps is not None else int(0.03 * args.max_steps)
     targs = TrainingArguments(
+        disable_tqdm=args.no_progress,
         output_dir=args.output_dir, max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=warmup,
         weight_decay=args.weight_decay, lr_scheduler_type="cosine", per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, train_sampling_strategy=args.sampling, bf16=args.bf16, seed=args.seed, data_seed=args.seed,

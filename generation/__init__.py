@@ -1,34 +1,35 @@
-"""DSpark inference: candidate generator for `generate()`, verify policies, scheduler, statistics.
+"""DSpark inference: the drafting round, verify policies, Algorithm 1, the cost model, `generate()` integration,
+the batched engine, SPS(B) profiling and statistics.
 
 Never imports training code.
 """
 
 from .candidate_generator import DSparkCandidateGenerator
-from .integration import dspark_options, enable_dspark
-from .policies import ConfidenceThreshold, FixedLength, FullBlock, PrefixScheduler, VerifyPolicy, make_policy
-from .stats import GenerationStats, RoundStats, collect_stats
+from .cost_model import CostModel
+from .drafting import draft_round
 from .engine import DSparkEngine, RequestOutput, generate_batch
+from .integration import dspark_options
+from .policies import POLICY_NAMES, Policy, parse_policy
 from .profiling import SPSCurve, SPSProfile, ensure_profile, load_profile, load_sps
+from .stats import GenerationStats, RoundStats, collect_stats
 
 __all__ = [
     "DSparkCandidateGenerator",
-    "dspark_options",
-    "enable_dspark",
-    "VerifyPolicy",
-    "FullBlock",
-    "FixedLength",
-    "ConfidenceThreshold",
-    "PrefixScheduler",
-    "make_policy",
-    "GenerationStats",
-    "RoundStats",
-    "collect_stats",
+    "CostModel",
+    "draft_round",
     "DSparkEngine",
     "RequestOutput",
     "generate_batch",
+    "dspark_options",
+    "POLICY_NAMES",
+    "Policy",
+    "parse_policy",
     "SPSCurve",
     "SPSProfile",
     "ensure_profile",
     "load_profile",
     "load_sps",
+    "GenerationStats",
+    "RoundStats",
+    "collect_stats",
 ]

@@ -1,19 +1,29 @@
-"""`DSparkCandidateGenerator`: the DSpark drafter as a transformers `CandidateGenerator`.
+"""`DSparkCandidateGenerator`: the DSpark drafter as a transformers `CandidateGenerator` (R = 1).
 
-One round, read top to bottom (SPEC §1–§2):
-1. ingest the target features of the tokens committed since the last round into the drafter's context K/V cache
-   (the drafter never re-reads the whole prefix);
-2. one parallel drafter forward over [anchor, mask × (γ−1)] → h_k, U_k for all γ slots;
-3. left to right: confidence c_k (eq. 7, STS-calibrated) → the verify policy decides whether x_k is verified →
-   correction B_k (eq. 5/6) → logits processors → sample (or argmax) x_k from exactly the distribution that is
-   returned as its candidate logits (greedy without logits processors: argmax over the draft vocabulary, all
-   confidences in one batched call, the same tokens and ℓ, no candidate logits: ``_propose_greedy``);
-4. transformers' assisted-decoding loop verifies the candidates in one target forward and accepts/rejects them
-   (greedy match, or rejection sampling with residual resampling), which keeps the output lossless.
+Each round takes the target features that transformers' assisted loop returns (``output_hidden_states``), queues
+those of the newly committed positions for the drafter's context, and calls the shared drafting round
+(:func:`generation.drafting.draft_round`) for one request. transformers then verifies the candidates in one target
+forward and accepts or rejects them (greedy match, or rejection sampling with residual resampling), which keeps the
+output lossless.
 
-With the DSpark scheduler (:class:`~generation.policies.PrefixScheduler`), a :class:`~generation.draft_gate.DraftGate`
-first decides from past rounds whether drafting this round is expected to pay at all; a skipped round returns no
-candidates (one plain decoding step) and its target features are ingested at the next drafting round.
+With the ``scheduler`` or ``lagged`` policy the round is priced by a :class:`~generation.cost_model.CostModel`
+(SPS(B) and the drafter's measured time); its draft gate may skip drafting in a round where past rounds say it does
+not pay: the round then returns no candidates (one plain decoding step) and its features wait for the next drafting
+round.
+
+The n-gram lookup proposer (:class:`generation.lookup.LookupChain`, on unless ``dspark_options(lookup=False)``)
+proposes a second candidate chain at no model cost: the continuation of the most recent earlier occurrence of the
+last committed tokens. Each round verifies one chain, a prefix of the drafter's block or of the lookup
+continuation, whichever has the larger expected committed tokens per second (Algorithm 1 with two candidate chains,
+:func:`generation.scheduler.choose_chain`); when the lookup is expected to beat drafting, the drafter forward is
+skipped and its features wait for the next drafting round. A lookup proposal is a point mass, returned without
+candidate logits: transformers then draws the target's token at every position and keeps the candidates while they
+agree, which is its rejection rule for a one-hot proposal, so greedy and sampled outputs stay lossless.
+
+Stop strings: transformers' assisted loop checks its stopping criteria once per round, on the last committed token,
+so a stop string completed by an accepted draft token inside the block would go unseen. When the call has stop
+strings, the draft is cut before the first token whose acceptance would complete one, so a stop string can only
+complete at a round's last committed token (the target's own token), where the criteria see it.
 """
 
 from __future__ import annotations
@@ -23,23 +33,31 @@ from typing import Any
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 from modeling_dspark.target import context_features, hidden_state_indices
 
-from .draft_gate import SKIP_REASONS, gate_for
-from .policies import FullBlock, PrefixScheduler, VerifyPolicy
+from .cost_model import CostModel
+from .drafting import DraftContext, Sampler, draft_round
+from .lookup import LookupChain
+from .packed_target import RequestKV
+from .policies import LaggedBudget, Policy, parse_policy
 from .stats import GenerationStats, RoundStats, register
 
 
-def validate_request(drafter, target, generation_config, input_ids=None, model_kwargs=None, block_size=None,
-                     policy=None) -> int:
+def validate_request(drafter, target, generation_config, input_ids=None, block_size=None, policy=None) -> int:
     """Check one `generate()` request before any compute; return the block size γ' to use.
 
+    An attention mask with zeros is allowed: transformers applies it to the target in every verify forward, so the
+    output is that of plain `generate()` with the same mask (transformers infers one from ``pad_token_id`` when none
+    is passed, e.g. when the pad id equals a token of the chat template); the drafter reads all positions, which can
+    only change how many drafts are accepted.
+
     Raises:
-        ValueError: batch size > 1, an empty or padded prompt, block_size out of [1, γ], a policy that needs a
-            confidence head the drafter lacks, `assistant_ensemble_weight` (not lossless), or a drafter bound to
-            a different target instance (re-binding would change it for every other user of the drafter).
+        ValueError: batch size > 1, an empty prompt, block_size out of [1, γ], a policy that needs a confidence
+            head the drafter lacks, `assistant_ensemble_weight` (not lossless), or a drafter bound to a different
+            target instance (re-binding would change it for every other user of the drafter).
     """
     if input_ids is not None:
         if input_ids.shape[0] != 1:
@@ -49,9 +67,6 @@ def validate_request(drafter, target, generation_config, input_ids=None, model_k
             )
         if input_ids.shape[1] == 0:
             raise ValueError("empty prompt: input_ids has no tokens")
-    mask = (model_kwargs or {}).get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("padded prompts are not supported with batch size 1; pass the unpadded input_ids")
     if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
         raise ValueError("assistant_ensemble_weight relaxes verification (not lossless); DSpark does not support it")
     bound = drafter._target.get("model")
@@ -65,33 +80,36 @@ def validate_request(drafter, target, generation_config, input_ids=None, model_k
     gamma = drafter.config.block_size if block_size is None else block_size
     if not 1 <= gamma <= drafter.config.block_size:
         raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {gamma}")
-    if getattr(policy, "needs_confidence", False) and drafter.confidence_head is None:
-        raise ValueError(f"verify policy {policy.name!r} needs a drafter with a confidence head; this one has none")
+    if policy is not None and parse_policy(policy).needs_confidence and drafter.confidence_head is None:
+        raise ValueError(f"verify policy {parse_policy(policy).name!r} needs a drafter with a confidence head; "
+                         "this one has none")
     return gamma
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
     """Candidate generator for `target.generate(ids, assistant_model=drafter)` with a DSpark drafter.
 
-    State for one `generate()` call lives here (context cache, policy, statistics); the drafter holds only weights.
+    State for one `generate()` call lives here (context cache, policy state, cost model, statistics); the drafter
+    holds only weights.
 
     Args:
         drafter: a :class:`DSparkDraftModel` bound to ``target``.
         target: the target causal LM.
-        generation_config: the call's generation config (``do_sample``, ``max_length``).
+        generation_config: the call's generation config (``do_sample``, ``max_length``, ``stop_strings``).
         logits_processor: the call's processors (incl. temperature / top-k / top-p warpers when sampling); applied
             to the draft logits exactly as the target's logits are processed.
         input_ids: ``[1, P]`` prompt ids.
-        model_kwargs: the call's model kwargs (``attention_mask``).
-        policy: a :class:`VerifyPolicy` (default :class:`FullBlock`).
+        policy: a verify policy spec or :class:`~generation.policies.Policy` (default ``full``).
         block_size: γ' ≤ γ slots per round (default ``drafter.config.block_size``).
-        draft_gate: with the DSpark scheduler policy, skip drafting in rounds where past rounds say it does not pay
-            (:class:`~generation.draft_gate.DraftGate`; default True). Ignored by the other policies, which draft
-            every round as asked.
+        cost_model: prices ``scheduler`` / ``lagged`` rounds (SPS(B), drafting time, draft gate); required by them.
+        tokenizer: the call's tokenizer (needed with ``stop_strings``, as for plain `generate()`).
+        lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
+            proposer.
 
     Raises:
-        ValueError: batch size > 1, an empty prompt, a padded prompt, block_size out of range, or a drafter that
-            does not match the target — all before any compute.
+        ValueError: batch size > 1, an empty prompt, block_size out of range, a drafter that does not match the
+            target, ``scheduler`` / ``lagged`` without a cost model, stop strings without a tokenizer — all before
+            any compute.
     """
 
     requires_model_outputs = True
@@ -104,123 +122,67 @@ class DSparkCandidateGenerator(CandidateGenerator):
         generation_config,
         logits_processor=None,
         input_ids: torch.LongTensor | None = None,
-        model_kwargs: dict | None = None,
-        policy: VerifyPolicy | None = None,
+        policy: str | Policy | None = None,
         block_size: int | None = None,
-        draft_gate: bool = True,
+        cost_model: CostModel | None = None,
+        tokenizer=None,
+        lookup: bool = True,
     ):
-        gamma = validate_request(drafter, target, generation_config, input_ids, model_kwargs, block_size, policy)
+        self.policy = parse_policy(policy)
+        gamma = validate_request(drafter, target, generation_config, input_ids, block_size, self.policy)
+        if self.policy.needs_sps and cost_model is None:
+            raise ValueError(f"verify policy {self.policy.name!r} needs an SPS(B) table (a CostModel)")
+        stop_strings = getattr(generation_config, "stop_strings", None)
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate()")
         self.drafter = drafter
         self.block_size = gamma
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.model_kwargs_overrides = {"output_hidden_states": hidden_state_indices(self.layer_ids)}
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
-        self.logits_processor = logits_processor
-        self.policy = policy or FullBlock()
-        # greedy with no logits processors: transformers ignores candidate logits and compares argmaxes, so drafts
-        # are chosen in the draft vocabulary without building processed [1, V] logits (see _propose_greedy)
-        self._greedy_fast = not self.do_sample and not (logits_processor is not None and len(logits_processor) > 0)
-        self.cache = drafter.new_context_cache()
-        self.num_context = 0  # target positions already in the drafter's context cache
+        self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
+        self.cost = cost_model if self.policy.needs_sps else None
+        self.lagged = LaggedBudget(self.policy.lag) if self.policy.kind == "lagged" else None
+        self.stop = StopStringCriteria(tokenizer, stop_strings) if stop_strings else None
+        self.context = DraftContext(RequestKV(drafter.config.num_draft_layers))
+        self.num_context = 0  # target positions whose features were taken (ingested or pending)
+        self.skipped = 0  # consecutive rounds the draft gate skipped
         self.stats = GenerationStats()
         register(self.stats)
-        self._t_drafted = None
-        self.gate = None
-        if draft_gate and isinstance(self.policy, PrefixScheduler):  # learned state carries over between calls
-            self.gate = gate_for(drafter, target, gamma, self.policy.sps)
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # features of rounds the gate skipped
-        self._steady = False  # the current drafting round measures steady-state drafting (see get_candidates)
+        self._round: tuple[float, RoundStats, int] | None = None  # (end of drafting, its record, ingested)
+        self.lookup = LookupChain(num_positions=max(16, gamma)) if lookup else None
+        self._verify_s: float | None = None  # moving averages pricing the lookup without a cost model (seconds)
+        self._draft_s: float | None = None
 
-    # ------------------------------------------------------------------ helpers
-    def _ingest(self, input_ids: torch.LongTensor, model_outputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target features of the newly committed positions [num_context, cur_len − 1) and their positions."""
+    def _take_features(self, input_ids: torch.LongTensor, model_outputs) -> None:
+        """Queue the target features of the newly committed positions [num_context, L − 1) for the drafter."""
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise ValueError("the target did not return hidden_states; DSpark needs them every round")
         n_new = input_ids.shape[1] - 1 - self.num_context
-        feats = context_features(model_outputs.hidden_states, self.layer_ids, 0, n_new)
-        pos = torch.arange(self.num_context, self.num_context + n_new, device=input_ids.device)[None]
+        self.context.pending.append(context_features(model_outputs.hidden_states, self.layer_ids, 0, n_new))
         self.num_context += n_new
-        return feats, pos
 
-    def _sample(self, logits: torch.Tensor) -> torch.LongTensor:
-        if self.do_sample:
-            return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-        return logits.argmax(dim=-1, keepdim=True)
+    def _prices(self, length: int):
+        """SPS(B) of the verify alone and the drafter's time t_draft (s) for the lookup chooser: the cost model's
+        where the policy is priced, else a flat SPS at the measured mean verify time (B tokens cost one forward, as
+        on memory-bound hardware) and the measured mean drafting time."""
+        if self.cost is not None:
+            return self.cost.curve(1, length), self.cost.draft_seconds(1)
+        verify = self._verify_s or 1.0
+        return (lambda batch_tokens: 1.0 / verify), (self._draft_s or 0.0)
 
-    @torch.no_grad()
-    def propose(self, input_ids: torch.LongTensor, hidden: torch.Tensor, base_logits: torch.Tensor, budget: int):
-        """Left-to-right drafting of up to ``budget`` tokens (steps 3 of the module doc).
+    def _stop_cut(self, input_ids: torch.LongTensor, tokens: list[int]) -> int:
+        """How many leading draft tokens can be accepted without completing a stop string (module doc)."""
+        if self.stop is None:
+            return len(tokens)
+        ids = input_ids
+        for j, tok in enumerate(tokens):
+            ids = torch.cat([ids, ids.new_tensor([[tok]])], dim=-1)
+            if bool(self.stop(ids, None)[0]):
+                return j
+        return len(tokens)
 
-        Args:
-            input_ids: ``[1, L]`` committed ids (the last one is the anchor x_0).
-            hidden: ``[γ', H]`` h_k; base_logits: ``[γ', N]`` U_k (float32; N = V or the draft vocabulary size).
-
-        Returns:
-            ``(tokens [1, ℓ] long, logits [1, ℓ, V] float32 processed, confidences list[float])``; logits are None
-            for greedy decoding without logits processors (:meth:`_propose_greedy`) or when ℓ = 0.
-        """
-        if self._greedy_fast:
-            return self._propose_greedy(input_ids, hidden, base_logits, budget)
-        d = self.drafter
-        ids, prev, state = input_ids, input_ids[:, -1], None
-        tokens, logits_out, confs = [], [], []
-        self.policy.start_round(budget)
-        for k in range(budget):
-            conf = None
-            cl = d.confidence_logits(prev, hidden[k : k + 1])
-            if cl is not None:
-                conf = float(d.calibrated_confidence(cl, k))
-            if not self.policy.admit(k + 1, conf):
-                break
-            logits = base_logits[k : k + 1]
-            bias, state = d.correction_step(prev, hidden[k : k + 1], state)
-            if bias is not None:
-                logits = logits + bias
-            logits = d.expand_draft_logits(logits)  # [1, V]: -inf outside the draft vocabulary, if one is set
-            if self.logits_processor is not None and len(self.logits_processor) > 0:
-                logits = self.logits_processor(ids, logits)
-            token = self._sample(logits)
-            ids = torch.cat([ids, token], dim=-1)
-            tokens.append(token)
-            logits_out.append(logits)
-            if conf is not None:
-                confs.append(conf)
-            prev = token[:, 0]
-        if not tokens:
-            return input_ids.new_zeros(1, 0), None, confs
-        return torch.cat(tokens, dim=-1), torch.stack(logits_out, dim=1), confs
-
-    def _propose_greedy(self, input_ids: torch.LongTensor, hidden: torch.Tensor, base_logits: torch.Tensor,
-                        budget: int):
-        """:meth:`propose` for greedy decoding with no logits processors: the same tokens, confidences and ℓ.
-
-        x_k = argmax(U_k + B_k) is taken in the draft vocabulary (:meth:`DSparkDraftModel.draft_token_ids`), all
-        ``budget`` tokens first; then the confidences c_1..c_budget (eq. 7; each reads only x_{k−1}, so drafting
-        ahead cannot change them) in one batched product; then the policy admits x_1, x_2, … in order, exactly as
-        in :meth:`propose`. Candidate logits are None: greedy verification compares argmaxes only.
-        """
-        d = self.drafter
-        prev, state, drafted = input_ids[0, -1:], None, []
-        for k in range(budget):
-            logits = base_logits[k : k + 1]
-            bias, state = d.correction_step(prev, hidden[k : k + 1], state)
-            if bias is not None:
-                logits = logits + bias
-            prev = d.draft_token_ids(logits.argmax(dim=-1))
-            drafted.append(prev)
-        tokens = torch.cat(drafted)
-        confs: list[float] = []
-        cl = d.confidence_logits(torch.cat([input_ids[0, -1:], tokens[:-1]]), hidden[:budget])
-        if cl is not None:
-            confs = d.calibrated_confidence(cl, torch.arange(budget, device=cl.device)).tolist()
-        self.policy.start_round(budget)
-        n = 0
-        while n < budget and self.policy.admit(n + 1, confs[n] if confs else None):
-            n += 1
-        return tokens[None, :n], None, confs[:n]
-
-    # ------------------------------------------------------------------ CandidateGenerator protocol
     @torch.no_grad()
     def get_candidates(
         self,
@@ -234,65 +196,93 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """Return ``([1, L + ℓ] ids with ℓ candidates appended, [1, ℓ, V] candidate logits or None)``."""
         if is_first_iteration:  # the target must prefill first: its features are the drafter's context
             return input_ids, None
-        budget = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
-        if budget <= 0:  # the next target step is the last one: nothing to draft, no later round needs context
+        length = input_ids.shape[1]
+        room = self.max_length - length - 1
+        budget = min(self.block_size, room) if self.policy.drafts else 0
+        # the lookup proposes at most γ' tokens: an SPS(B) profile covers the drafter's verify sizes B ≤ γ' + 1
+        proposal = None
+        if self.lookup is not None and room > 0:
+            proposal = self.lookup.propose(input_ids, min(room, self.block_size))
+        if budget <= 0 and not (proposal and proposal.tokens):  # one plain step; no later round needs the context
             return input_ids, None
         t0 = time.perf_counter()
-        feats, ctx_pos = self._ingest(input_ids, model_outputs)
-        if self.gate is not None:
-            drafts, reason = self.gate.decide(budget, now=t0)
-            if not drafts:  # one plain step; the drafter ingests these features when it next drafts
-                self._pending.append((feats, ctx_pos))
-                self._t_drafted = time.perf_counter()
-                self.stats.rounds.append(RoundStats(drafted=0, verified=0, gate=reason))
-                return input_ids, None
-            # steady: catching up on at most one skipped round (a pairing round), and not on the prompt (which a
-            # later call's first drafting round ingests even after a skipped first round)
-            first_pos = self._pending[0][1] if self._pending else ctx_pos
-            self._steady = len(self._pending) <= 1 and int(first_pos[0, 0]) > 0
-            if self._pending:
-                feats = torch.cat([f for f, _ in self._pending] + [feats], dim=1)
-                ctx_pos = torch.cat([p for _, p in self._pending] + [ctx_pos], dim=1)
-                self._pending = []
-            gate_reason = reason
-        else:
-            gate_reason = ""
-        anchor_pos = torch.tensor([[input_ids.shape[1] - 1]], device=input_ids.device)
-        out = self.drafter(
-            input_ids[:, -1:].to(self.drafter.device),
-            anchor_pos.to(self.drafter.device),
-            feats.to(self.drafter.device),
-            ctx_pos.to(self.drafter.device),
-            cache=self.cache,
-            num_slots=self.block_size,
-        )
-        hidden = out.hidden_states[0, 0].to(input_ids.device)
-        base = out.base_logits[0, 0].to(input_ids.device)
-        tokens, logits, confs = self.propose(input_ids, hidden, base, budget)
-        self._t_drafted = time.perf_counter()
-        self.stats.rounds.append(
-            RoundStats(
-                drafted=tokens.shape[1],
-                verified=tokens.shape[1],
-                confidences=confs,
-                draft_tokens=tokens[0].tolist(),
-                t_draft_ms=(self._t_drafted - t0) * 1e3,
-                gate=gate_reason,
-                ingested=feats.shape[1],
-            )
-        )
+        budgets, reason = [budget], ""
+        if budget > 0:
+            self._take_features(input_ids, model_outputs)
+            if self.cost is not None:
+                budgets, reason = self.cost.plan(budgets, [self.skipped], length)
+        verify_sps, draft_s = self._prices(length) if proposal is not None else (None, 0.0)
+        if budgets[0] > 0 and proposal is not None and proposal.tokens:
+            if self.lookup.before_drafting(budgets[0], verify_sps, draft_s).source == "lookup":
+                budgets = [0]  # the lookup beats drafting: no drafter forward this round (the gate's reason kept)
+        if budgets[0] == 0:  # no drafter forward: the lookup's prefix or one plain step; features wait
+            if budget > 0:
+                self.skipped += 1
+            cand = []
+            if proposal is not None:
+                choice = self.lookup.without_drafter(verify_sps)
+                cand = proposal.tokens[: choice.length] if choice.source == "lookup" else []
+            n = self._stop_cut(input_ids, cand)
+            if self.lookup is not None:
+                self.lookup.verifying("lookup" if n else "none")
+            record = RoundStats(drafted=0, verified=n, draft_tokens=cand[:n], gate=reason, source="lookup" if n else "")
+            self.stats.rounds.append(record)
+            self._round = (time.perf_counter(), record, 0)
+            return torch.cat([input_ids, input_ids.new_tensor([cand[:n]])], dim=-1) if n else input_ids, None
+        self.skipped = 0
+        sps = self.cost.round_sps(1, length, 1) if self.cost is not None else None
+        sampler = None
+        if self.do_sample or self.logits_processor is not None:
+            sampler = Sampler(self.do_sample, self.logits_processor, input_ids)
+        lag_budget = self.lagged.take(1) if self.lagged is not None else None
+        out = draft_round(self.drafter, [self.context], [int(input_ids[0, -1])], [length - 1], budgets, self.policy,
+                          num_slots=self.block_size, sps=sps, lag_budget=lag_budget, sampler=sampler)
+        if self.lagged is not None:
+            self.lagged.push(out.confidences, budgets, sps)
+        source, cand = "draft", out.tokens[0][: out.lengths[0]]
+        if proposal is not None and proposal.tokens:
+            # t_draft as measured in earlier rounds: this round's time depends on how many slots were drafted
+            choice = self.lookup.after_drafting(out.confidences[0], out.lengths[0], budgets[0], verify_sps, draft_s,
+                                                greedy=not self.do_sample)
+            if choice.source == "lookup":
+                source, cand = "lookup", proposal.tokens[: choice.length]
+        n = self._stop_cut(input_ids, cand)
+        tokens = input_ids.new_tensor([cand[:n]])
+        logits = None  # a lookup proposal is a point mass: no candidate logits (module doc)
+        if source == "draft" and out.logits[0] is not None and n > 0:
+            logits = out.logits[0][None, :n]
+        if self.lookup is not None:
+            self.lookup.verifying(source, cand[:n])
+        t1 = time.perf_counter()
+        record = RoundStats(drafted=len(out.tokens[0]), verified=n,
+                            confidences=out.confidences[0][:n] if source == "draft" else [],
+                            draft_tokens=out.tokens[0] if source == "draft" else cand[:n],
+                            t_draft_ms=(t1 - t0) * 1e3, gate=reason,
+                            ingested=out.ingested[0], source=source if n else "")
+        self.stats.rounds.append(record)
+        self._round = (t1, record, out.ingested[0])
         return torch.cat([input_ids, tokens], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        """Record the round's outcome (accepted count, committed tokens, verify time)."""
-        if self._t_drafted is None or not self.stats.rounds:
+        """Record the round's outcome (accepted count, committed tokens, verify time), judge the lookup proposal and
+        feed the cost model."""
+        if self.lookup is not None:
+            self.lookup.observe(input_ids)
+        if self._round is None:
             return
-        r = self.stats.rounds[-1]
-        r.accepted = int(num_matches)
-        r.committed = int(num_matches) + 1
-        r.t_verify_ms = (time.perf_counter() - self._t_drafted) * 1e3
-        self._t_drafted = None
-        if self.gate is not None:
-            if r.gate not in SKIP_REASONS:
-                self.gate.record_draft(r.t_draft_ms / 1e3, r.verified, r.accepted, steady=self._steady)
-            self.gate.record_committed(r.committed)
+        t1, record, ingested = self._round
+        self._round = None
+        record.accepted = int(num_matches)
+        record.committed = int(num_matches) + 1
+        record.t_verify_ms = (time.perf_counter() - t1) * 1e3
+        self._verify_s = _average(self._verify_s, record.t_verify_ms / 1e3)
+        if 0 < ingested <= self.block_size + 1:  # a steady drafting round (no catch-up)
+            self._draft_s = _average(self._draft_s, record.t_draft_ms / 1e3)
+        if self.cost is not None and ingested > 0 and record.source != "lookup":  # the drafter's chain was verified
+            self.cost.observe(1, [(record.accepted, record.verified)], record.t_draft_ms / 1e3, [ingested],
+                              self.block_size)
+
+
+def _average(mean: float | None, value: float, weight: float = 0.3) -> float:
+    """Exponential moving average (the first value starts it)."""
+    return value if mean is None else (1.0 - weight) * mean + weight * value

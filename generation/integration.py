@@ -25,41 +25,36 @@ from transformers import GenerationConfig
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 
 from .candidate_generator import DSparkCandidateGenerator, validate_request
-from .policies import make_policy
+from .policies import Policy, parse_policy
 
 _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options", default={})
 
 
 @contextlib.contextmanager
-def dspark_options(policy=None, block_size: int | None = None, sps=None, draft_gate: bool = True):
-    """Set the verify policy (``"full"``, ``"fixed:N"``, ``"threshold:P"``, ``"scheduler"`` or a
-    :class:`~generation.policies.VerifyPolicy`), the block size γ', the SPS(B) table and, for the scheduler,
-    whether the draft gate may skip drafting (:class:`~generation.draft_gate.DraftGate`) for `generate()` calls
-    made inside the block (this thread / task only).
+def dspark_options(policy: str | Policy | None = None, block_size: int | None = None, sps=None,
+                   draft_gate: bool = True, lookup: bool = True):
+    """Set, for `generate()` calls made inside the block (this thread / task only): the verify policy (a spec of
+    :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler when
+    the drafter has a confidence head and an SPS(B) table is given or cached, else ``full``), the block size γ', the
+    SPS(B) table (``scheduler`` / ``lagged`` profile one on first use when none is given or cached) and whether the
+    cost model's draft gate may skip drafting (:class:`~generation.cost_model.CostModel`) and whether the n-gram
+    lookup proposer runs beside the drafter (:mod:`generation.lookup`; ``policy="none"`` with ``lookup=True`` is
+    lookup alone).
 
     Raises:
-        ValueError: ``draft_gate`` not a bool.
+        ValueError: ``draft_gate`` or ``lookup`` not a bool (a bad policy spec fails when `generate()` starts, before
+            any compute).
     """
     if not isinstance(draft_gate, bool):
         raise ValueError(f"draft_gate must be True or False; got {draft_gate!r}")
-    token = _options.set({"policy": policy, "block_size": block_size, "sps": sps, "draft_gate": draft_gate})
+    if not isinstance(lookup, bool):
+        raise ValueError(f"lookup must be True or False; got {lookup!r}")
+    token = _options.set({"policy": policy, "block_size": block_size, "sps": sps, "draft_gate": draft_gate,
+                          "lookup": lookup})
     try:
         yield
     finally:
         _options.reset(token)
-
-
-def default_policy(drafter: DSparkDraftModel, sps=None, *, target=None, context_len=None, block_size=None):
-    """The policy used when none is given: the DSpark scheduler when the drafter has a confidence head and an
-    SPS(B) table is given or cached for ``target`` (its name, dtype and torch's thread count; see
-    :func:`generation.profiling.sps_for_generate`), else the full block."""
-    if sps is None and target is not None:
-        from .profiling import sps_for_generate
-
-        sps = sps_for_generate(target, drafter, context_len, block_size=block_size)
-    if sps is not None and drafter.confidence_head is not None:
-        return make_policy("scheduler", sps)
-    return make_policy("full")
 
 
 def _transformers_default(name: str):
@@ -115,58 +110,42 @@ def _assistant_options(generation_config, block_size: int | None, gamma: int) ->
 
 
 def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_config, input_ids, logits_processor,
-                               model_kwargs) -> DSparkCandidateGenerator:
-    """The candidate generator for ``target.generate(ids, assistant_model=drafter, ...)`` (called by the hook).
+                               model_kwargs, tokenizer=None) -> DSparkCandidateGenerator:
+    """The candidate generator of one `target.generate(..., assistant_model=drafter)` call (called by the hook of
+    :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails
+    here, before any profiling or model compute.
 
     An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target`` here, after
     :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device. The block size γ'
-    comes from ``num_assistant_tokens`` or ``dspark_options(block_size=...)``; the verify policy from
-    ``dspark_options(policy=...)`` or :func:`default_policy`.
+    comes from ``num_assistant_tokens`` or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
 
-    Raises:
-        ValueError: before any compute: a target the drafter does not fit or whose family is not supported, an
-            option :func:`_assistant_options` refuses, a block size outside [1, γ], or any request
-            :func:`~generation.candidate_generator.validate_request` refuses.
+    The policy: the one asked for; else the scheduler when the drafter has a confidence head and an SPS(B) table
+    is given or cached for ``target`` (its name, dtype and torch's thread count), else ``full``. ``scheduler`` and
+    ``lagged`` asked for without a table profile one on first use and cache it
+    (:func:`generation.profiling.sps_for_generate`).
     """
+    from .cost_model import cost_model_for
+    from .profiling import sps_for_generate
+
     opts = _options.get()
-    sps, policy = opts.get("sps"), opts.get("policy")
+    sps = opts.get("sps")
     block_size = _assistant_options(generation_config, opts.get("block_size"), drafter.config.block_size)
     if drafter._target.get("model") is None:
         drafter.bind_target(target)
         if drafter.device != target.device:
             drafter.to(target.device)
-    # bad input fails here, before any profiling or model compute
-    validate_request(drafter, target, generation_config, input_ids, model_kwargs, block_size,
-                     make_policy(policy, {}) if isinstance(policy, str) else policy)
+    policy = parse_policy(opts["policy"]) if opts.get("policy") is not None else None
+    gamma = validate_request(drafter, target, generation_config, input_ids, block_size, policy)
     context_len = input_ids.shape[1]
-    if policy == "scheduler" and sps is None:  # asked for the scheduler: profile on first use, cache it
-        from .profiling import sps_for_generate
-
-        sps = sps_for_generate(target, drafter, context_len, block_size=block_size, profile_if_missing=True)
-    if policy is not None:
-        policy = make_policy(policy, sps)
-    else:
-        policy = default_policy(drafter, sps, target=target, context_len=context_len, block_size=block_size)
-    return DSparkCandidateGenerator(
-        drafter,
-        target,
-        generation_config,
-        logits_processor=logits_processor,
-        input_ids=input_ids,
-        model_kwargs=model_kwargs,
-        policy=policy,
-        block_size=block_size,
-        draft_gate=opts.get("draft_gate", True),
-    )
-
-
-def enable_dspark(target):
-    """Kept for callers written before the class-level hook: makes sure it is installed; returns ``target``.
-
-    Importing :mod:`modeling_dspark` already routes ``generate(..., assistant_model=<DSparkDraftModel>)`` to DSpark
-    for every target, so this call is never needed.
-    """
-    from modeling_dspark import install_generate_hook
-
-    install_generate_hook()
-    return target
+    if sps is None and (policy is None or policy.needs_sps):
+        sps = sps_for_generate(target, drafter, context_len, block_size=block_size,
+                               profile_if_missing=policy is not None)
+    if policy is None:
+        policy = parse_policy("scheduler" if sps is not None and drafter.confidence_head is not None else "full")
+    if policy.needs_sps and sps is None:
+        raise ValueError(f"verify policy {policy.name!r} needs an SPS(B) table and none could be profiled "
+                         "(the drafter has no confidence head, or $DSPARK_SCHEDULER is off)")
+    cost = cost_model_for(drafter, target, gamma, sps, opts.get("draft_gate", True)) if policy.needs_sps else None
+    return DSparkCandidateGenerator(drafter, target, generation_config, logits_processor=logits_processor,
+                                    input_ids=input_ids, policy=policy, block_size=block_size, cost_model=cost,
+                                    tokenizer=tokenizer, lookup=opts.get("lookup", True))

@@ -1,10 +1,10 @@
 """SPS(B) profiling: how many verify forwards per second the target runs when the verify batch holds B tokens.
 
-DSpark's scheduler (SPEC §4) weighs the expected committed tokens of a verify batch against its cost, read from a
-step-rate table SPS(B) measured once on the real hardware. :func:`profile_target` times the target's verify
-forward exactly as :class:`generation.engine.DSparkEngine` runs it (R requests × q new tokens each, packed into one
-forward of B = R·q tokens, on top of per-request KV caches holding ``context`` tokens), with warm-up, interleaved
-repeats and medians, for given context lengths, requests counts, dtype and thread count.
+DSpark's scheduler (Algorithm 1, docs/method.md §4) weighs the expected committed tokens of a verify batch against
+its cost, read from a step-rate table SPS(B) measured once on the real hardware. :func:`profile_target` times the
+target's verify forward exactly as :class:`generation.packed_target.PackedTarget` runs it (R requests × q new tokens
+each, packed into one forward of B = R·q tokens, on top of per-request KV caches holding ``context`` tokens), with
+warm-up, interleaved repeats and medians, for given context lengths, requests counts, dtype and thread count.
 
 Tables are stored in one JSON file (default ``$DSPARK_PROFILE_DIR/sps.json``, else
 ``$DSPARK_CACHE/profiles/sps.json``, else ``~/.cache/dspark/profiles/sps.json``)::
@@ -310,7 +310,7 @@ def measure_verify(
     Measurements are interleaved (one pass over all q per repeat) so slow drifts of the machine spread over every
     B; ``warmup`` passes are discarded. Returns ``{q: [seconds per forward, …]}``.
     """
-    from .engine import PackedTarget
+    from .packed_target import PackedTarget
 
     packed = PackedTarget(target)
     gen = torch.Generator().manual_seed(seed)

@@ -1,50 +1,28 @@
-"""Hardware-aware prefix scheduler (DSpark Algorithm 1, SPEC §4, paper §5.2).
+"""Hardware-aware prefix scheduler: DSpark Algorithm 1 and the lagged budget (docs/method.md §4), pure functions.
 
-Given R active requests, each with γ calibrated confidences c_{r,k} (the
-probability that draft token x_{r,k} survives verification given that
-x_{r,<k} survived), and a profiled step-rate curve SPS(B) (target forward
-steps per second when the verify batch holds B tokens), choose how many
-draft tokens ℓ_r ∈ {0..γ} of each request to send to the target.
+Given R active requests, each with γ calibrated confidences c_{r,k} (the probability that draft token x_{r,k}
+survives verification given that x_{r,<k} survived), and a profiled step-rate curve SPS(B) (target forward steps per
+second when the verify batch holds B tokens), choose how many draft tokens ℓ_r ∈ {0..γ} of each request to verify.
+Every request occupies one anchor slot, so a verify batch holds B = R + Σ_r ℓ_r tokens and is expected to commit
+τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j} tokens, a_{r,j} = Π_{i≤j} c_{r,i} (the survival of the prefix up to j). The
+objective is the system throughput Θ = τ* · SPS(B) (expected committed tokens per second).
 
-Every request always occupies one anchor slot, so a verify batch holds
-B = R + Σ_r ℓ_r tokens and is expected to commit
-τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j} tokens, where a_{r,j} = Π_{i≤j} c_{r,i}
-(the survival of the prefix up to j). The objective is the system
-throughput Θ = τ* · SPS(B) (expected committed tokens per second).
+* :func:`prefix_schedule` — Algorithm 1 exactly: greedy over the pooled (r, j) ranking with an early STOP at the
+  first non-improving Θ. The STOP is a correctness requirement (non-anticipation): whether x_{r,k} is verified
+  never depends on c_{r,k+1} or later, which may depend on the sampled value of x_{r,k}.
+* :func:`budget_from_confidences` + :func:`fill_budget` — the production variant: the verify budget K comes from a
+  full search of the Θ(B) curve over the confidences of ``lag`` rounds earlier, and the K slots are filled by the
+  current round's ranking (the state is :class:`generation.policies.LaggedBudget`).
+* :func:`effective_sps` — SPS_eff(B) = 1 / (1/SPS(B) + t_draft): Algorithm 1 fed SPS_eff prices the whole round,
+  drafting included (the draft-time term of :class:`generation.cost_model.CostModel`).
+* :func:`yield_gate` — the cost model's draft gate: whether drafting is expected to pay, from realized yields.
+* :func:`choose_chain` — Algorithm 1 with two candidate chains (the drafter's block and the n-gram lookup's
+  continuation, :mod:`generation.lookup`): which chain, and which prefix of it, one request verifies.
 
-Two schedulers live here:
-
-* :func:`prefix_schedule` — Algorithm 1 exactly: greedy over the pooled
-  (r, j) ranking with an early STOP at the first non-improving Θ. The STOP
-  is a correctness requirement (non-anticipation, SPEC §4): whether x_{r,k}
-  is verified never depends on c_{r,k+1} or later, which may depend on the
-  sampled value of x_{r,k}.
-* :class:`LaggedBudgetScheduler` — the production variant (paper §5.2):
-  the verify budget K (extra tokens beyond the R anchor slots) comes from a
-  full search of the Θ(B) curve over confidences of ``lag`` (default 2)
-  rounds earlier, and the K slots are filled by the current round's a_{r,j}
-  ranking. K never depends on the current draft tokens, so the scheme stays
-  lossless without the early STOP and the batch shape is known ahead (as
-  CUDA-graph replay needs).
-
-Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j
-first, then smaller r. Since a_{r,j} is non-increasing in j, every prefix
-of this order is prefix-closed per request (a valid ℓ vector) and, for its
-size, value-maximal.
-
-Note: the pool holds every (r, j), including a_{r,j} = 0, as SPEC §4
-states (the Chinese review filters a_{r,j} > 0). With a non-increasing
-SPS(B) a zero-value entry can never raise Θ, so this only matters for
-curves that rise with B.
-
-Draft cost (serving engine, not in the paper's Algorithm 1): on hardware where drafting a round takes a
-noticeable t_draft next to the verify forward, a round that drafted lasts 1/SPS(B) + t_draft.
-:func:`effective_sps` turns SPS(B) into SPS_eff(B) = 1 / (1/SPS(B) + t_draft); Algorithm 1 fed SPS_eff (instead of
-SPS) prices the whole round. Whether to draft at all is a separate decision, made BEFORE drafting from past
-information only: :func:`draft_gate` prices estimated survivals (full scan, the draft cost depending on how many
-requests draft) against R·SPS(R) without drafting; :func:`yield_gate`, which the serving engine uses, prices each
-request's REALIZED yield of its past drafted rounds (accepted and verified draft tokens under the policy's own ℓ),
-which includes the value of choosing ℓ after seeing the confidences.
+Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j first, then smaller r. Since a_{r,j} is
+non-increasing in j, every prefix of this order is prefix-closed per request (a valid ℓ vector) and, for its size,
+value-maximal. The pool holds every (r, j), including a_{r,j} = 0; with a non-increasing SPS(B) a zero-value entry
+can never raise Θ.
 
 Pure python/torch; no model imports.
 """
@@ -64,16 +42,18 @@ __all__ = [
     "SPSLike",
     "ConfidencesLike",
     "survival",
+    "survival_row",
     "prefix_schedule",
     "prefix_schedule_detailed",
     "budget_from_confidences",
     "fill_budget",
-    "LaggedBudgetScheduler",
     "DraftCostLike",
     "effective_sps",
     "DraftGateResult",
-    "draft_gate",
     "yield_gate",
+    "ChainChoice",
+    "best_prefix",
+    "choose_chain",
 ]
 
 SPSLike = Union[Mapping[int, float], Callable[[int], float]]
@@ -181,17 +161,17 @@ def _is_scalar(value: object) -> bool:
     return shape is not None and tuple(shape) == ()
 
 
-def _survival_rows(rows: list[list[float]]) -> list[list[float]]:
-    """a_{r,j} = Π_{i≤j} c_{r,i} on validated python rows (float64 arithmetic)."""
-    out = []
-    for row in rows:
-        prod = 1.0
-        acc = []
-        for c in row:
-            prod *= c
-            acc.append(prod)
-        out.append(acc)
+def survival_row(confidences: Sequence[float]) -> list[float]:
+    """Survival a_j = Π_{i≤j} c_i of one request's prefix up to j (docs/method.md eq. 9): floats, non-increasing."""
+    out, prod = [], 1.0
+    for c in confidences:
+        prod *= c
+        out.append(prod)
     return out
+
+
+def _survival_rows(rows: list[list[float]]) -> list[list[float]]:
+    return [survival_row(row) for row in rows]
 
 
 def _ranked_entries(a: list[list[float]]) -> list[tuple[int, int, float]]:
@@ -252,7 +232,7 @@ def _as_lookup(sps: SPSLike | _SPSLookup) -> _SPSLookup:
 # public API
 # --------------------------------------------------------------------------
 def survival(confidences: ConfidencesLike) -> torch.Tensor:
-    """Prefix survival probabilities a_{r,j} = Π_{i≤j} c_{r,i} (DSpark §3/§4, Alg. 1 step 1).
+    """Prefix survival probabilities a_{r,j} = Π_{i≤j} c_{r,i} (docs/method.md eq. 9; Algorithm 1 step 1).
 
     Args:
         confidences: [R, γ] calibrated confidences c_{r,k} ∈ [0, 1] (tensor or
@@ -270,7 +250,7 @@ def survival(confidences: ConfidencesLike) -> torch.Tensor:
 
 
 def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> ScheduleResult:
-    """DSpark Algorithm 1 (SPEC §4) with early STOP; returns ℓ* and Θ_best.
+    """DSpark Algorithm 1 (docs/method.md §4) with early STOP; returns ℓ* and Θ_best.
 
     1. a_{r,j} = Π_{i≤j} c_{r,i}.
     2. Pool E = {(r, j)} sorted by a_{r,j} descending (ties: smaller j, then
@@ -321,7 +301,7 @@ def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> Sche
 
 
 def prefix_schedule(confidences: ConfidencesLike, sps: SPSLike) -> list[int]:
-    """DSpark Algorithm 1 (SPEC §4): verify lengths ℓ* (R ints in 0..γ).
+    """DSpark Algorithm 1 (docs/method.md §4): verify lengths ℓ* (R ints in 0..γ).
 
     See :func:`prefix_schedule_detailed` for arguments, semantics and errors.
     """
@@ -338,7 +318,7 @@ def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
     Only safe (lossless) when ``confidences`` are from an EARLIER round than
     the draft tokens the budget will be spent on (see
     :class:`LaggedBudgetScheduler`); applied to the current round it
-    anticipates and biases the output distribution (SPEC §4 counterexample).
+    anticipates and biases the output distribution (docs/method.md §4 counterexample).
 
     Args:
         confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1].
@@ -400,91 +380,6 @@ def fill_budget(confidences: ConfidencesLike, budget: int) -> list[int]:
     return lengths
 
 
-class LaggedBudgetScheduler:
-    """Production scheduler (DSpark §5.2): lagged verify budget, current ranking.
-
-    Each :meth:`schedule` call is one decoding round. The verify budget K
-    spent this round was computed (by :func:`budget_from_confidences`, full
-    Θ(B) search, no early stop) from the confidences passed ``lag`` calls
-    ago; the K slots are then filled by this round's a_{r,j} ranking
-    (:func:`fill_budget`). K never depends on this round's draft tokens, so
-    verification stays lossless, and the next ``lag`` batch sizes are known
-    in advance (CUDA-graph replay).
-
-    Fallback: during the first ``lag`` calls (no history yet) the budget is
-    ``default_budget``, a fixed number that never looks at current
-    confidences; when None it is R (one draft token per request on
-    average, the MTP-1-like shape).
-
-    Args:
-        sps: SPS(B) in steps/s (Mapping or callable); every B in
-            R..R·(1+γ) of each round is looked up.
-        lag: rounds between the confidences a budget is computed from and
-            the round that spends it; must be ≥ 1 (paper: 2).
-        default_budget: K for the first ``lag`` rounds (int ≥ 0) or None.
-
-    Raises:
-        ValueError: lag < 1 or a negative default_budget.
-    """
-
-    def __init__(self, sps: SPSLike, lag: int = 2, default_budget: int | None = None):
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
-            raise ValueError(f"lag must be an int >= 1 (a budget may not use the current round); got {lag!r}")
-        if default_budget is not None and (
-            isinstance(default_budget, bool) or not isinstance(default_budget, int) or default_budget < 0
-        ):
-            raise ValueError(f"default_budget must be None or an int >= 0; got {default_budget!r}")
-        self._sps = _SPSLookup(sps) if not isinstance(sps, _SPSLookup) else sps
-        self.lag = lag
-        self.default_budget = default_budget
-        self._pending: deque[int] = deque()
-        self.last_budget: int | None = None
-
-    @property
-    def pending_budgets(self) -> list[int]:
-        """Budgets already fixed for the next rounds, oldest (next) first."""
-        return list(self._pending)
-
-    def reset(self) -> None:
-        """Forget the history (e.g. at the start of a new generate() call)."""
-        self._pending.clear()
-        self.last_budget = None
-
-    def schedule(self, confidences: ConfidencesLike) -> list[int]:
-        """Verify lengths ℓ (R ints in 0..γ) for this round.
-
-        Args:
-            confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1] of this round.
-
-        Raises:
-            ValueError / TypeError: as :func:`budget_from_confidences`.
-        """
-        rows = _confidence_rows(confidences)
-        # Budget for `lag` rounds ahead, from this round's confidences; computed
-        # first so a bad SPS table fails before any state changes.
-        future_budget = budget_from_confidences(rows, self._sps)
-        if len(self._pending) >= self.lag:
-            budget = self._pending.popleft()
-        else:
-            budget = len(rows) if self.default_budget is None else self.default_budget
-        self._pending.append(future_budget)
-        self.last_budget = budget
-        return fill_budget(rows, budget)
-
-    def schedule_detailed(self, confidences: ConfidencesLike) -> ScheduleResult:
-        """Like :meth:`schedule`, plus Θ, B and τ* of the chosen lengths.
-
-        Raises:
-            ValueError: additionally if SPS lacks the chosen B.
-        """
-        rows = _confidence_rows(confidences)
-        lengths = self.schedule(rows)
-        a = _survival_rows(rows)
-        expected_tokens = len(rows) + sum(sum(row[:ell]) for row, ell in zip(a, lengths))
-        batch_tokens = len(rows) + sum(lengths)
-        return ScheduleResult(lengths, expected_tokens * self._sps(batch_tokens), batch_tokens, expected_tokens)
-
-
 # --------------------------------------------------------------------------
 # draft cost and draft gating (serving engine)
 # --------------------------------------------------------------------------
@@ -538,63 +433,6 @@ class DraftGateResult:
     theta_draft: float
     theta_none: float
     budget: int
-
-
-def draft_gate(
-    confidences: ConfidencesLike,
-    sps: SPSLike,
-    draft_cost: DraftCostLike,
-    max_lengths: Sequence[int] | None = None,
-) -> DraftGateResult:
-    """Decide, before drafting, which requests are worth drafting this round (serving engine; not Algorithm 1).
-
-    Pool the ESTIMATED survivals a_{r,j} (j ≤ max_lengths[r]) in the usual order, scan every prefix of k entries
-    (no early stop): B = R + k, τ = R + Σ top-k a, n(k) = requests with an entry in the top k, and
-    Θ_k = τ / (1/SPS(B) + t_draft(n(k))); Θ_0 = R·SPS(R) (no drafting, no draft cost). The requests in the best
-    prefix are drafted; if no prefix beats Θ_0 (strictly), none is.
-
-    Lossless only when ``confidences`` are an estimate from EARLIER rounds (the engine passes per-request moving
-    averages of past calibrated confidences): whether a request drafts never depends on this round's draft.
-
-    Args:
-        confidences: [R, γ] estimated c_{r,k} ∈ [0, 1].
-        sps: SPS(B) in steps/s (Mapping or callable).
-        draft_cost: seconds per drafting round, a constant or a callable n_rows -> seconds.
-        max_lengths: per request, the most draft tokens it may verify this round (default γ each); 0 = cannot draft.
-
-    Raises:
-        ValueError / TypeError: bad confidences or SPS (as :func:`prefix_schedule_detailed`), a bad draft cost,
-            max_lengths of the wrong length or negative.
-    """
-    a = _survival_rows(_confidence_rows(confidences))
-    lookup = _as_lookup(sps)
-    num_requests = len(a)
-    if max_lengths is None:
-        max_lengths = [len(row) for row in a]
-    max_lengths = list(max_lengths)
-    if len(max_lengths) != num_requests or any(
-        isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in max_lengths
-    ):
-        raise ValueError(f"max_lengths must be {num_requests} ints >= 0; got {max_lengths!r}")
-    a = [[v if j < m else 0.0 for j, v in enumerate(row)] for row, m in zip(a, max_lengths)]
-    theta_none = num_requests * lookup(num_requests)
-    entries = [e for e in _ranked_entries(a) if e[1] <= max_lengths[e[0]]]
-    best_theta, best_k = theta_none, 0
-    expected_tokens = float(num_requests)
-    rows: set[int] = set()
-    for k, (r, _, a_rj) in enumerate(entries, start=1):
-        rows.add(r)
-        expected_tokens += a_rj
-        try:
-            verify_sps = lookup(num_requests + k)
-        except MissingSPSEntry:  # a table that stops before R + k: larger verify batches are not considered
-            break
-        round_s = 1.0 / verify_sps + _draft_seconds(draft_cost, len(rows))
-        theta = expected_tokens / round_s
-        if theta > best_theta:
-            best_theta, best_k = theta, k
-    chosen = {r for r, _, _ in entries[:best_k]}
-    return DraftGateResult([r in chosen for r in range(num_requests)], best_theta, theta_none, best_k)
 
 
 def yield_gate(
@@ -665,3 +503,132 @@ def yield_gate(
             best_theta, best_n, best_budget = theta, n, budget
     chosen = set(order[:best_n])
     return DraftGateResult([r in chosen for r in range(num_requests)], best_theta, theta_none, best_budget)
+
+
+# --------------------------------------------------------------------------
+# two candidate chains: the drafter's block and the n-gram lookup's continuation
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChainChoice:
+    """What one round verifies (outcome of :func:`choose_chain`).
+
+    Attributes:
+        source: ``"draft"`` (a prefix of the drafter's block), ``"lookup"`` (a prefix of the lookup continuation)
+            or ``"none"`` (the anchor only: one plain decoding step).
+        length: ℓ, the chain's tokens to verify (0 for ``"none"``).
+        theta: Θ, expected committed tokens per second of the round (the drafting time included where charged).
+        expected_tokens: τ* = 1 + Σ_{j≤ℓ} a_j, expected tokens committed by the round.
+    """
+
+    source: str
+    length: int
+    theta: float
+    expected_tokens: float
+
+
+def _check_survival(name: str, survival: Sequence[float] | None) -> list[float]:
+    values = [float(a) for a in (survival or [])]
+    for k, a in enumerate(values):
+        if not 0.0 <= a <= 1.0:  # also rejects NaN
+            raise ValueError(f"{name}[{k}] = {a!r} is not a survival probability in [0, 1]")
+    return values
+
+
+def _round_theta(sps, batch_tokens: int, expected_tokens: float, seconds: float) -> float | None:
+    """τ* / (seconds + 1/SPS(B)), or None where an SPS table has no entry for B (such B are not considered)."""
+    try:
+        return expected_tokens / (seconds + 1.0 / sps(batch_tokens))
+    except MissingSPSEntry:
+        return None
+
+
+def best_prefix(survival: Sequence[float], sps, seconds: float = 0.0) -> tuple[int, float, float]:
+    """Algorithm 1 (docs/method.md §4) for one request and one chain, the round's extra time included.
+
+    Walks ℓ = 1, 2, … with Θ(ℓ) = (1 + Σ_{j≤ℓ} a_j) / (seconds + 1/SPS(1 + ℓ)) and stops at the first ℓ that does
+    not improve on the best so far (the early stop keeps the choice of x_ℓ independent of anything drawn after
+    it), or where an SPS table ends.
+
+    Args:
+        survival: a_1..a_m ∈ [0, 1], non-increasing (eq. 9).
+        sps: SPS(B) in verify forwards per second (table or callable, :data:`SPSLike`).
+        seconds: time added to every option of the walk (s ≥ 0), e.g. the drafter's time.
+
+    Returns:
+        ``(ℓ, Θ, τ*)``: the chosen length (0 = the anchor only), its rate in tokens/s and its expected tokens.
+
+    Raises:
+        ValueError: a survival outside [0, 1]; a bad SPS value; SPS(1) missing from a table.
+    """
+    values = _check_survival("survival", survival)
+    lookup = _as_lookup(sps)
+    best = (0, 1.0 / (seconds + 1.0 / lookup(1)), 1.0)
+    tokens = 1.0
+    for ell, a in enumerate(values, start=1):
+        tokens += a
+        theta = _round_theta(lookup, 1 + ell, tokens, seconds)
+        if theta is None or theta <= best[1]:
+            break
+        best = (ell, theta, tokens)
+    return best
+
+
+def choose_chain(
+    draft_survival: Sequence[float] | None,
+    lookup_survival: Sequence[float] | None,
+    sps,
+    *,
+    draft_seconds: float = 0.0,
+    drafted: bool = False,
+    draft_length: int | None = None,
+) -> ChainChoice:
+    """Algorithm 1 with two candidate chains (docs/method.md §4): verify a prefix of the drafter's block, a prefix
+    of the lookup continuation, or the anchor only — whichever has the largest expected committed tokens per second.
+
+    Each chain's prefix is chosen by :func:`best_prefix` (the early stop of Algorithm 1), priced as one verify
+    forward of B = 1 + ℓ tokens, 1/SPS(B) seconds, plus the drafter's time where it applies: a round that has not
+    drafted yet (``drafted=False``) pays ``draft_seconds`` only if it verifies the draft chain — choosing the lookup
+    or the anchor skips the drafter forward; a round that already drafted (``drafted=True``) pays it whatever it
+    verifies. Ties go to the cheaper option (anchor, then lookup).
+
+    Lossless use: under sampling the choice must not depend on the drafter's tokens of this round; pass a draft
+    survival that does not (one predicted from earlier rounds and c_1, which is computed before x_1 is drawn). Under
+    greedy decoding any choice is lossless, and the realized a_k of the drafted block may be passed.
+
+    Args:
+        draft_survival: a_1..a_m of the drafter's chain (calibrated, eq. 9, or predicted); None or empty: no chain.
+        lookup_survival: a_1..a_K' estimated for the lookup proposal (:class:`generation.lookup.AcceptanceEstimator`); None or
+            empty: no proposal.
+        sps: SPS(B) in verify forwards per second (table or callable).
+        draft_seconds: t_draft ≥ 0, the drafter's time for this round in seconds.
+        drafted: whether ``draft_seconds`` is already spent (see above).
+        draft_length: verify exactly this many draft tokens (the verify policy's ℓ) instead of walking the chain.
+
+    Returns:
+        :class:`ChainChoice`.
+
+    Raises:
+        ValueError: a survival outside [0, 1]; ``draft_seconds`` negative or not finite; ``draft_length`` out of
+            0..m; a bad SPS value; SPS(1) or SPS(1 + draft_length) missing from a table.
+    """
+    draft = _check_survival("draft_survival", draft_survival)
+    lookup_a = _check_survival("lookup_survival", lookup_survival)
+    draft_seconds = float(draft_seconds)
+    if not 0.0 <= draft_seconds < float("inf"):
+        raise ValueError(f"draft_seconds must be a finite time >= 0 seconds; got {draft_seconds!r}")
+    if draft_length is not None and not (isinstance(draft_length, int) and 0 <= draft_length <= len(draft)):
+        raise ValueError(f"draft_length must be an int in 0..{len(draft)}; got {draft_length!r}")
+    sps = _as_lookup(sps)
+    sunk = draft_seconds if drafted else 0.0
+    choice = ChainChoice("none", 0, 1.0 / (sunk + 1.0 / sps(1)), 1.0)
+    ell, theta, tokens = best_prefix(lookup_a, sps, sunk)
+    if ell > 0 and theta > choice.theta:
+        choice = ChainChoice("lookup", ell, theta, tokens)
+    if draft_length is None:
+        ell, theta, tokens = best_prefix(draft, sps, draft_seconds)
+    else:
+        ell, tokens = draft_length, 1.0 + sum(draft[:draft_length])
+        theta = tokens / (draft_seconds + 1.0 / sps(1 + ell))
+    if ell > 0 and theta > choice.theta:
+        choice = ChainChoice("draft", ell, theta, tokens)
+    return choice

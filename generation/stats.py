@@ -6,12 +6,14 @@ import contextlib
 import contextvars
 from dataclasses import asdict, dataclass, field
 
-from .draft_gate import SKIP_REASONS
+SKIP_REASONS = frozenset({"gated"})
+"""The :attr:`RoundStats.gate` reasons of a round that did not draft (the cost model's draft gate skipped it)."""
 
 
 @dataclass
 class RoundStats:
-    """One speculative round.
+    """One speculative round. ``verified``, ``accepted``, ``confidences`` and ``draft_tokens`` are those of the chain
+    sent to the target (``source``); ``drafted`` counts the drafter's tokens whichever chain was sent.
 
     Attributes:
         drafted: draft tokens sampled this round (slots the policy admitted).
@@ -19,13 +21,16 @@ class RoundStats:
         accepted: draft tokens the target accepted (n in the paper).
         committed: tokens appended this round (accepted + the resampled/bonus token; may be cut by EOS/length).
         confidences: calibrated c_k of the verified positions (empty without a confidence head).
-        draft_tokens: the drafted token ids.
+        draft_tokens: the proposed token ids: the drafter's drafted ids, or the verified lookup tokens.
         t_draft_ms: drafter time (context ingestion + block forward + sequential sampling), ms.
         t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms.
-        gate: the draft gate's reason for this round with the DSpark scheduler (:class:`generation.draft_gate.
-            DraftGate`): ``"warmup"``, ``"model"`` or ``"probe"`` (drafted), ``"gated"``, ``"veto"`` or ``"pair"``
-            (skipped: no drafter forward, ℓ = 0); ``""`` without a gate.
+        gate: the draft gate's reason for this round with ``scheduler`` / ``lagged``
+            (:meth:`generation.cost_model.CostModel.plan`): ``"warmup"``, ``"model"`` or ``"probe"`` (drafted),
+            ``"gated"`` (skipped: no drafter forward, ℓ = 0); ``""`` without a gate.
         ingested: target positions the drafter ingested into its context this round (0 when skipped).
+        source: the chain verified: ``"draft"`` (the drafter's block), ``"lookup"`` (the n-gram lookup's
+            continuation, :mod:`generation.lookup`) or ``""`` (nothing: one plain decoding step). A round where the
+            lookup was expected to beat drafting keeps the gate's reason and has ``drafted = 0``.
     """
 
     drafted: int
@@ -38,6 +43,7 @@ class RoundStats:
     t_verify_ms: float = 0.0
     gate: str = ""
     ingested: int = 0
+    source: str = ""
 
 
 @dataclass
@@ -61,6 +67,7 @@ class GenerationStats:
             "drafted": sum(r.drafted for r in self.rounds),
             "accepted": sum(r.accepted for r in self.rounds),
             "skipped_draft_rounds": sum(r.gate in SKIP_REASONS for r in self.rounds),
+            "lookup_rounds": sum(r.source == "lookup" for r in self.rounds),
             "t_draft_ms": sum(r.t_draft_ms for r in self.rounds) / n,
             "t_verify_ms": sum(r.t_verify_ms for r in self.rounds) / n,
         }

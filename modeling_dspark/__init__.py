@@ -41,7 +41,7 @@ def install_generate_hook() -> None:
             from generation.integration import dspark_candidate_generator
 
             return dspark_candidate_generator(self, assistant_model, generation_config, input_ids, logits_processor,
-                                              model_kwargs)
+                                              model_kwargs, tokenizer=target_tokenizer)
         return transformers_method(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                    assistant_model=assistant_model, target_tokenizer=target_tokenizer,
                                    assistant_tokenizer=assistant_tokenizer)

@@ -1,4 +1,4 @@
-"""Anchors, block positions and the block attention mask (SPEC §2), shared by inference and training."""
+"""Anchors, block positions and the block attention mask (docs/method.md §2), shared by inference and training."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def block_positions(anchor_positions: torch.LongTensor, num_slots: int) -> torch
     """Positions of the γ slots of each block: anchor position p, then p+1 … p+γ−1.
 
     ``anchor_positions [B, n] -> [B, n, γ]``. Slot i (position p+i) predicts the token at position p+i+1, i.e. the
-    token i+1 places after the anchor (SPEC §2: all γ slots predict).
+    token i+1 places after the anchor (docs/method.md §2: all γ slots predict).
     """
     return anchor_positions.unsqueeze(-1) + torch.arange(num_slots, device=anchor_positions.device)
 

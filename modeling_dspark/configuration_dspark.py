@@ -1,4 +1,4 @@
-"""`DSparkConfig`: every hyper-parameter of a DSpark draft model, with documented defaults (SPEC §2–§5)."""
+"""`DSparkConfig`: every hyper-parameter of a DSpark draft model, with documented defaults (docs/method.md §2–§5)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class DSparkConfig(PretrainedConfig):
             head is the drafter's largest cost). Tokens outside the set get probability 0 in the draft
             distribution; verification stays exact (rejection sampling accepts with min(1, p_t/p_d) and resamples
             from the residual, so the output is still the target's). `None` = the full vocabulary.
-        sts_temperatures (`list[float]`): per-position STS temperatures T_1..T_γ (SPEC §3), applied to the
+        sts_temperatures (`list[float]`): per-position STS temperatures T_1..T_γ (docs/method.md §3), applied to the
             confidence logit; default all 1.0 (uncalibrated).
         sts_biases (`list[float]`): per-position logit offsets b_k added after the temperature,
             c_k = σ(logit_k / T_k + b_k) (`dspark calibrate --bias`, an extension of STS:

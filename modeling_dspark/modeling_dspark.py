@@ -166,7 +166,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
 
 
 class DSparkDraftModel(DSparkPreTrainedModel):
-    r"""The DSpark draft model (SPEC §2).
+    r"""The DSpark draft model (docs/method.md §2).
 
     Parameters owned by the drafter: W_c and its RMSNorm (eq. 2), the learned mask embedding (when
     ``mask_token_id`` is None), the draft decoder layers (eq. 3), the final norm, the sequential head (eq. 5 Markov,
@@ -541,7 +541,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return self.confidence_head(hidden, feats)
 
     def calibrated_confidence(self, logits: torch.Tensor, positions) -> torch.Tensor:
-        """c_k = σ(logit_k / T_k + b_k) with the STS temperatures (SPEC §3) and logit offsets (``sts_biases``, 0
+        """c_k = σ(logit_k / T_k + b_k) with the STS temperatures (docs/method.md §3) and logit offsets (``sts_biases``, 0
         unless calibrated with ``--bias``) of the config; ``positions`` are 0-based k−1."""
         temps = torch.tensor(self.config.sts_temperatures, dtype=torch.float32, device=logits.device)
         biases = torch.tensor(self.config.sts_biases, dtype=torch.float32, device=logits.device)

@@ -113,7 +113,7 @@ def decoder_of(target):
 def hidden_state_indices(target_layer_ids) -> list[int]:
     """Indices into ``outputs.hidden_states`` for the raw outputs of decoder layers ``target_layer_ids``.
 
-    transformers puts the embeddings at index 0, so layer ``l`` is index ``l + 1`` (SPEC §2, eq. 2).
+    transformers puts the embeddings at index 0, so layer ``l`` is index ``l + 1`` (docs/method.md §2, eq. 2).
     """
     return [int(i) + 1 for i in target_layer_ids]
 
@@ -149,3 +149,33 @@ def apply_chat_template(tokenizer, prompt: str) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return tokenizer(prompt)["input_ids"]
+
+
+_BF16_MATRIX_FLAGS = ("amx_bf16", "avx512_bf16")
+"""``/proc/cpuinfo`` flags of native bf16 matrix instructions (Intel AMX; AVX-512 BF16)."""
+
+
+def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> frozenset[str]:
+    """The instruction-set flags of the first processor listed in ``cpuinfo`` (empty if it cannot be read)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def fast_dtype(device="cpu", flags: frozenset[str] | None = None) -> torch.dtype:
+    """The faster of bf16 and fp32 for the target on ``device``: ``torch.bfloat16`` on CUDA and on a CPU with native
+    bf16 matrix instructions (``amx_bf16`` or ``avx512_bf16`` among ``flags``, default :func:`cpu_flags`), else
+    ``torch.float32`` (without them bf16 products are emulated and slower than fp32).
+
+    bf16 is fast but not token-exact: a batched verify rounds differently from a one-token step, so greedy output
+    can part from plain decoding at a near-tie; fp32 is the token-exact mode.
+    """
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    flags = cpu_flags() if flags is None else flags
+    return torch.bfloat16 if any(f in flags for f in _BF16_MATRIX_FLAGS) else torch.float32

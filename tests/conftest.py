@@ -17,7 +17,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_dspark as md
 from generation import enable_dspark
-from generation.candidate_generator import DSparkCandidateGenerator
 from modeling_dspark.target import apply_chat_template, load_target
 
 # under pytest-xdist (`-n auto`, the README's test command) the workers share the cores: one worker per core,
@@ -57,11 +56,11 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
-def _fresh_draft_gates():
-    """Every test starts with no learned draft-gate state (generate() carries it over between calls)."""
-    from generation.draft_gate import reset_gates
+def _fresh_cost_models():
+    """Every test starts with no learned cost-model state (generate() carries it over between calls)."""
+    from generation.cost_model import reset_cost_models
 
-    reset_gates()
+    reset_cost_models()
     yield
 
 
@@ -95,29 +94,33 @@ def random_drafter(smollm):
 
 
 class ScriptedProposer:
-    """Replaces `DSparkCandidateGenerator.propose` with a proposer that reads a reference continuation.
+    """Replaces the drafting round of `generate()` with one that reads a reference continuation.
 
     mode "oracle": proposes the target's own greedy tokens (every block accepted in full);
     mode "adversarial": proposes a token that differs from the greedy one (every block rejected).
     Beyond the end of the reference it proposes token 0, so EOS / max length cut blocks in the middle.
+    ℓ is what the call's policy verifies without confidences (full / fixed:N).
     """
 
     def __init__(self, reference: torch.LongTensor, mode: str, vocab_size: int):
         self.reference, self.mode, self.vocab_size = reference[0], mode, vocab_size
 
-    def __call__(self, gen, input_ids, hidden, base_logits, budget):
-        gen.policy.start_round(budget)
-        n = 0
-        while n < budget and gen.policy.admit(n + 1, None):
-            n += 1
-        cur = input_ids.shape[1]
+    def __call__(self, drafter, contexts, anchors, anchor_positions, budgets, policy, **kwargs):
+        from generation.drafting import DraftResult
+        from generation.policies import verify_lengths
+
+        n = verify_lengths(policy, [[]], budgets)[0]
+        contexts[0].pending = []
+        cur = anchor_positions[0] + 1
         ref = self.reference[cur : cur + n]
         tokens = torch.cat([ref, ref.new_zeros(n - ref.numel())])
         if self.mode == "adversarial":
             tokens = (tokens + 1) % self.vocab_size
-        logits = torch.full((1, n, self.vocab_size), -1e4)
-        logits[0, torch.arange(n), tokens] = 0.0
-        return tokens[None], (logits if n else None), []
+        logits = None
+        if kwargs.get("sampler") is not None and n:
+            logits = torch.full((n, self.vocab_size), -1e4)
+            logits[torch.arange(n), tokens] = 0.0
+        return DraftResult([tokens.tolist()], [n], [[]], [logits], [0])
 
 
 @pytest.fixture
@@ -125,10 +128,11 @@ def scripted(monkeypatch):
     """Install a scripted proposer: `scripted(reference_ids, "oracle"|"adversarial", vocab)`."""
 
     def install(reference, mode, vocab_size):
+        import generation.candidate_generator as cg
+
         proposer = ScriptedProposer(reference, mode, vocab_size)
-        monkeypatch.setattr(
-            DSparkCandidateGenerator, "propose", lambda self, *a: proposer(self, *a)
-        )
+        monkeypatch.setattr(cg, "draft_round", proposer)
+        monkeypatch.setattr(cg, "LookupChain", lambda **kw: None)  # every round verifies the scripted block
         return proposer
 
     return install

@@ -173,6 +173,8 @@ def test_summary_numbers_and_html():
     ({"seed": -1}, "seed"),
     ({"block_size": 0}, "block size"),
     ({"dtype": "float16"}, "dtype"),
+    ({"policy": "bogus"}, "verify policy"),
+    ({"policy": "fixed:-1"}, "verify policy"),
     ({"drafter": "/no/such/drafter"}, "not a drafter directory"),
 ])
 def test_validate_request_rejects_with_a_clear_message(kwargs, message):
@@ -182,9 +184,21 @@ def test_validate_request_rejects_with_a_clear_message(kwargs, message):
 
 
 def test_validate_request_accepts_page_values():
-    req = app.validate_request("Hi", 12.0, "sampling", 0.7, 0.9, 3.0, 4.0, False, "bfloat16", "")
-    assert req == app.Request("Hi", 12, True, 0.7, 0.9, 3, 4, False, "bfloat16", "random")
+    req = app.validate_request("Hi", 12.0, "sampling", 0.7, 0.9, 3.0, 4.0, "threshold:0.5", "bfloat16", "")
+    assert req == app.Request("Hi", 12, True, 0.7, 0.9, 3, 4, "threshold:0.5", "bfloat16", "random")
     assert app.validate_request("Hi", block_size=None).block_size is None
+    assert app.validate_request("Hi", policy=" scheduler ").policy == "scheduler"
+    for spec in app.POLICY_CHOICES:  # every dropdown entry is a spec of the one policy vocabulary
+        assert app.validate_request("Hi", policy=spec).policy == spec
+
+
+def test_auto_dtype_follows_the_cpu_flags(monkeypatch):
+    import modeling_dspark.target as target_mod
+
+    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2", "amx_bf16"}))
+    assert app.auto_dtype()[0] == "bfloat16" and app.validate_request("Hi", dtype="auto").dtype == "bfloat16"
+    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2"}))
+    assert app.auto_dtype()[0] == "float32" and app.validate_request("Hi", dtype="auto").dtype == "float32"
 
 
 class _Tok:
@@ -294,8 +308,8 @@ def test_request_checks_against_the_loaded_drafter():
     bank = _FakeBank(_fake_models(lambda *a, **k: None, block_size=4))
     with pytest.raises(app.AppError, match="between 1 and 4"):
         list(app.run_demo(bank, app.Request("a b", block_size=8)))
-    with pytest.raises(app.AppError, match="scheduler is not available: no profile"):
-        list(app.run_demo(bank, app.Request("a b", use_scheduler=True)))
+    with pytest.raises(app.AppError, match="scheduler is not available: this drafter has no confidence head"):
+        list(app.run_demo(bank, app.Request("a b", policy="scheduler")))
 
 
 def test_closing_the_page_cancels_the_worker():
@@ -353,10 +367,8 @@ def test_one_real_request_fp32_greedy_identical(bank):
 def test_real_request_with_the_scheduler_cuts_slots(bank, monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path))
     monkeypatch.delenv("DSPARK_SCHEDULER", raising=False)
-    req = app.validate_request("Name a color.", 8, use_scheduler=True)
-    with pytest.raises(app.AppError, match="scheduler is not available: no SPS.B. profile"):
-        list(app.run_demo(bank, req))
-    _write_profile(tmp_path, "SmolLM2-135M-Instruct")
+    req = app.validate_request("Name a color.", 8, policy="scheduler")
+    _write_profile(tmp_path, "SmolLM2-135M-Instruct")  # a cached table (the page would measure one on first use)
     out = list(app.run_demo(bank, req, compare=False))[-1][1]
     rounds = [v for v in out.views if v.index > 0]
     assert rounds and all(v.consistent for v in out.views)
@@ -401,7 +413,8 @@ def test_browser_submit_prompt_renders_tokens_and_stats(tmp_path):
     log = tmp_path / "app.log"
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     with log.open("w") as logf:
-        proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port), "--no-warmup"],
+        proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--port", str(port), "--no-warmup",
+                                 "--dtype", "float32"],
                                 cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
     try:
         try:
@@ -418,14 +431,11 @@ def test_browser_submit_prompt_renders_tokens_and_stats(tmp_path):
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(url, wait_until="domcontentloaded")
+                assert "picked for this machine" in page.locator("#dspark-dtype").inner_text()
                 page.locator("#dspark-prompt textarea").fill("Explain speculative decoding in one sentence.")
                 max_new = page.locator("#dspark-max-new input[type=number]")
                 max_new.fill("16")
                 max_new.press("Enter")
-                scheduler = page.locator("#dspark-scheduler input[type=checkbox]")
-                scheduler_on = scheduler.is_enabled()  # only when an SPS(B) profile is cached for this machine
-                if scheduler_on:
-                    scheduler.check()
                 page.locator("#dspark-run").click()
                 page.wait_for_selector("#dspark-rounds .dspark-round[data-round='1']", timeout=60_000)
                 page.wait_for_selector("#dspark-summary table", timeout=10_000)
@@ -434,8 +444,8 @@ def test_browser_submit_prompt_renders_tokens_and_stats(tmp_path):
                 assert "Identical outputs" in summary
                 rounds = page.locator("#dspark-rounds").inner_text()
                 assert "ℓ=" in rounds and "prefill" in rounds
-                policy = "scheduler" if scheduler_on else "full block"
-                assert f"verify policy: {policy}" in summary
+                # the dropdown starts at the scheduler where an SPS(B) table is cached for this machine, else full
+                assert "verify policy: scheduler" in summary or "verify policy: full" in summary
                 assert page.locator("#dspark-rounds .dspark-tok").count() > 3
                 assert page.locator("#dspark-out textarea").input_value().strip()
                 assert page.locator("#dspark-base textarea").input_value().strip()

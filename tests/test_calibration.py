@@ -1,4 +1,4 @@
-"""Tests for training.calibration (SPEC §3, Sequential Temperature Scaling)."""
+"""Tests for training.calibration (docs/method.md §3, Sequential Temperature Scaling)."""
 
 import json
 import math
@@ -119,7 +119,7 @@ def test_sts_fixes_overconfidence_and_keeps_ranking():
         assert p["ece_after"] < 0.02, p
     assert rep["mean_ece_after"] < rep["mean_ece_before"]
 
-    # monotone per position: AUROC of c_k on blocks reaching k is unchanged (SPEC §3)
+    # monotone per position: AUROC of c_k on blocks reaching k is unchanged (docs/method.md §3)
     c_before = 1 / (1 + np.exp(-test_logits))
     c_after = apply_sts(test_logits, temps)
     for k in range(gamma):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dspark_cli.main import main
 
@@ -58,6 +59,10 @@ def test_no_draft_and_text_output(capsys):
     lines = cap.out.strip().splitlines()
     assert lines[-1].startswith("[dspark]") and "tok/s" in lines[-1]
     assert "random" not in cap.err
+    from modeling_dspark.target import fast_dtype
+
+    picked = "bfloat16" if fast_dtype("cpu") == torch.bfloat16 else "float32"
+    assert f"dspark generate: dtype {picked}" in cap.err  # --dtype auto says what it picked
 
 
 def test_sampling_seeded_reproducible(capsys):
@@ -107,3 +112,160 @@ def test_python_m_entry_point_error_exit_code():
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert proc.returncode == 2
     assert "empty prompt" in proc.stderr and proc.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------- consistency
+def _subparsers(parser, prefix=()):
+    """(command path, parser) for every leaf subcommand of the `dspark` parser."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield prefix, parser
+        return
+    for name, sub in subs[0].choices.items():
+        yield from _subparsers(sub, prefix + (name,))
+
+
+def _commands():
+    from dspark_cli.main import build_parser
+
+    return list(_subparsers(build_parser()))
+
+
+def test_every_option_has_help_and_states_its_default():
+    import argparse
+
+    missing = []
+    for path, parser in _commands():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            flag = f"dspark {' '.join(path)} {action.option_strings[-1]}"
+            text = (action.help or "").strip()
+            if not text or text.startswith("("):  # a bare "(default: X)" is no help
+                missing.append(f"{flag}: no help text")
+            takes_value = action.nargs != 0
+            if takes_value and not action.required and "default" not in text and "required" not in text:
+                missing.append(f"{flag}: help does not state the default")
+    assert not missing, "\n".join(missing)
+
+
+SHARED = {"--dtype", "--device", "--threads"}
+
+
+def test_shared_flags_are_spelled_the_same_everywhere():
+    model_commands = {("generate",), ("data", "build"), ("train",), ("calibrate",), ("eval",), ("profile",),
+                      ("bench", "serve"), ("adapt",)}
+    commands = dict(_commands())
+    assert model_commands <= commands.keys()
+    for path in model_commands:
+        flags = {s for a in commands[path]._actions for s in a.option_strings}
+        assert SHARED <= flags, (path, SHARED - flags)
+        dtype = next(a for a in commands[path]._actions if "--dtype" in a.option_strings)
+        assert set(dtype.choices) == {"auto", "float32", "bfloat16"}, path
+        # no other spelling of the same thing is shown in --help
+        shown = {s for a in commands[path]._actions if a.help != "==SUPPRESS==" for s in a.option_strings}
+        assert not shown & {"--output-dir", "--bf16", "--cpu"}, path
+    for path in (("data", "build"), ("train",), ("calibrate",), ("eval",), ("bench", "serve"), ("adapt",)):
+        flags = {s for a in commands[path]._actions for s in a.option_strings}
+        assert {"--out-dir", "--no-progress"} <= flags, path
+
+
+def test_old_spellings_still_parse():
+    from dspark_cli.main import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["train", "--data", "d", "--output-dir", "o", "--bf16", "--cpu"])
+    assert (a.out_dir, a.dtype, a.device) == ("o", "bfloat16", "cpu")
+    a = p.parse_args(["data", "build", "--out", "o"])
+    assert a.out_dir == "o"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dspark ") and "torch" in out
+
+
+def test_bench_serve_does_not_default_to_the_current_directory():
+    from dspark_cli.main import build_parser
+
+    a = build_parser().parse_args(["bench", "serve"])
+    assert a.out is None and Path(a.out_dir).parts[0] == "runs"
+
+
+def test_generate_defaults_to_auto_dtype():
+    from dspark_cli.main import build_parser
+
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({"fpu", "avx2", "fma"}, "float32"),  # an AVX2-only CPU (bf16 emulated)
+        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "bfloat16"),
+        (set(), "float32"),
+    ],
+)
+def test_fast_dtype_reads_the_cpu_flags(flags, expected, tmp_path):
+    import torch
+
+    from modeling_dspark.target import cpu_flags, fast_dtype
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {' '.join(sorted(flags))}\n\n"
+                    "processor\t: 1\nflags\t\t: amx_bf16\n")  # only the first processor's flags count
+    assert cpu_flags(info) == frozenset(flags)
+    assert fast_dtype("cpu", cpu_flags(info)) == getattr(torch, expected)
+    assert fast_dtype("cuda", frozenset()) == torch.bfloat16
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_auto_dtype_is_announced(monkeypatch, capsys):
+    import torch
+
+    import modeling_dspark.target as target_mod
+    from dspark_cli.common import resolve_dtype
+
+    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"amx_bf16"}))
+    assert resolve_dtype("auto", "cpu", announce="dspark generate") == "bfloat16"
+    assert "dtype bfloat16" in capsys.readouterr().err
+    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2"}))
+    assert resolve_dtype("auto", "cpu", announce="dspark generate") == "float32"
+    assert "dtype float32" in capsys.readouterr().err
+    assert resolve_dtype("bfloat16", "cpu", announce="x") == "bfloat16" and capsys.readouterr().err == ""
+    del torch
+
+
+def test_bad_policy_is_refused_before_loading(capsys):
+    assert main(["generate", "--prompt", "hi", "--policy", "bogus"]) == 2
+    assert "--policy" in capsys.readouterr().err
+
+
+def test_generate_with_the_scheduler_policy(tmp_path, monkeypatch, capsys):
+    """--policy scheduler works with no cached SPS(B) table: the library profiles on first use."""
+    monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
+    rc = main(["generate", "--prompt", "What is 2 + 2?", "--max-new-tokens", "4", "--json", "--policy", "scheduler",
+               "--dtype", "float32", "--threads", "1"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    (rec,) = _json_lines(cap.out)
+    assert rec["num_new_tokens"] >= 1 and rec["dtype"] == "float32"
+    assert any((tmp_path / "profiles").iterdir())  # the table was measured and cached
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_bench_serve_rejects_a_bad_draft_cost_before_loading(value, capsys):
+    assert main(["bench", "serve", "--draft-cost", value]) == 2
+    assert "--draft-cost" in capsys.readouterr().err
+
+
+def test_threads_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hi", "--threads", "0"])
+    assert exc.value.code == 2 and "--threads" in capsys.readouterr().err

@@ -10,7 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from generation.engine import DSparkEngine, PackedTarget, generate_batch, parse_engine_policy
+from generation.drafting import DraftResult
+from generation.engine import DSparkEngine, generate_batch
+from generation.packed_target import PackedTarget
+from generation.policies import parse_policy, verify_lengths
 
 from .conftest import make_drafter
 
@@ -88,7 +91,7 @@ class ScriptedEngine(DSparkEngine):
         self.references = references  # request id -> full greedy continuation
         self.expected_accepts: dict[int, list[int]] = {}
 
-    def _draft(self, reqs, budgets):
+    def _draft(self, reqs, budgets, context_len):
         tokens, conf = [], []
         for r, budget in zip(reqs, budgets):
             ref = self.references[r.id]
@@ -101,16 +104,18 @@ class ScriptedEngine(DSparkEngine):
                 toks.append(true if j < good else (true + 1) % self.target.config.vocab_size)
             tokens.append(toks)
             conf.append([0.9 if j < good else 0.2 for j in range(self.block_size)])
+        ingested = [r.draft.num_pending if b > 0 else 0 for r, b in zip(reqs, budgets)]
         for r, budget in zip(reqs, budgets):
             if budget > 0:
-                r.pending_feats = []  # ingested, as the real drafter does (catch-up detection sees the same)
-        sps = self._sps_curve(reqs) if self.policy.kind in ("scheduler", "lagged") else None
-        lengths = self._policy_lengths(conf, budgets, sps, sum(budgets) // 2)
+                r.draft.pending = []  # ingested, as the real drafter does
+        rows = sum(b > 0 for b in budgets)
+        sps = self.cost.round_sps(len(reqs), context_len, rows) if self.cost is not None else None
+        lengths = verify_lengths(self.policy, conf, budgets, sps, sum(budgets) // 2)
         lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
         for r, ell, toks in zip(reqs, lengths, tokens):
             good = self.pattern[(r.id + len(r.stats.rounds)) % len(self.pattern)]
             self.expected_accepts.setdefault(r.id, []).append(min(good, ell))
-        return tokens, conf, lengths
+        return DraftResult(tokens, lengths, conf, [None] * len(reqs), ingested)
 
 
 @pytest.mark.parametrize("policy", ["full", "fixed:4", "threshold:0.5", "scheduler"])
@@ -204,12 +209,10 @@ def test_packed_forward_matches_separate_forwards(tiny):
 
 def test_engine_argument_errors(tiny):
     target, drafter, *_ = tiny
-    with pytest.raises(ValueError, match="unknown engine policy"):
+    with pytest.raises(ValueError, match="unknown verify policy"):
         DSparkEngine(target, drafter, "sometimes")
-    with pytest.raises(ValueError, match="bad argument"):
+    with pytest.raises(ValueError, match=r"threshold:P.*\[0, 1\]"):
         DSparkEngine(target, drafter, "threshold:1.5")
-    with pytest.raises(ValueError, match="SPS"):
-        DSparkEngine(target, drafter, "scheduler")
     with pytest.raises(ValueError, match="needs a drafter"):
         DSparkEngine(target, None, "full")
     no_conf = make_drafter(target, block_size=4, use_confidence_head=False)
@@ -224,7 +227,7 @@ def test_engine_argument_errors(tiny):
         engine.add_request([1, 2], 0)
     with pytest.raises(ValueError, match="one prompt"):
         engine.add_request(torch.ones(2, 3, dtype=torch.long), 4)
-    assert parse_engine_policy("lagged").name == "lagged:2"
+    assert parse_policy("lagged").name == "lagged:2"
 
 
 def test_sps_table_too_small_is_a_clear_error(tiny):
@@ -287,7 +290,7 @@ def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
         drafter.draft_vocab_ids.copy_(torch.randperm(64, generator=torch.Generator().manual_seed(0))[:draft_vocab])
     expected = []
     for p, n in zip(prompts, max_new):
-        with dspark_options(policy="threshold:0.0"), collect_stats() as runs:
+        with dspark_options(policy="threshold:0.0", lookup=False), collect_stats() as runs:
             target.generate(torch.tensor([p]), assistant_model=drafter, max_new_tokens=n, do_sample=False)
         expected.append(runs[-1].rounds)
     engine = DSparkEngine(target, drafter, "threshold:0.0", max_batch_size=4)
@@ -303,24 +306,23 @@ def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
 
 
 def test_scheduler_skips_drafting_when_no_token_can_pay(tiny):
-    """A table where one more token always costs more than it can bring: no drafter call at all, output exact;
-    with the measured-verify-time correction (whose measurements can be stale) only the periodic re-probes draft."""
+    """A table where one more token always costs more than it can bring: Algorithm 1 verifies nothing, and the
+    draft gate soon stops running the drafter (after its warm-up, only probes draft); outputs exact."""
     target, drafter, prompts, max_new, refs = tiny
     calls = []
     hook = drafter.register_forward_hook(lambda *a: calls.append(1))
     steep = {b: 100.0 / b**2 for b in range(1, 400)}
     try:
-        outs = generate_batch(target, prompts, drafter, "scheduler", max_new_tokens=max_new, sps=steep,
-                              sps_correction=False)
-        assert [o.output_ids for o in outs] == refs and not calls
-        engine = DSparkEngine(target, drafter, "scheduler", sps=steep)
+        engine = DSparkEngine(target, drafter, "scheduler", sps=steep, draft_cost_ms=1.0)
         for p, n in zip(prompts, max_new):
             engine.add_request(p, n)
         assert [o.output_ids for o in engine.run()] == refs
     finally:
         hook.remove()
     summ = engine.stats.summary()
-    assert summ["draft_rounds"] <= summ["probe_rounds"] + 1 and summ["draft_rounds"] <= 0.2 * summ["rounds"]
+    assert all(sum(r.lengths) == 0 for r in engine.stats.rounds)
+    warmup = sum(r.gate == "warmup" for r in engine.stats.rounds)
+    assert len(calls) == summ["draft_rounds"] <= warmup + summ["probe_rounds"] and summ["draft_rounds"] <= 0.3 * summ["rounds"]
 
 
 def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
@@ -346,7 +348,6 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert all(r["repeats"] == 2 and len(r["throughput_reps"]) == 2 for r in report["results"])
     assert all(r["throughput_min"] <= r["throughput_tok_s"] <= r["throughput_max"] for r in report["results"])
     assert report["config"]["repeats"] == 2 and report["config"]["warmup_repeats"] == 1
-    assert report["config"]["drafting_veto"] is True
     assert report["comparisons"] == []  # no dynamic policy in this run
     assert report["results"][1]["agreement_with_none"] == 1.0  # fp32: speculation changes nothing
     assert out.with_suffix(".png").exists()
@@ -385,28 +386,31 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------- draft cost / gate
 class OracleEngine(ScriptedEngine):
     """Every draft is the target's own continuation (all accepted); confidences come from `conf_fn(round index)`.
-    Records the draft gate's decision of every round."""
+    Records the draft gate's decision of every round: (round, request ids, budgets, reason)."""
 
     pattern = [10**6]
 
     def __init__(self, *a, conf_fn=lambda t: 0.95, **kw):
-        kw.setdefault("sps_correction", False)  # decisions against the synthetic SPS table as given
         super().__init__(*a, **kw)
         self.conf_fn = conf_fn
         self.decisions = []
+        plan = self.cost.plan
 
-    def _gate(self, reqs, budgets):
-        out = super()._gate(reqs, budgets)
-        self.decisions.append((len(self.stats.rounds), [r.id for r in reqs], list(out[0]), list(out[1]), out[2]))
-        return out
+        def recorded(budgets, skipped, context_len=None):
+            out = plan(budgets, skipped, context_len)
+            self.decisions.append((len(self.stats.rounds), list(budgets), list(out[0]), out[1]))
+            return out
 
-    def _draft(self, reqs, budgets):
-        tokens, conf, lengths = super()._draft(reqs, budgets)
+        self.cost.plan = recorded
+
+    def _draft(self, reqs, budgets, context_len):
+        out = super()._draft(reqs, budgets, context_len)
         c = self.conf_fn(len(self.stats.rounds))
         conf = [[c] * self.block_size for _ in reqs]
-        sps = self._round_sps(reqs, sum(b > 0 for b in budgets))
-        lengths = self._policy_lengths(conf, budgets, sps, sum(budgets) // 2)
-        return tokens, conf, [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
+        sps = self.cost.round_sps(len(reqs), context_len, sum(b > 0 for b in budgets))
+        lengths = verify_lengths(self.policy, conf, budgets, sps, sum(budgets) // 2)
+        lengths = [min(ell, len(t)) for ell, t in zip(lengths, out.tokens)]
+        return DraftResult(out.tokens, lengths, conf, out.logits, out.ingested)
 
 
 @pytest.fixture(scope="module")
@@ -418,15 +422,14 @@ def long_refs(tiny):
 
 @pytest.mark.parametrize("policy", ["scheduler", "lagged"])
 def test_gate_skips_useless_drafter(tiny, policy):
-    """A random drafter (its confidences ~0.5, nothing accepted) at a 5 ms draft cost: the gate skips the drafter in
-    most rounds (re-probing now and then) and the outputs stay exact."""
+    """A random drafter (nothing accepted) at a 5 ms draft cost: the gate skips the drafter in most rounds
+    (probing now and then, one request at a time) and the outputs stay exact; without the gate it drafts always."""
     target, _, prompts, max_new, refs = tiny
     drafter = make_drafter(target, block_size=6, seed=5)
     calls = []
     hook = drafter.register_forward_hook(lambda *a: calls.append(1))
     try:
-        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
-                              sps_correction=False)
+        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0)
         for p, n in zip(prompts, max_new):
             engine.add_request(p, n)
         outs = engine.run()
@@ -437,13 +440,8 @@ def test_gate_skips_useless_drafter(tiny, policy):
     rounds = summ["rounds"]
     assert len(calls) == summ["draft_rounds"] <= 0.35 * rounds
     assert summ["skipped_draft_rounds"] >= 0.65 * rounds and summ["probe_rounds"] >= 1
-    # a re-probe drafts the one request skipped longest, not every gated one
-    assert all(sum(d > 0 for d in r.drafted) <= 1 for r in engine.stats.rounds if r.probe)
-    acc, ver = engine.yield_prior(4)
-    assert acc < 0.25 and acc <= 0.5 * max(ver, 0.01)  # confident but rarely right: its realized yield is low
-    # the same drafter without the gate drafts every round
-    ungated = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, draft_gating=False,
-                           sps_correction=False)
+    assert all(sum(d > 0 for d in r.drafted) <= 1 for r in engine.stats.rounds if r.gate == "probe")
+    ungated = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, draft_gate=False)
     for p, n in zip(prompts, max_new):
         ungated.add_request(p, n)
     assert [o.output_ids for o in ungated.run()] == refs
@@ -456,14 +454,14 @@ def test_gate_keeps_drafting_oracle(tiny, long_refs, policy):
     target, drafter, prompts, _, _ = tiny
     max_new, refs = long_refs
     engine = OracleEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
-                          references=dict(enumerate(refs)), drafting_veto=False)  # the cost model alone (the
-    for p, n in zip(prompts, max_new):                                          # veto's windows read the clock)
+                          references=dict(enumerate(refs)))
+    for p, n in zip(prompts, max_new):
         engine.add_request(p, n)
     assert [o.output_ids for o in engine.run()] == refs
     summ = engine.stats.summary()
     assert summ["gated_request_rounds"] == 0 and summ["probe_rounds"] == 0
     assert len(engine.decisions) == len(engine.stats.rounds)
-    for (_, _, budgets, _, _), rnd in zip(engine.decisions, engine.stats.rounds):
+    for (_, _, budgets, _), rnd in zip(engine.decisions, engine.stats.rounds):
         assert rnd.drafted_any == any(budgets)  # drafted whenever some request had room for a draft token
     assert summ["tau"] > 3
 
@@ -477,8 +475,7 @@ def test_gate_uses_past_rounds_only(tiny, long_refs):
     runs = []
     for conf_fn in (lambda t: 0.9, lambda t: 0.9 if t < switch else 0.0):
         engine = OracleEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
-                              references=dict(enumerate(refs)), conf_fn=conf_fn,
-                              drafting_veto=False)  # the veto's windows read the clock: not reproducible
+                              references=dict(enumerate(refs)), conf_fn=conf_fn)
         for p, n in zip(prompts, max_new):
             engine.add_request(p, n)
         assert [o.output_ids for o in engine.run()] == refs
@@ -486,24 +483,27 @@ def test_gate_uses_past_rounds_only(tiny, long_refs):
     a, b = runs
     assert [d[0] for d in a[: switch + 1]] == list(range(switch + 1))
     assert a[: switch + 1] == b[: switch + 1]
-    assert any(any(d[3]) for d in b[switch + 1 :])  # later rounds react to the (past) zero confidences
-    assert not any(any(d[3]) for d in a)
+    assert any(d[3] in ("gated", "probe") for d in b[switch + 1 :])  # later rounds react to the past zero yields
+    assert not any(d[3] in ("gated", "probe") for d in a)
 
 
 def test_draft_cost_auto_measures_and_prices(tiny):
     """"auto" learns the drafting time per number of drafting requests; the policy sees SPS_eff."""
     target, drafter, prompts, max_new, refs = tiny
     engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4)
-    assert engine._draft_seconds(2) == 0.0  # nothing measured yet
+    assert engine.cost.draft_seconds(2) == 0.0  # nothing measured yet
     for p, n in zip(prompts, max_new):
         engine.add_request(p, n)
     assert [o.output_ids for o in engine.run()] == refs
-    assert engine._draft_ms_ema and all(v > 0 for v in engine._draft_ms_ema.values())
-    n = min(engine._draft_ms_ema)
-    assert engine._draft_seconds(n) == pytest.approx(engine._draft_ms_ema[n] / 1e3)
+    measured = engine.cost._draft_ms
+    assert measured and all(v > 0 for v in measured.values())
+    n = min(measured)
+    assert engine.cost.draft_seconds(n) == pytest.approx(measured[n] / 1e3)
+    eff = engine.cost.round_sps(1, None, n)
+    assert 1.0 / eff(3) == pytest.approx(1.0 / SPS[3] + measured[n] / 1e3)
     fixed = DSparkEngine(target, drafter, "lagged", sps=SPS, draft_cost_ms=4.0)
-    assert fixed._draft_seconds(3) == pytest.approx(0.004) and fixed._draft_seconds(0) == 0.0
-    assert DSparkEngine(target, drafter, "lagged", sps=SPS, draft_cost_ms=None)._draft_seconds(3) == 0.0
+    assert fixed.cost.draft_seconds(3) == pytest.approx(0.004) and fixed.cost.draft_seconds(0) == 0.0
+    assert DSparkEngine(target, drafter, "lagged", sps=SPS, draft_cost_ms=None).cost.draft_seconds(3) == 0.0
 
 
 def test_draft_gate_option_errors(tiny):
@@ -511,117 +511,8 @@ def test_draft_gate_option_errors(tiny):
     for bad in ("fast", -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="draft_cost_ms"):
             DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_cost_ms=bad)
-    with pytest.raises(ValueError, match="draft_gating"):
-        DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gating="yes")
-    for bad in (0, 2.5, True):
-        with pytest.raises(ValueError, match="probe_max_interval"):
-            DSparkEngine(target, drafter, "scheduler", sps=SPS, probe_max_interval=bad)
-    with pytest.raises(ValueError, match="drafting_veto"):
-        DSparkEngine(target, drafter, "scheduler", sps=SPS, drafting_veto=1)
-
-
-def test_yield_estimate_shrinks_toward_prior(tiny):
-    """The gate's per-request yield: decayed own rounds mixed with YIELD_PRIOR_ROUNDS rounds of the per-R prior,
-    which is the plain mean of the first drafted request-rounds and falls back to the nearest R."""
-    from generation.engine import _Request
-
-    target, drafter, *_ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS)
-    a, b = (_Request(i, [1, 2], 5, engine.packed.new_cache(16)) for i in range(2))
-    assert engine.yield_prior(2) is None and engine.yield_estimate(a, None) is None
-    engine._update_yield(a, 2, 0, 4)
-    assert engine.yield_estimate(a, None) == [0.0, 4.0]
-    assert engine.yield_prior(2) == [0.0, 4.0] and engine.yield_prior(5) == [0.0, 4.0]  # nearest R with data
-    engine._update_yield(b, 2, 2, 4)
-    assert engine.yield_prior(2) == pytest.approx([1.0, 4.0])  # mean of the first rounds, not the latest
-    k = engine.YIELD_PRIOR_ROUNDS
-    assert engine.yield_estimate(a, [1.0, 4.0]) == pytest.approx([k / (1 + k), 4.0])
-    engine._update_yield(a, 2, 3, 3)  # decayed sums: 0.8 · (0, 4, 1) + (3, 3, 1)
-    d = engine.YIELD_DECAY
-    assert a.yield_sums == pytest.approx([3.0, 4 * d + 3, d + 1])
-    assert engine.yield_estimate(a, [0.0, 0.0]) == pytest.approx([3 / (d + 1 + k), (4 * d + 3) / (d + 1 + k)])
-
-
-def test_verify_correction_fits_measured_times(tiny):
-    """The measured-verify-time correction: the residual (measured − 1/SPS(B)) as a decayed mean o0 over rounds
-    with B = R and a decayed least-squares line o1 + s · (B − R − 1) over rounds with B > R, applied as
-    SPS'(B) = 1 / max(½ / SPS(B), t'(B)); slope clipped at 0; a step at the first draft token is not read as a
-    slope; off when disabled."""
-    from generation.engine import VerifyCorrection, _Request
-
-    target, drafter, *_ = tiny
-    sps = {b: 100.0 for b in range(1, 40)}  # the table says 10 ms whatever B
-    engine = DSparkEngine(target, drafter, "scheduler", sps=sps)
-    reqs = [_Request(i, [1], 4, engine.packed.new_cache(8)) for i in range(2)]
-    assert engine.verify_correction(2) is None and engine._sps_curve(reqs) is sps
-    engine._record_verify_time(reqs, 2, 0.012)  # B = R only: a pure offset, borrowed by the drafting part
-    assert engine.verify_correction(2) == pytest.approx((0.002, 0.002, 0.0))
-    for _ in range(10):
-        for b in (3, 5, 7, 9):  # drafting rounds: 12 ms + 1 ms per draft token beyond the first
-            engine._record_verify_time(reqs, b, 0.012 + 0.001 * (b - 3))
-    fit = engine.verify_correction(2)
-    assert isinstance(fit, VerifyCorrection)
-    assert 0.0007 < fit.slope < 0.001  # ridge-shrunk toward 0 (spread of B − R − 1: 5 tokens², prior ~1)
-    assert fit.offset_draft == pytest.approx(0.002, abs=0.0006)
-    assert fit.offset_none == pytest.approx(0.002)  # the B = R mean is not moved by drafting rounds
-    curve = engine._sps_curve(reqs)
-    assert curve(2) == pytest.approx(1 / 0.012, rel=1e-3)
-    assert curve(10) == pytest.approx(1 / (0.010 + fit.offset_draft + 7 * fit.slope), rel=1e-3)
-    # a step at the first draft token (B = R: 10 ms; any B > R: 15 ms flat) is an offset, not a slope
-    step = DSparkEngine(target, drafter, "scheduler", sps=sps)
-    for _ in range(20):
-        for b in (2, 2, 3, 5, 9):
-            step._record_verify_time(reqs, b, 0.010 if b == 2 else 0.015)
-    fit = step.verify_correction(2)
-    assert fit.slope == pytest.approx(0.0, abs=1e-9)
-    assert fit.offset_none == pytest.approx(0.0, abs=1e-9)
-    w = step._verify_fit[2][1][0]  # decayed weight of the drafting rounds
-    assert fit.offset_draft == pytest.approx(0.005 * w / (w + step.VERIFY_STEP_PRIOR))  # shrunk toward o0 = 0
-    curve = step._sps_curve(reqs)
-    assert curve(2) == pytest.approx(100.0)
-    assert curve(3) == pytest.approx(curve(10))
-    assert curve(3) == pytest.approx(1 / (0.010 + fit.offset_draft), rel=1e-3)
-    # a long run of drafting rounds leaves o0 where it was (no aging of a mean into float underflow)
-    busy = DSparkEngine(target, drafter, "scheduler", sps=sps)
-    busy._record_verify_time(reqs, 2, 0.012)
-    for _ in range(30_000):
-        busy._record_verify_time(reqs, 5, 0.013)
-    fit = busy.verify_correction(2)
-    assert fit.offset_none == pytest.approx(0.002) and fit.offset_draft == pytest.approx(0.003, rel=0.1)
-    for _ in range(30_000):  # and the drafting part's sums reset, not underflow, while only B = R rounds run
-        busy._record_verify_time(reqs, 2, 0.012)
-    assert busy.verify_correction(2) == pytest.approx((0.002, 0.002, 0.0))
-    # a stalled drafting round fades (slope and step) while only B = R rounds follow: no frozen skip
-    stale = DSparkEngine(target, drafter, "scheduler", sps=sps)
-    for _ in range(30):
-        stale._record_verify_time(reqs, 2, 0.010)
-        stale._record_verify_time(reqs, 3, 0.010)
-    stale._record_verify_time(reqs, 4, 0.5)  # a stall, clipped at 3x the table
-    assert stale.verify_correction(2).slope > 0.0005  # already damped by the ridge
-    assert stale.verify_correction(2).offset_draft > 0.0005
-    for _ in range(200):
-        stale._record_verify_time(reqs, 2, 0.010)
-    assert stale.verify_correction(2).slope < 0.00005
-    assert stale.verify_correction(2).offset_draft == pytest.approx(0.0, abs=0.0002)
-    assert engine.verify_correction(1) is None  # per R
-    # the table over-states the time: the correction never makes a round faster than half the table's
-    fast = DSparkEngine(target, drafter, "scheduler", sps=sps)
-    fast._record_verify_time(reqs, 2, 0.001)
-    assert fast._sps_curve(reqs)(2) == pytest.approx(200.0)
-    # falling measured times give slope 0, and a first draft token measured cheaper than B = R is priced as B = R
-    # (SPS' stays non-increasing in B)
-    falling = DSparkEngine(target, drafter, "scheduler", sps=sps)
-    falling._record_verify_time(reqs, 2, 0.012)
-    for b in (3, 7):
-        falling._record_verify_time(reqs, b, 0.010 - 0.001 * (b - 3))
-    assert falling.verify_correction(2).slope == 0.0
-    curve = falling._sps_curve(reqs)
-    assert [curve(b) for b in (2, 3, 7)] == pytest.approx([1 / 0.012] * 3)
-    off = DSparkEngine(target, drafter, "scheduler", sps=sps, sps_correction=False)
-    off._record_verify_time(reqs, 2, 0.5)
-    assert off.verify_correction(2) is None and off._sps_curve(reqs) is sps
-    with pytest.raises(ValueError, match="sps_correction"):
-        DSparkEngine(target, drafter, "scheduler", sps=sps, sps_correction="yes")
+    with pytest.raises(ValueError, match="draft_gate"):
+        DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gate="yes")
 
 
 class ForcedSkipEngine(DSparkEngine):
@@ -632,18 +523,14 @@ class ForcedSkipEngine(DSparkEngine):
         super().__init__(*a, **kw)
         self.skip, self.drafts = skip, {}
 
-    def _gate(self, reqs, budgets):
-        budgets, gated, probe = super()._gate(reqs, budgets)
+    def _draft(self, reqs, budgets, context_len):
         if self.skip and len(self.stats.rounds) % 2:
             budgets = [0 if r.id == 1 else b for r, b in zip(reqs, budgets)]
-        return budgets, gated, probe
-
-    def _draft(self, reqs, budgets):
-        tokens, conf, lengths = super()._draft(reqs, budgets)
-        for r, t, b in zip(reqs, tokens, budgets):
+        out = super()._draft(reqs, budgets, context_len)
+        for r, t, b in zip(reqs, out.tokens, budgets):
             if b > 0:
                 self.drafts[(r.id, len(r.output))] = list(t)
-        return tokens, conf, lengths
+        return out
 
 
 def test_skipped_rounds_keep_the_drafter_context_exact(tiny):
@@ -673,282 +560,21 @@ def test_catch_up_rounds_are_not_timed(tiny):
     assert len(long_prompt) > engine.block_size + 1
     engine.add_request(long_prompt, 20)
     engine.step()
-    assert engine.stats.rounds[0].drafted_any and not engine._draft_ms_ema
+    assert engine.stats.rounds[0].drafted_any and not engine.cost._draft_ms
     engine.step()
-    assert list(engine._draft_ms_ema) == [1]
+    assert list(engine.cost._draft_ms) == [1]
 
 
-def test_long_catch_up_rounds_do_not_feed_the_draft_excess(tiny):
-    """A drafting round whose drafter first ingests more than two rounds' worth of positions (here the prompt) pays
-    that catch-up whenever it drafts, now or later: it is left out of draft_excess, as out of the veto's rates; the
-    next (steady) drafting round at the same R is folded in."""
-    target, drafter, prompts, _, _ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gating=False)  # no yield gate
-    engine._record_draft_time(1, 5.0)  # drafting time measured: drafting rounds are modelled, their excess kept
-    long_prompt = max(prompts, key=len)
-    assert len(long_prompt) > 2 * (engine.block_size + 1)
-    engine.add_request(long_prompt, 30)
-    engine.step()
-    assert engine.stats.rounds[0].drafted_any and 1 not in engine._excess
-    engine.step()
-    assert engine.stats.rounds[1].drafted_any and not engine.stats.rounds[1].probe and 1 in engine._excess
+def test_probe_back_off():
+    """When drafting does not pay, the gate probes after 1, 2, 4, ... skipped rounds (one back-off for every R), with
+    the request skipped longest; yields measured at one R stand in for an R not yet measured."""
+    from generation.cost_model import CostModel
 
-
-def test_reprobe_rounds_only_lower_the_draft_excess(tiny):
-    """A re-probe after gated rounds first catches up on them: its residual over-states a steady round's, so it is
-    folded into draft_excess only when below the current excess -- it cannot hold the gate closed, and an excess
-    that steady rounds left high still comes down while only re-probes draft."""
-    target, drafter, prompts, _, _ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, drafting_veto=False)
-    engine._record_draft_time(1, 5.0)
-    engine._record_excess(1, 0.030, 0.020)  # a steady drafting round: 10 ms over the model
-    engine._record_excess(1, 0.040, 0.020, upper_bound=True)  # a re-probe 20 ms over: left out
-    assert engine.draft_excess(1) == pytest.approx(0.010)
-    engine._record_excess(1, 0.025, 0.020, upper_bound=True)  # a re-probe 5 ms over: lowers it
-    d = DSparkEngine.EXCESS_DECAY
-    assert engine.draft_excess(1) == pytest.approx((d * 0.010 + 0.005) / (d + 1))
-    engine._record_excess(2, 0.0, 0.020, upper_bound=True)  # no excess at R = 2 yet: nothing to bound
-    assert 2 not in engine._excess
-    # a real run: an excess left high (10 s) holds the gate closed; the re-probes (each residual at most one
-    # modelled round, so below it however slow the machine) bring it down
-    engine._excess[1] = (1.0, 10.0)
-    engine.add_request(max(prompts, key=len), 200)  # the first re-probe catches up on the whole prompt: counted too
-    while engine.has_unfinished() and sum(r.probe and r.drafted_any for r in engine.stats.rounds) < 3:
-        engine.step()
-    probes = [r for r in engine.stats.rounds if r.probe and r.drafted_any]
-    assert len(probes) == 3 and all(not r.drafted_any for r in engine.stats.rounds[1:] if not r.probe)
-    w, _ = engine._excess[1]
-    assert w == pytest.approx(d ** 3 + d ** 2 + d + 1)  # the three re-probes folded in
-    assert engine.draft_excess(1) < 10.0
-
-
-def test_steady_gated_drafting_rounds_feed_the_draft_excess(tiny):
-    """With the gate on and a drafter that yields, the gate drafts in steady (non-probe) rounds, and those feed
-    draft_excess; outputs stay exact."""
-    target, drafter, prompts, max_new, refs = tiny
-    engine = ScriptedEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4,
-                            references=dict(enumerate(refs)))
-    assert [o.output_ids for o in _run_with_join(engine, prompts, max_new, join_after=1)] == refs
-    steady = {r.requests for r in engine.stats.rounds if r.drafted_any and not r.probe}
-    assert steady and set(engine._excess) & steady
-
-
-def test_draft_excess_prices_what_drafting_rounds_cost_beyond_the_model(tiny):
-    """draft_excess: a decayed mean of (measured − modelled) time of drafting rounds per R, added to the drafting
-    time the gate prices (never below 0 in total); a stall counts as at most one more modelled round; only with
-    draft_cost_ms="auto"."""
-    target, drafter, *_ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS)
-    assert engine.draft_excess(4) == 0.0 and engine._draft_price(4, 1) == 0.0  # nothing measured: unpriced
-    engine._record_draft_time(1, 5.0)
-    assert engine._draft_price(4, 1) == pytest.approx(0.005)
-    engine._record_excess(4, 0.060, 0.050)  # 10 ms more than modelled
-    assert engine.draft_excess(4) == pytest.approx(0.010) and engine.draft_excess(2) == 0.0  # per R
-    assert engine._draft_price(4, 1) == pytest.approx(0.015)
-    engine._record_excess(4, 0.050, 0.050)
-    d = DSparkEngine.EXCESS_DECAY
-    assert engine.draft_excess(4) == pytest.approx(d * 0.010 / (d + 1))
-    engine._record_excess(4, 5.0, 0.050)  # a stall: at most one more modelled round
-    assert engine.draft_excess(4) == pytest.approx((d * d * 0.010 + 0.050) / (d * d + d + 1))
-    for _ in range(50):
-        engine._record_excess(2, 0.010, 0.050)  # the model over-states: the price falls, but not below 0
-    assert engine.draft_excess(2) == pytest.approx(-0.040) and engine._draft_price(2, 1) == 0.0
-    fixed = DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_cost_ms=4.0)
-    fixed._record_excess(4, 0.060, 0.050)
-    assert fixed.draft_excess(4) == 0.0 and fixed._draft_price(4, 1) == pytest.approx(0.004)
-
-
-def test_draft_excess_is_measured_in_real_rounds_and_outputs_stay_exact(tiny):
-    """A real run with the measured draft cost: the R that drafted in steady rounds get an excess estimate from
-    their own drafting rounds, and the outputs equal plain greedy generation. (The gate is off: with this random
-    drafter it would draft only in re-probes, which the excess leaves out.)"""
-    target, drafter, prompts, max_new, refs = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4, draft_gating=False)
-    for p, n in zip(prompts, max_new):
-        engine.add_request(p, n)
-    assert [o.output_ids for o in engine.run()] == refs
-    assert engine._excess and all(w > 0 for w, _ in engine._excess.values())
-    drafted_at = {r.requests for r in engine.stats.rounds if r.drafted_any}
-    assert set(engine._excess) <= drafted_at
-
-
-def test_probe_back_off_is_per_concurrency(tiny):
-    """The re-probe back-off of one R neither resets nor advances that of another."""
-    from generation.engine import _Request
-
-    target, drafter, *_ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, probe_max_interval=8)
-
-    def reqs(n):
-        return [_Request(i, [1], 4, engine.packed.new_cache(8)) for i in range(n)]
-
-    four, two = reqs(4), reqs(2)
-    probes = [engine._skip_or_probe(four, [3] * 4, [0] * 4, [True] * 4)[2] for _ in range(12)]
-    assert probes == [False, True, False, False, True, False, False, False, False, True, False, False]  # 1, 2, 4
-    engine._skip_or_probe(two, [3] * 2, [0] * 2, [True] * 2)
-    assert engine._probe_state[4] == [8, 2] and engine._probe_state[2] == [1, 1]
-
-
-class SlowOracleEngine(OracleEngine):
-    """An oracle drafter (every draft right, confidence 0.95) whose drafting takes `DRAFT_SLEEP_S` more than the
-    cost model knows (``draft_cost_ms=0``): drafting rounds are slower per token than rounds without drafting."""
-
-    DRAFT_SLEEP_S = 0.1
-
-    def _draft(self, reqs, budgets):
-        time.sleep(self.DRAFT_SLEEP_S)
-        return super()._draft(reqs, budgets)
-
-
-def test_drafting_veto_stops_drafting_that_measures_slower_and_lifts(tiny):
-    """Drafting that the cost model prices as free but that measures slower than rounds without drafting: the
-    engine pairs each window's drafting rounds with a round without drafting, and once RoundRates.MIN_WINDOWS windows
-    measured drafting slower the veto skips the drafter at R = 2, re-probing with the back-off (one request for
-    VETO_PROBE_ROUNDS rounds at a time); without the veto the model-gated engine drafts every round. When drafting
-    then gets fast, the probes lift the veto. Outputs stay exact throughout."""
-    from generation.round_rates import RoundRates
-
-    target, drafter, prompts, _, _ = tiny
-    prompts, max_new = prompts[1:3] * 2, [400] * 4
-    refs = [_reference(target, p, n) for p, n in zip(prompts, max_new)]
-    runs = {}
-    for veto in (True, False):
-        engine = SlowOracleEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=2, draft_cost_ms=0.0,
-                                  references=dict(enumerate(refs)), drafting_veto=veto, probe_max_interval=4)
-        engine.round_rates.WINDOW_S = 0.25  # windows of ~2 drafting rounds at 0.1 s each: a short test
-        engine.round_rates.WINDOW_ROUNDS = 2
-        for p, n in zip(prompts[:2], max_new[:2]):
-            engine.add_request(p, n)
-        assert [o.output_ids for o in engine.run()] == refs[:2]
-        runs[veto] = engine
-    vetoed, free = runs[True], runs[False]
-    rounds = list(vetoed.stats.rounds)
-    assert vetoed.round_rates.drafting_loses(2)
-    assert vetoed.round_rates.ratio(2) < 1.0 - RoundRates.MARGIN
-    assert vetoed.round_rates.paired_windows(2) >= RoundRates.MIN_WINDOWS
-    assert free.stats.summary()["skipped_draft_rounds"] == 0  # the model alone never sees the cost
-    # before the veto, rounds without drafting come one at a time, to pair the windows ...
-    first_skip = next((i for i, r in enumerate(rounds) if r.veto == "skip"), None)
-    assert first_skip is not None
-    before = rounds[:first_skip]
-    assert any(r.drafted_any for r in before)
-    assert all(r.veto == "pair" for r in before if not r.drafted_any)
-    assert all(before[i + 1].drafted_any for i, r in enumerate(before) if r.veto == "pair" and i + 1 < len(before))
-    # ... after it, drafting only in probes of VETO_PROBE_ROUNDS consecutive rounds, with a growing back-off
-    vetoed_rounds = [r for r in rounds[first_skip:] if r.requests == 2 and (any(r.gated) or r.drafted_any)]
-    marks = "".join({"skip": ".", "probe": "P"}.get(r.veto, "?") for r in vetoed_rounds)  # (not: no room to draft)
-    assert set(marks) <= {".", "P"}, marks
-    runs_of_p = [len(x) for x in marks.strip(".").split(".") if x]
-    assert runs_of_p and all(n == vetoed.VETO_PROBE_ROUNDS for n in runs_of_p[:-1]), marks
-    gaps = [len(x) for x in marks.strip(".").split("P") if x]
-    assert gaps == sorted(gaps) and max(gaps, default=0) <= vetoed.probe_max_interval, marks
-    assert all(r.drafted_any == (r.veto == "probe") for r in vetoed_rounds)
-    # drafting gets fast: the probes' paired samples lift the veto, and the engine drafts again
-    vetoed.DRAFT_SLEEP_S = 0.0
-    vetoed.round_rates.WINDOW_S = 0.05  # rounds of a few ms now: windows of several rounds, which the slow
-    vetoed.round_rates.MEAN_DECAY = 0.5  # rounds of before would stretch (WINDOW_ROUNDS) for a while
-    for p, n in zip(prompts[2:], max_new[2:]):
-        vetoed.add_request(p, n)
-    assert [o.output_ids for o in vetoed.run()] == refs[2:]
-    assert not vetoed.round_rates.drafting_loses(2)
-    later = [r for r in vetoed.stats.rounds[len(rounds):] if r.requests == 2]
-    lifted = later[max((i for i, r in enumerate(later) if r.veto in ("skip", "probe")), default=-1) + 1:]
-    assert len(lifted) >= 8  # the veto lifted well before the end and stayed lifted
-    assert sum(r.drafted_any for r in lifted) >= 0.6 * len(lifted)  # the rest: pairing rounds, one per window
-
-
-def test_round_rates_pair_drafting_and_plain_rounds_within_a_window():
-    """RoundRates: a window's sample is the log ratio of its drafting and plain rates, weighted n_d·n_p/(n_d + n_p);
-    the veto needs the upper confidence bound of the decayed weighted mean below 1 - MARGIN; windows with one kind
-    only give none; the machine's speed changing between windows (drift) does not move the
-    ratio, where pooling the rounds would; None before MIN_WINDOWS paired windows; at an unmeasured R the largest
-    smaller measured R stands in; a stall counts at most STALL_FACTOR mean rounds; a plain round is due from half-way
-    through a drafting-only window until it ends; slow rounds stretch the windows."""
-    import math
-
-    from generation.round_rates import RoundRates
-
-    rates = RoundRates()
-    t, win = 100.0, RoundRates.WINDOW_S
-
-    def window(r, num, speed, drafting, plain):
-        nonlocal t
-        for kind, (n, sec, tok) in ((True, drafting), (False, plain)):
-            for _ in range(n):
-                t += sec / speed
-                r.record(num, kind, sec / speed, tok, now=t)
-        t += 2 * win  # the next round opens (and closes this) window
-
-    assert rates.ratio(2) is None and not rates.drafting_loses(2)
-    window(rates, 2, 1.0, drafting=(3, 0.05, 6), plain=(0, 0.05, 4))  # drafting rounds only: no sample
-    # drifting machine: drafting is 1.5x as fast as plain in every window, but the slow windows hold more drafting
-    # rounds and the fast ones more plain rounds (pooled: 26.1 vs 30.9 tokens/s, drafting would look slower)
-    for speed, n_d, n_p in ((1.0, 2, 2), (0.5, 6, 1), (2.0, 1, 6)):
-        window(rates, 2, speed, drafting=(n_d, 0.05, 6), plain=(n_p, 0.05, 4))
-    assert rates.paired_windows(2) == 2 and rates.ratio(2) is None  # the last window is still open
-    rates.record(2, False, 0.05, 4, now=t)  # closes it
-    assert rates.paired_windows(2) == RoundRates.MIN_WINDOWS and rates.ratio(2) == pytest.approx(1.5)
-    assert not rates.drafting_loses(2)
-    # R = 4: drafting slower in two windows, faster in one, windows of different sizes and speeds
-    window(rates, 4, 1.0, drafting=(1, 0.05, 4), plain=(5, 0.05, 5))   # weight 5/6, ratio 0.8
-    window(rates, 4, 1.6, drafting=(4, 0.05, 4), plain=(4, 0.05, 5))   # weight 2, ratio 0.8
-    window(rates, 4, 0.7, drafting=(2, 0.05, 8), plain=(2, 0.05, 5))   # weight 1, ratio 1.6
-    rates.record(4, False, 0.05, 5, now=t)
-    d = RoundRates.DECAY
-
-    def expected(samples):  # (weight, ratio), oldest first -> (ratio, upper bound)
-        ws = [w * d ** (len(samples) - 1 - i) for i, (w, _) in enumerate(samples)]
-        xs = [math.log(r) for _, r in samples]
-        mean = sum(w * x for w, x in zip(ws, xs)) / sum(ws)
-        var = sum(w * (x - mean) ** 2 for w, x in zip(ws, xs)) / (sum(ws) - sum(w * w for w in ws) / sum(ws))
-        se = math.sqrt(var * sum(w * w for w in ws)) / sum(ws)
-        return math.exp(mean), math.exp(mean + RoundRates.CONFIDENCE_Z * se)
-
-    samples = [(5 / 6, 0.8), (2, 0.8), (1, 1.6)]
-    assert (rates.ratio(4), rates.ratio_upper(4)) == pytest.approx(expected(samples))
-    assert rates.ratio(4) < 1 - RoundRates.MARGIN < rates.ratio_upper(4)
-    assert not rates.drafting_loses(4)  # slower on average, but too noisy to be sure
+    cost = CostModel({b: 100.0 / b for b in range(1, 50)}, draft_cost_ms=5.0)
+    assert cost.plan([4], [0]) == ([4], "warmup")
     for _ in range(3):
-        window(rates, 4, 1.0, drafting=(4, 0.05, 4), plain=(4, 0.05, 5))
-    rates.record(4, False, 0.05, 5, now=t)
-    samples += [(4 * 5 / 9, 0.8), (2, 0.8), (2, 0.8)]  # the first also holds the plain round that closed the last
-    assert (rates.ratio(4), rates.ratio_upper(4)) == pytest.approx(expected(samples))
-    assert rates.ratio_upper(4) < 1 - RoundRates.MARGIN and rates.drafting_loses(4)
-    assert rates.drafting_loses(5) and rates.drafting_loses(16)  # the largest smaller measured R: 4
-    assert not rates.drafting_loses(3) and not rates.drafting_loses(1)  # 2 (drafting pays), none
-    # a stall counts at most STALL_FACTOR x the kind's mean round time
-    stalled = RoundRates()
-    for i in range(4):
-        stalled.record(1, True, 0.05, 2, now=10.0 + 0.05 * i)
-    stalled.record(1, True, 30.0, 2, now=10.3)
-    assert stalled._windows[1]["sums"][True][0] == pytest.approx(4 * 0.05 + RoundRates.STALL_FACTOR * 0.05)
-    # plain round due: drafting-only window, from half-way to its end; not once a plain round ran
-    due = RoundRates()
-    due.record(1, True, 0.05, 2, now=5.0)
-    start = 5.0 - 0.05
-    assert not due.plain_round_due(1, now=start + 0.3 * win)
-    assert due.plain_round_due(1, now=start + 0.5 * win) and due.plain_round_due(1, now=start + win)
-    assert not due.plain_round_due(1, now=start + 1.1 * win)  # the window is over: the next round opens another
-    due.record(1, False, 0.05, 1, now=start + 0.6 * win)
-    assert not due.plain_round_due(1, now=start + 0.9 * win)
-    # slow rounds (0.5 s): a window spans WINDOW_ROUNDS of them, not WINDOW_S
-    slow = RoundRates()
-    for i in range(8):
-        slow.record(1, True, 0.5, 3, now=20.0 + 0.5 * (i + 1))
-    assert len(slow._windows) == 1 and slow._windows[1]["sums"][True][2] == 8  # 4 s > WINDOW_S, one window
-    assert not slow.plain_round_due(1, now=23.0) and slow.plain_round_due(1, now=24.0)  # half of 16 x 0.5 s
-    for bad in ((0, True, 0.1, 1), (2, True, 0.0, 1), (2, True, 0.1, -1)):
-        with pytest.raises(ValueError, match="bad round"):
-            rates.record(*bad)
-
-
-def test_bench_serve_engines_without_the_veto(tiny):
-    """`dspark bench serve --no-drafting-veto` (an ablation) builds its engines with drafting_veto=False."""
-    from dspark_cli import bench_cmd
-    from dspark_cli.main import build_parser
-
-    target, drafter, *_ = tiny
-    assert bench_cmd._engine(target, drafter, "scheduler", 6, SPS).drafting_veto is True
-    assert bench_cmd._engine(target, drafter, "scheduler", 6, SPS, drafting_veto=False).drafting_veto is False
-    assert build_parser().parse_args(["bench", "serve", "--no-drafting-veto"]).no_drafting_veto is True
-
+        cost.observe(1, [(0, 2)], 0.005, [1], 4)  # nothing accepted: drafting does not pay
+    reasons = [cost.plan([4], [0])[1] for _ in range(8)]
+    assert reasons == ["gated", "probe", "gated", "gated", "probe", "gated", "gated", "gated"]
+    assert cost.plan([4, 4], [0, 3]) == ([0, 0], "gated")  # R = 2 reads the R = 1 yields
+    assert cost.plan([4, 4], [0, 3]) == ([0, 4], "probe")  # the request skipped longest probes

@@ -1,4 +1,4 @@
-"""Tests for training.losses (SPEC §2 eq. 8, §5 eqs 11–14)."""
+"""Tests for training.losses (docs/method.md eqs. 8, 11–14)."""
 
 import math
 

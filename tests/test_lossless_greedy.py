@@ -35,7 +35,7 @@ def _check(target, drafter, prompt_ids, references, block_size, max_new):
 
 # A random drafter on a 49k vocabulary is almost never accepted. At 64 tokens the adversarial (every draft rejected,
 # asserted) and oracle (every draft accepted) cases cover the verify and cache-crop paths at every block size, but
-# they script DSparkCandidateGenerator.propose (conftest.scripted), so the real drafting path runs 64 tokens only
+# they script the drafting round of generate() (conftest.scripted), so the real drafting path runs 64 tokens only
 # here, at the extreme block sizes 1 and 16, and at block size 8 in test_other_heads_and_draft_vocab_greedy_identical
 # (dropping 64 tokens at block sizes 2, 4, 8 here saves about 2 minutes of the suite on a 2-core CPU).
 RANDOM_CASES = [(n, b) for n in MAX_NEW for b in BLOCK_SIZES if n < 64 or b in (BLOCK_SIZES[0], BLOCK_SIZES[-1])]
@@ -89,14 +89,15 @@ def test_adversarial_drafter_rejected_yet_identical(
 
 
 def test_drafter_input_does_not_grow_with_prefix(smollm, prompt_ids, random_drafter):
-    """The drafter reads only the newly committed positions each round (≤ γ'+1 rows), never the whole prefix."""
+    """The drafter reads only the newly committed positions each round (≤ γ'+1 rows), never the whole prefix (the
+    lookup proposer off: a round it wins skips the drafter, whose next round then ingests two rounds' positions)."""
     target, _ = smollm
     rows = []
     hook = random_drafter.register_forward_hook(
         lambda mod, args, kwargs, out: rows.append(args[2].shape[1]), with_kwargs=True
     )
     try:
-        with dspark_options(block_size=4):
+        with dspark_options(block_size=4, lookup=False):
             target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=40, do_sample=False)
     finally:
         hook.remove()
@@ -164,14 +165,14 @@ def test_other_heads_and_draft_vocab_greedy_identical(smollm, prompt_ids, refere
 
 @pytest.mark.parametrize("head", ["none", "markov", "rnn"])
 @pytest.mark.parametrize("draft_vocab", [None, 24])
-def test_greedy_fast_drafting_equals_the_processed_logits_path(head, draft_vocab):
-    """`_propose_greedy` (argmax in the draft vocabulary, confidences in one batch) gives the tokens, confidences and
-    ℓ of the slot-by-slot path over processed [1, V] logits, for every head, with and without a draft vocabulary,
-    for every policy and budget (random weights, non-zero corrections, uneven STS temperatures)."""
-    from transformers import GenerationConfig
-
-    from generation.candidate_generator import DSparkCandidateGenerator
-    from generation.policies import ConfidenceThreshold, FixedLength, FullBlock, PrefixScheduler
+def test_greedy_drafting_equals_the_processed_logits_path(head, draft_vocab):
+    """`draft_round` greedy without a sampler (argmax in the draft vocabulary, no logits kept) gives the tokens,
+    confidences and ℓ of the path over processed [1, V] logits (a Sampler without processors), for every head,
+    with and without a draft vocabulary, for every policy and budget (random weights, non-zero corrections, uneven
+    STS temperatures); and a batch of R = 3 requests drafts what each drafts alone."""
+    from generation.drafting import DraftContext, Sampler, draft_round
+    from generation.packed_target import RequestKV
+    from generation.policies import parse_policy
 
     from .conftest import make_drafter, tiny_target
 
@@ -184,25 +185,36 @@ def test_greedy_fast_drafting_equals_the_processed_logits_path(head, draft_vocab
             drafter.draft_vocab_ids.copy_(torch.randperm(64)[:draft_vocab].sort().values)
         if drafter.sequential_head is not None:
             drafter.sequential_head.out.weight.normal_(0, 2.0)  # a correction that changes the argmax
+    width = len(drafter.config.target_layer_ids) * target.config.hidden_size
+    feats = [torch.randn(1, n, width) for n in (4, 7, 2)]
+    anchors, positions = [13, 7, 3], [4, 7, 2]
     ids = torch.tensor([[1, 5, 9, 13]])
-    gen = DSparkCandidateGenerator(drafter, target, GenerationConfig(max_length=64, do_sample=False), None, ids,
-                                   {"attention_mask": torch.ones_like(ids)})
-    assert gen._greedy_fast
-    hidden = torch.randn(6, target.config.hidden_size)
-    base = drafter.lm_logits(hidden)
-    policies = [FullBlock(), FixedLength(2), ConfidenceThreshold(0.3),
-                PrefixScheduler({b: 100.0 - b for b in range(1, 8)})]
+
+    def context(r):
+        return DraftContext(RequestKV(drafter.config.num_draft_layers), [feats[r]])
+
+    sps = {b: 100.0 - b for b in range(1, 30)}
+    specs = ["full", "fixed:2", "threshold:0.3", "scheduler"] + (["lagged:1"] if head != "none" else [])
     lengths = set()
-    for policy in policies:
+    for spec in specs:
+        policy = parse_policy(spec)
+        if policy.needs_confidence and head == "none":
+            continue
         for budget in (1, 3, 6):
-            gen.policy = policy
             outs = []
-            for fast in (True, False):
-                gen._greedy_fast = fast
-                outs.append(gen.propose(ids, hidden, base, budget))
-            (t_fast, l_fast, c_fast), (t_slow, l_slow, c_slow) = outs
-            assert t_fast.tolist() == t_slow.tolist(), (policy.name, budget)
-            assert c_fast == pytest.approx(c_slow, abs=1e-6)
-            assert l_fast is None and (l_slow is None) == (t_slow.shape[1] == 0)
-            lengths.add(t_fast.shape[1])
+            for sampler in (None, Sampler(False, None, ids)):
+                outs.append(draft_round(drafter, [context(0)], anchors[:1], positions[:1], [budget], policy,
+                                        num_slots=6, sps=sps, lag_budget=2, sampler=sampler))
+            fast, slow = outs
+            assert fast.tokens == slow.tokens and fast.lengths == slow.lengths, (spec, budget)
+            assert fast.confidences[0] == pytest.approx(slow.confidences[0], abs=1e-6)
+            assert fast.logits[0] is None and (slow.logits[0] is None) == (not slow.tokens[0])
+            lengths.add(fast.lengths[0])
+            if policy.kind in ("full", "fixed", "threshold"):  # per-request policies: batching changes nothing
+                batch = draft_round(drafter, [context(r) for r in range(3)], anchors, positions, [budget, 2, budget],
+                                    policy, num_slots=6)
+                for r, b in enumerate([budget, 2, budget]):
+                    alone = draft_round(drafter, [context(r)], anchors[r : r + 1], positions[r : r + 1], [b], policy,
+                                        num_slots=6)
+                    assert batch.tokens[r] == alone.tokens[0] and batch.lengths[r] == alone.lengths[0], (spec, r)
     assert len(lengths) >= 3  # the policies really cut the drafts at different lengths

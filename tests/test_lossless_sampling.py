@@ -141,20 +141,20 @@ def test_plain_sampling_matches_enumeration(tiny):
 
 
 def test_sampling_with_skipped_rounds_equals_target(tiny, monkeypatch):
-    """The scheduler's draft gate (generation/draft_gate.py) skips drafting by past rounds only; here a coin
+    """The cost model's draft gate (generation/cost_model.py) skips drafting by past rounds only; here a coin
     flip independent of everything drawn stands in for it, so the first rounds both draft and skip (a skipped
     round is one plain target step whose features the drafter ingests at its next drafting round). The first
     new tokens still follow the target's distribution."""
     import random
 
-    from generation.draft_gate import DraftGate
+    from generation.cost_model import CostModel
 
     coin = random.Random(0)
 
-    def decide(self, budget, now=None):
-        return (True, "probe") if coin.random() < 0.5 else (False, "gated")
+    def plan(self, budgets, skipped, context_len=None):
+        return (list(budgets), "probe") if coin.random() < 0.5 else ([0] * len(budgets), "gated")
 
-    monkeypatch.setattr(DraftGate, "decide", decide)
+    monkeypatch.setattr(CostModel, "plan", plan)
     target, drafters = tiny
     sps = {1: 1.0, 2: 0.75, 3: 0.6, 4: 0.5, 5: 0.4}
     gen = {"temperature": 0.9, "top_k": 8}

@@ -1,4 +1,4 @@
-"""Tests for the hardware-aware prefix scheduler (DSpark Algorithm 1, SPEC §4, §5.2).
+"""Tests for the hardware-aware prefix scheduler (DSpark Algorithm 1, docs/method.md §4).
 
 Fast, CPU only, no models.
 """
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from generation.policies import LaggedBudget, parse_policy, verify_lengths
 from generation.scheduler import (
-    LaggedBudgetScheduler,
     ScheduleResult,
     budget_from_confidences,
     fill_budget,
@@ -21,6 +21,22 @@ from generation.scheduler import (
     survival,
 )
 
+class LaggedScheduler:
+    """The ``lagged`` policy over whole rounds: LaggedBudget's budget, filled by verify_lengths."""
+
+    def __init__(self, sps, lag=2, default_budget=None):
+        self.sps, self.state, self.last_budget = sps, LaggedBudget(lag, default_budget), None
+
+    def schedule(self, confidences):
+        rows = [[float(c) for c in row] for row in (confidences.tolist() if hasattr(confidences, "tolist")
+                                                    else confidences)]
+        budgets = [len(row) for row in rows]
+        self.last_budget = self.state.take(len(rows))
+        lengths = verify_lengths(parse_policy("lagged"), rows, budgets, self.sps, self.last_budget)
+        self.state.push(rows, budgets, self.sps)
+        return lengths
+
+
 
 # --------------------------------------------------------------------------
 # fixtures / reference implementations (test-only)
@@ -28,7 +44,7 @@ from generation.scheduler import (
 def full_scan_schedule(confidences, sps) -> list[int]:
     """TEST FIXTURE ONLY — not lossless. Scans the whole greedy Θ(B) curve of
     the CURRENT confidences without early stop and returns the best lengths.
-    This is the anticipating scheduler of the SPEC §4 counterexample."""
+    This is the anticipating scheduler of the counterexample of docs/method.md §4."""
     a = survival(confidences).tolist()
     num_requests = len(a)
     pool = sorted(
@@ -98,7 +114,7 @@ def random_instance(gen: torch.Generator, monotone_sps: bool):
 
 
 # --------------------------------------------------------------------------
-# worked examples (SPEC §4)
+# worked examples (docs/method.md §4)
 # --------------------------------------------------------------------------
 TWO_REQ_C = [[0.9, 0.5], [0.6, 0.6]]
 TWO_REQ_SPS = {2: 1.0, 3: 0.8, 4: 0.55, 5: 0.5, 6: 0.3}
@@ -128,7 +144,7 @@ def test_two_request_example():
 def test_three_request_example():
     result = prefix_schedule_detailed(torch.tensor(THREE_REQ_C, dtype=torch.float64), THREE_REQ_SPS)
     assert result.lengths == [1, 0, 0]
-    assert result.theta == pytest.approx(3.3575, abs=1e-12)  # = 3.95 · 0.85; SPEC rounds to 3.358
+    assert result.theta == pytest.approx(3.3575, abs=1e-12)  # = 3.95 · 0.85 (docs/method.md §4)
     assert result.theta == pytest.approx(3.358, abs=1e-3)
     assert result.batch_tokens == 4
 
@@ -202,15 +218,13 @@ def test_lagged_scheduler_uses_budget_from_lag_rounds_ago():
     gen = torch.Generator().manual_seed(5)
     sps = {b: 100.0 * 0.85 ** (b - 3) for b in range(3, 13)}
     rounds = [torch.rand(3, 3, generator=gen, dtype=torch.float64) for _ in range(8)]
-    scheduler = LaggedBudgetScheduler(sps, lag=2)
+    scheduler = LaggedScheduler(sps, lag=2)
     for t, confidences in enumerate(rounds):
         lengths = scheduler.schedule(confidences)
         expected_budget = 3 if t < 2 else budget_from_confidences(rounds[t - 2], sps)  # fallback K = R
         assert scheduler.last_budget == expected_budget
         assert lengths == fill_budget(confidences, expected_budget)
-    assert scheduler.pending_budgets == [budget_from_confidences(c, sps) for c in rounds[-2:]]
-    scheduler.reset()
-    assert scheduler.pending_budgets == [] and scheduler.last_budget is None
+    assert list(scheduler.state._pending) == [budget_from_confidences(c, sps) for c in rounds[-2:]]
 
 
 def test_lagged_budget_ignores_current_confidences():
@@ -218,22 +232,15 @@ def test_lagged_budget_ignores_current_confidences():
     history = [[[0.9, 0.9, 0.9], [0.9, 0.9, 0.1]], [[0.5, 0.5, 0.5], [0.2, 0.2, 0.2]]]
     totals = set()
     for current in ([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], [[0.0, 0.0, 0.0], [0.01, 0.0, 0.0]]):
-        scheduler = LaggedBudgetScheduler(sps, lag=2, default_budget=0)
+        scheduler = LaggedScheduler(sps, lag=2, default_budget=0)
         for past in history:
             scheduler.schedule(past)
         totals.add(sum(scheduler.schedule(current)))
     assert totals == {budget_from_confidences(history[0], sps)}
 
 
-def test_lagged_schedule_detailed():
-    scheduler = LaggedBudgetScheduler(TWO_REQ_SPS, lag=1, default_budget=1)
-    result = scheduler.schedule_detailed(TWO_REQ_C)
-    assert isinstance(result, ScheduleResult)
-    assert result == ScheduleResult([1, 0], pytest.approx(2.32), 3, pytest.approx(2.9))
-
-
 # --------------------------------------------------------------------------
-# non-anticipation counterexample (SPEC §4, paper appendix A), statistically
+# non-anticipation counterexample (docs/method.md §4, paper appendix A), statistically
 # --------------------------------------------------------------------------
 TOKEN_A, TOKEN_B = 0, 1
 P_TARGET = torch.tensor([0.7, 0.3], dtype=torch.float64)
@@ -309,7 +316,7 @@ def test_counterexample_full_scan_is_biased():
 
 
 def test_counterexample_lagged_budget_is_lossless():
-    scheduler = LaggedBudgetScheduler(COUNTER_SPS, lag=2)
+    scheduler = LaggedScheduler(COUNTER_SPS, lag=2)
     p_hat, verified = simulate_first_token_rate(scheduler.schedule, ROUNDS, seed=3)
     assert abs(p_hat - 0.7) <= band(0.7), p_hat
     # it does verify x_1 in about half the rounds (whenever x_1 = A two rounds earlier)
@@ -356,7 +363,7 @@ def test_missing_batch_size_in_table():
     with pytest.raises(ValueError, match=r"B = 6"):
         budget_from_confidences(TWO_REQ_C, {2: 1.0, 3: 0.8, 4: 0.5, 5: 0.4})
     with pytest.raises(ValueError, match=r"B = 6"):
-        LaggedBudgetScheduler({2: 1.0, 3: 0.8, 4: 0.5, 5: 0.4}).schedule(TWO_REQ_C)
+        LaggedScheduler({2: 1.0, 3: 0.8, 4: 0.5, 5: 0.4}).schedule(TWO_REQ_C)
 
 
 @pytest.mark.parametrize("bad_rate", [0.0, -1.0, float("nan"), float("inf")])
@@ -376,15 +383,15 @@ def test_bad_sps_type_budget_and_lag():
     with pytest.raises(ValueError, match=r"verify budget K .* got 1.5"):
         fill_budget(TWO_REQ_C, 1.5)
     with pytest.raises(ValueError, match=r"lag must be an int >= 1"):
-        LaggedBudgetScheduler(TWO_REQ_SPS, lag=0)
+        LaggedBudget(lag=0)
     with pytest.raises(ValueError, match=r"default_budget"):
-        LaggedBudgetScheduler(TWO_REQ_SPS, default_budget=-2)
+        LaggedBudget(2, default=-2)
 
 
 # --------------------------------------------------------------------------
 # draft cost (effective SPS) and the draft gate
 # --------------------------------------------------------------------------
-from generation.scheduler import draft_gate, effective_sps  # noqa: E402
+from generation.scheduler import effective_sps  # noqa: E402
 
 
 def test_effective_sps_adds_draft_time():
@@ -405,48 +412,6 @@ def test_draft_cost_changes_algorithm_1():
     assert prefix_schedule(conf, sps) == [0]  # 1.6 * 0.6 = 0.96 < 1
     # SPS_eff = 1 / (1/SPS + 1): 1 / 2 = 0.5, 1.6 / (1/0.6 + 1) = 0.6, 1.9 / (1/0.5 + 1) = 0.633
     assert prefix_schedule(conf, effective_sps(sps, 1.0)) == [2]
-
-
-def test_draft_gate_prices_draft_cost_and_rows():
-    # verify time T(B) = 1 + 0.05 (B - 2) s for R = 2; Θ_none = 2 / T(2) = 2
-    sps = {b: 1.0 / (1.0 + 0.05 * (b - 2)) for b in range(2, 20)}
-    conf = [[0.9, 0.9], [0.1, 0.1]]
-    res = draft_gate(conf, sps, 0.5)
-    assert res.theta_none == pytest.approx(2.0)
-    # request 0 alone: (2 + 0.9 + 0.81) / (1.1 + 0.5) = 2.319 > adding request 1: 3.81 / 1.65 = 2.309
-    assert res.draft == [True, False] and res.budget == 2
-    assert res.theta_draft == pytest.approx(3.71 / 1.6)
-    # too expensive: nothing drafts
-    res = draft_gate(conf, sps, 1.0)
-    assert res.draft == [False, False] and res.budget == 0 and res.theta_draft == res.theta_none
-    # a request that cannot draft (max length 0) is never chosen
-    assert draft_gate(conf, sps, 0.5, max_lengths=[0, 2]).draft == [False, False]
-    assert draft_gate([[0.9, 0.9], [0.9, 0.9]], sps, 0.5, max_lengths=[0, 2]).draft == [False, True]
-
-
-def test_draft_gate_prices_rows():
-    """A per-row draft cost keeps a mediocre request out that a per-round cost would let in."""
-    flat = {b: 1.0 for b in range(1, 20)}
-    conf = [[0.9, 0.9], [0.5, 0.5]]
-    assert draft_gate(conf, flat, 0.3).draft == [True, True]  # 4.46 / 1.3
-    assert draft_gate(conf, flat, lambda n: 0.3 * n).draft == [True, False]  # 3.71 / 1.3 > 4.46 / 1.6
-
-
-def test_draft_gate_errors():
-    with pytest.raises(ValueError, match="max_lengths"):
-        draft_gate([[0.5]], {1: 1.0, 2: 1.0}, 0.0, max_lengths=[1, 1])
-    with pytest.raises(ValueError, match="max_lengths"):
-        draft_gate([[0.5]], {1: 1.0, 2: 1.0}, 0.0, max_lengths=[-1])
-    with pytest.raises(ValueError, match="draft cost"):
-        draft_gate([[0.5]], {1: 1.0, 2: 1.0}, lambda n: -1.0)
-    with pytest.raises(ValueError, match="B = 1"):  # R·SPS(R) itself must be in the table
-        draft_gate([[0.5]], {2: 1.0}, 0.0)
-    # a table that stops early: larger verify batches are simply not considered (the engine's tables come from
-    # `dspark profile`; Algorithm 1 with its early stop may never have needed them)
-    short = draft_gate([[0.99, 0.99, 0.99]], {1: 10.0, 2: 10.0}, 0.0)
-    assert short.draft == [True] and short.budget == 1
-    with pytest.raises(ValueError, match="not a number"):
-        draft_gate([[0.5]], {1: 1.0, 2: "fast"}, 0.0)
 
 
 from generation.scheduler import yield_gate  # noqa: E402

@@ -1,16 +1,16 @@
-"""Calibration of the confidence head: Sequential Temperature Scaling (SPEC §3).
+"""Calibration of the confidence head: Sequential Temperature Scaling (docs/method.md §3).
 
-The confidence head (SPEC eq. 7) gives c_k = σ(logit_k), the probability that
+The confidence head (docs/method.md eq. 7) gives c_k = σ(logit_k), the probability that
 draft token x_k survives verification given that x_<k survived. The
-scheduler (SPEC §4, Algorithm 1) needs the *absolute* prefix-survival
-probabilities a_k = Π_{i≤k} c_i, so they must be calibrated. STS fits one
+scheduler (docs/method.md §4, Algorithm 1) needs the *absolute* prefix-survival
+probabilities a_k = Π_{i≤k} c_i (docs/method.md eq. 9), so they must be calibrated. STS fits one
 temperature per position, left to right, on held-out data:
 
     c_k(T_k) = σ(logit_k / T_k),   a_k = Π_{i≤k} c_i(T_i),
     T_k = argmin_{T ∈ grid} ECE(a_k, accepted[:, k])   with T_1..T_{k−1} fixed.
 
 Extension (not in the paper): :func:`fit_sts_bias` fits a temperature *and* a logit offset per position,
-c_k = σ(logit_k / T_k + b_k). A temperature alone cannot remove a constant over- or under-confidence: on the
+c_k = σ(logit_k / T_k + b_k) (docs/method.md eq. 10). A temperature alone cannot remove a constant over- or under-confidence: on the
 shipped SmolLM2 drafter, position 1 predicts ~4 points more survival than observed across the middle of its
 range, and the best T leaves an ECE near 4 %. Two parameters are fitted by maximum likelihood (Platt scaling of
 each conditional c_k on the blocks whose first k−1 tokens survived), not by minimising the binned ECE: a search
@@ -29,7 +29,7 @@ paper and in reports):
   end of a sequence. It is made prefix-closed (a position counts only if every
   earlier position of the row is valid too).
 
-The paper's reliability figure (Fig. 6, Alpaca; SPEC §3) reports per position
+The paper's reliability figure (Fig. 6, Alpaca; docs/method.md §3) reports per position
 one ROC-AUC and the ECE before → after STS. Temperature scaling is monotone
 in each c_k, so the AUROC of c_k on the blocks that reach position k (prefix
 survived; label: token k survives) is exactly unchanged; that is the
@@ -150,7 +150,7 @@ def _check_scores_labels(scores: Any, labels: Any) -> tuple[np.ndarray, np.ndarr
 
 
 def survival_from_confidences(c: Any) -> Any:
-    """Prefix-survival probabilities a_k = Π_{i≤k} c_i along the last axis (SPEC §3, §4 step 1).
+    """Prefix-survival probabilities a_k = Π_{i≤k} c_i along the last axis (docs/method.md eq. 9).
 
     Args:
         c: [N, γ] (or [..., γ]) conditional confidences, torch tensor or array.
@@ -277,7 +277,7 @@ def fit_sts(
     valid: Any | None = None,
     n_bins: int = 15,
 ) -> list[float]:
-    """Fit Sequential Temperature Scaling temperatures T_1..T_γ (SPEC §3).
+    """Fit Sequential Temperature Scaling temperatures T_1..T_γ (docs/method.md §3).
 
     For k = 1..γ in order, with T_1..T_{k−1} already fixed, pick the grid value
     T_k minimising ECE(a_k, accepted[:, k]) over the rows valid at k, where
@@ -365,7 +365,7 @@ def fit_sts_bias(
 
     For each position k, (1/T_k, b_k) is Platt scaling (logistic regression with Platt's smoothed targets) of
     "token k survives" on logit_k over the blocks whose tokens 1..k−1 survived (and are valid at k): the
-    conditional probability that c_k stands for (SPEC eq. 7). The product a_k = Π c_i is then checked, not
+    conditional probability that c_k stands for (docs/method.md eq. 7). The product a_k = Π c_i is then checked, not
     guaranteed, to be calibrated: :func:`calibration_report` measures its ECE. T_k is kept in
     [``min_temperature``, ``max_temperature``] (the map stays increasing, and a handful of separable rows cannot
     drive it to a step); a position that no block reaches gets (1, 0).
@@ -410,7 +410,7 @@ def _check_biases(biases: Sequence[float] | None, gamma: int) -> np.ndarray:
 
 
 def apply_sts(confidence_logits: Any, temperatures: Sequence[float], biases: Sequence[float] | None = None) -> Any:
-    """Calibrated confidences c_k = σ(logit_k / T_k + b_k) (SPEC §3; b_k = 0 unless :func:`fit_sts_bias` was used).
+    """Calibrated confidences c_k = σ(logit_k / T_k + b_k) (docs/method.md §3; b_k = 0 unless :func:`fit_sts_bias` was used).
 
     Args:
         confidence_logits: [..., γ] pre-sigmoid logits; torch tensor (any
@@ -465,7 +465,7 @@ def calibration_report(
     n_bins: int = 15,
     biases: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """Per-position discrimination and calibration before/after STS (cf. paper Fig. 6, SPEC §3).
+    """Per-position discrimination and calibration before/after STS (cf. paper Fig. 6, docs/method.md §3).
 
     Returns a JSON-serialisable dict::
 

@@ -1,4 +1,4 @@
-"""HumanEval-style Python stubs as training prompts (issue 3: in-domain code data).
+"""HumanEval-style Python stubs as training prompts (in-domain code data).
 
 HumanEval prompts are a bare function stub — signature, docstring, ``>>>`` examples — that the model completes. The
 ``code`` source (LeetCode statements with a class stub) covers the same tasks in a different form; these two

@@ -1,4 +1,4 @@
-"""An on-disk cache of the frozen target's outputs, so training epochs skip the target forward (issue 3, SPEC §5).
+"""An on-disk cache of the frozen target's outputs, so training epochs skip the target forward (docs/training.md).
 
 Training a drafter online runs the 30-layer target over every batch; on a CPU that is most of a step once the loss
 works on the draft vocabulary. The target is frozen, so its outputs for a data set never change: compute them once

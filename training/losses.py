@@ -1,6 +1,6 @@
-"""Training losses of the DSpark drafter (SPEC §2 eq. 8, §5 eqs 11–14).
+"""Training losses of the DSpark drafter (docs/method.md eqs. 8, 11–14).
 
-Notation (SPEC): a block has γ positions k = 1..γ; ``p_d^k`` is the drafter's
+Notation (docs/method.md): a block has γ positions k = 1..γ; ``p_d^k`` is the drafter's
 distribution at position k (after the sequential head, eq. 4), ``p_t^k`` the
 frozen target's distribution at the same position, ``x_k*`` the true
 (target-generated) token and ``c_k`` the confidence head's output (eq. 7).
@@ -46,7 +46,7 @@ def position_weights(
     decay: float | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Position weights w_k = exp(−(k − 1)/decay), k = 1..γ (SPEC §5).
+    """Position weights w_k = exp(−(k − 1)/decay), k = 1..γ (docs/method.md §5).
 
     Args:
         block_size: γ, the number of drafted positions per block.
@@ -148,7 +148,7 @@ class _DraftCeL1(torch.autograd.Function):
 
 
 def confidence_labels(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Analytic confidence labels c* = 1 − ½‖softmax(draft) − softmax(target)‖₁ (SPEC eq. 8).
+    """Analytic confidence labels c* = 1 − ½‖softmax(draft) − softmax(target)‖₁ (docs/method.md eq. 8).
 
     c* is the exact probability that rejection sampling accepts the drafted
     token (check: p_t = (0.7, 0.3), p_d = (0.5, 0.5) → 0.8).
@@ -183,7 +183,7 @@ def dspark_loss(
     ce_mask: torch.Tensor | None = None,
     target_lse: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """DSpark training loss, SPEC eqs 11–14.
+    """DSpark training loss, docs/method.md eqs. 11–14.
 
     Args:
         draft_logits: [N, γ, V] drafter logits after the sequential head

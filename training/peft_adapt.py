@@ -284,7 +284,7 @@ def greedy_tau(
     try:
         for ids in prompts:
             x = torch.tensor([list(ids)], dtype=torch.long, device=device)
-            with dspark_options(policy=policy, block_size=gamma), collect_stats() as runs:
+            with dspark_options(policy=policy, block_size=gamma, lookup=False), collect_stats() as runs:
                 target.generate(x, attention_mask=torch.ones_like(x), assistant_model=d,
                                 max_new_tokens=max_new_tokens, do_sample=False)
             for run in runs:

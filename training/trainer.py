@@ -1,4 +1,4 @@
-"""Training a DSpark drafter with 🤗 ``Trainer`` (SPEC §5).
+"""Training a DSpark drafter with 🤗 ``Trainer`` (docs/method.md §5).
 
 * :class:`DSparkCollator` pads target-generated sequences and samples several random anchors per sequence (in the
   response part only, never at the last token), deterministically for ``(seed, epoch, example)``.
@@ -11,7 +11,7 @@
   are logged separately. Checkpoints hold only the drafter (``model.safetensors`` + ``config.json``).
 * :func:`init_from_target` copies target decoder layers into the draft layers where shapes match.
 
-Alignment (SPEC §2): a block whose anchor x_0 is at position p has slots at positions p..p+γ−1; slot i predicts the
+Alignment (docs/method.md §2): a block whose anchor x_0 is at position p has slots at positions p..p+γ−1; slot i predicts the
 token at position p+i+1, so its label is ``input_ids[p+i+1]``, its target distribution is the target's logit at
 position p+i, and its teacher-forced previous token is ``input_ids[p+i]``. Slots with p+i+1 ≥ length are masked out of
 the loss.

@@ -1,0 +1,269 @@
+"""One drafting round for R ≥ 1 requests: the single implementation that `generate()` and the engine both call.
+
+A round, read top to bottom (docs/method.md §2 and §4):
+
+1. every drafting request ingests the target features of the positions committed since it last drafted into its
+   own context K/V cache (:class:`DraftContext`; the drafter never re-reads the whole prefix);
+2. ONE drafter forward over [anchor, mask × (γ'−1)] for all drafting requests → h_k and the base logits U_k
+   (docs/method.md eqs. 2–4);
+3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) → the verify
+   policy decides from c_1..c_k whether x_k is verified (:func:`generation.policies.verify_lengths`; x_k is not
+   sampled yet, so the decision cannot anticipate it) → correction B_k (eq. 5 or 6) → logits processors → argmax,
+   or a sample from exactly the distribution returned as the candidate logits.
+
+Greedy without logits processors takes the argmax in the draft vocabulary and keeps no logits; with logits
+processors or sampling (R = 1, `generate()`) the full-vocabulary processed logits of every drafted token are kept,
+so that transformers' verification (rejection sampling with residual resampling) stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .packed_target import RequestKV
+from .policies import Policy, verify_lengths
+
+__all__ = ["DraftContext", "DraftResult", "Sampler", "draft_round"]
+
+EAGER_LOGITS_ROWS = 64
+"""Up to this many (request, slot) rows, the base logits U_k of every slot come from ONE LM-head product: with few
+rows the product is bound by reading the head's weights, so computing unneeded slots costs little."""
+
+
+@dataclass
+class DraftContext:
+    """The drafter's state for one request.
+
+    Attributes:
+        cache: the drafter's context K/V (``cache.length`` = target positions ingested).
+        pending: target features ``[1, n_i, m·H]`` of committed positions not yet ingested, in order.
+    """
+
+    cache: RequestKV
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_pending(self) -> int:
+        """Committed positions waiting to be ingested (the catch-up of the next drafting round)."""
+        return sum(f.shape[1] for f in self.pending)
+
+
+@dataclass
+class Sampler:
+    """How a one-request round (`generate()`) turns draft logits into tokens when not plain greedy.
+
+    Attributes:
+        do_sample: sample x_k from softmax(processed logits), else argmax.
+        logits_processor: the call's processors (temperature / top-k / top-p warpers included), applied to the
+            draft logits exactly as transformers applies them to the target's.
+        input_ids: ``[1, L]`` committed ids (the last is the anchor); the processors see them plus the drafts so far.
+    """
+
+    do_sample: bool
+    logits_processor: object | None
+    input_ids: torch.LongTensor
+
+
+@dataclass
+class DraftResult:
+    """Outcome of :func:`draft_round` for R requests.
+
+    Attributes:
+        tokens: per request, the drafted token ids (at least ℓ_r of them; empty when it did not draft).
+        lengths: ℓ_r, draft tokens to verify (0 ≤ ℓ_r ≤ budget_r).
+        confidences: per request, c_k of the slots it reached (the drafted ones, and the slot where the policy
+            stopped; empty without a confidence head).
+        logits: per request, ``[len(tokens), V]`` float32 processed logits the tokens were drawn from, or None
+            (greedy without a :class:`Sampler`).
+        ingested: per request, the target positions ingested into its context this round (0: the drafter did not
+            run for it).
+    """
+
+    tokens: list[list[int]]
+    lengths: list[int]
+    confidences: list[list[float]]
+    logits: list[torch.Tensor | None]
+    ingested: list[int]
+
+
+class _BatchedDraftContext:
+    """Duck-typed cache for ONE batched drafter forward over A requests with per-request context caches.
+
+    The drafter's attention calls ``update(k_new [A, kvh, S_max, d], v_new, layer)`` with the K/V of the new context
+    rows (right-padded to S_max); this writes each request's ``counts[a]`` valid rows into its own
+    :class:`RequestKV` and returns the full contexts right-padded to the longest (``[A, kvh, L_max, d]``); the
+    attention mask hides the padding.
+    """
+
+    def __init__(self, caches: list[RequestKV], counts: list[int]):
+        self.caches, self.counts = caches, counts
+        self.starts = [kv.length for kv in caches]
+        self.ends = [st + n for st, n in zip(self.starts, counts)]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if len(self.caches) == 1:
+            return self.caches[0].write(layer_idx, self.starts[0], key[:, :, : self.counts[0]],
+                                        value[:, :, : self.counts[0]])
+        l_max = max(self.ends)
+        shape = (len(self.caches), key.shape[1], l_max, key.shape[3])
+        k_out, v_out = key.new_zeros(shape), value.new_zeros(shape)
+        for a, (kv, st, n) in enumerate(zip(self.caches, self.starts, self.counts)):
+            k_all, v_all = kv.write(layer_idx, st, key[a : a + 1, :, :n], value[a : a + 1, :, :n])
+            k_out[a, :, : st + n] = k_all[0]
+            v_out[a, :, : st + n] = v_all[0]
+        return k_out, v_out
+
+    def commit(self) -> None:
+        for kv, end in zip(self.caches, self.ends):
+            kv.length = end
+
+
+def _block_forward(drafter, contexts: list[DraftContext], anchors: list[int], anchor_positions: list[int],
+                   num_slots: int) -> torch.Tensor:
+    """Steps 1–2 of the module doc for A requests: ingest each one's pending features, run one block forward.
+
+    Returns ``h [A, γ', H]`` (the drafter's dtype); the contexts' caches have grown by their pending positions.
+    """
+    device = drafter.device
+    feats = [torch.cat(c.pending, dim=1) if len(c.pending) > 1 else c.pending[0] for c in contexts]
+    counts = [f.shape[1] for f in feats]
+    batch_ctx = _BatchedDraftContext([c.cache for c in contexts], counts)
+    ctx = feats[0].new_zeros(len(contexts), max(counts), feats[0].shape[-1])
+    ctx_pos = torch.zeros(len(contexts), max(counts), dtype=torch.long, device=device)
+    for a, (f, start) in enumerate(zip(feats, batch_ctx.starts)):
+        ctx[a, : f.shape[1]] = f[0]
+        ctx_pos[a, : f.shape[1]] = torch.arange(start, start + f.shape[1], device=device)
+    mask = None
+    l_max = max(batch_ctx.ends)
+    if min(batch_ctx.ends) < l_max:  # right-padded contexts: hide the padding (True = attend)
+        rows = drafter.block_slots(num_slots)  # γ' (+1 where the anchor slot predicts nothing)
+        mask = torch.ones(len(contexts), 1, rows, l_max + rows, dtype=torch.bool, device=device)
+        for a, end in enumerate(batch_ctx.ends):
+            mask[a, :, :, end:l_max] = False
+    out = drafter(torch.tensor(anchors, device=device)[:, None], torch.tensor(anchor_positions, device=device)[:, None],
+                  ctx.to(device), ctx_pos, attention_mask=mask, cache=batch_ctx, num_slots=num_slots,
+                  return_logits=False)
+    batch_ctx.commit()
+    for c in contexts:
+        c.pending = []
+    return out.hidden_states[:, 0]
+
+
+@torch.no_grad()
+def draft_round(
+    drafter,
+    contexts: list[DraftContext],
+    anchors: list[int],
+    anchor_positions: list[int],
+    budgets: list[int],
+    policy: Policy,
+    *,
+    num_slots: int,
+    sps=None,
+    lag_budget: int | None = None,
+    sampler: Sampler | None = None,
+) -> DraftResult:
+    """Draft for R requests and choose their verify lengths ℓ_r (module doc).
+
+    Args:
+        drafter: a :class:`~modeling_dspark.DSparkDraftModel` bound to the target.
+        contexts: per request its :class:`DraftContext` (R of them).
+        anchors: per request the anchor x_0, its last committed token id.
+        anchor_positions: per request the anchor's position (committed tokens − 1).
+        budgets: per request the most draft tokens it may verify this round (0: it does not draft, its pending
+            features wait for its next drafting round).
+        policy: the verify policy (:func:`generation.policies.parse_policy`).
+        num_slots: γ' ≤ γ, slots of the block forward.
+        sps: SPS(B) (steps/s) for ``scheduler`` / ``lagged``, the draft-time term included where the caller prices
+            it (:meth:`generation.cost_model.CostModel.round_sps`).
+        lag_budget: K of a ``lagged`` round (:class:`generation.policies.LaggedBudget`).
+        sampler: R = 1 with logits processors or sampling (None: greedy argmax, no logits kept).
+
+    Returns:
+        :class:`DraftResult`.
+
+    Raises:
+        ValueError: a sampler with R > 1; errors of :func:`generation.policies.verify_lengths`.
+    """
+    num = len(contexts)
+    if sampler is not None and num != 1:
+        raise ValueError(f"a Sampler drafts for one request; got {num}")
+    tokens: list[list[int]] = [[] for _ in range(num)]
+    conf: list[list[float]] = [[] for _ in range(num)]
+    kept: list[list[torch.Tensor]] = [[] for _ in range(num)]
+    ingested = [0] * num
+    active = [i for i in range(num) if budgets[i] > 0] if policy.drafts else []
+    if active and not any(verify_lengths(policy, [[1.0] * b for b in budgets], budgets, sps, lag_budget)):
+        active = []  # not even drafts certain to be accepted (every c_k = 1) would be verified: skip the drafter
+    if active:
+        ingested = [contexts[i].num_pending if i in active else 0 for i in range(num)]
+        h = _block_forward(drafter, [contexts[i] for i in active], [anchors[i] for i in active],
+                           [anchor_positions[i] for i in active], num_slots)  # [A, γ', H]
+        _sequential(drafter, h, active, anchors, budgets, policy, sps, lag_budget, sampler, tokens, conf, kept)
+    lengths = verify_lengths(policy, conf, budgets, sps, lag_budget)
+    lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
+    logits = [torch.cat(k, dim=0) if k else None for k in kept]
+    return DraftResult(tokens, lengths, conf, logits, ingested)
+
+
+def _sequential(drafter, h, active, anchors, budgets, policy, sps, lag_budget, sampler, tokens, conf, kept) -> None:
+    """Step 3 of the module doc, batched over the requests still drafting at slot k (fills tokens, conf, kept)."""
+    d, device = drafter, drafter.device
+    row_of = {i: a for a, i in enumerate(active)}
+    prev = torch.tensor([anchors[i] for i in active], device=device)
+    max_slots = max(budgets[i] for i in active)
+    if policy.kind == "fixed":
+        max_slots = min(max_slots, policy.length)
+    base = None
+    if len(active) * max_slots <= EAGER_LOGITS_ROWS:
+        flat = h[:, :max_slots].reshape(-1, h.shape[-1])  # 2-D with canonical strides (a fast GEMM path)
+        base = d.lm_logits(flat).view(len(active), max_slots, -1)
+    state = None
+    alive = list(active)
+    for k in range(max_slots):
+        rows = torch.tensor([row_of[i] for i in alive], device=device)
+        h_k, p_k = h[rows, k], prev[rows]
+        cl = d.confidence_logits(p_k, h_k)
+        if cl is not None:
+            for i, c in zip(alive, d.calibrated_confidence(cl, k).tolist()):
+                conf[i].append(float(c))
+        lengths = verify_lengths(policy, conf, budgets, sps, lag_budget)
+        admit = [n for n, i in enumerate(alive) if lengths[i] > k]
+        if not admit:
+            break
+        sel = torch.tensor(admit, device=device)
+        rows_a = rows[sel]
+        logits = base[rows_a, k] if base is not None else d.lm_logits(h_k[sel])
+        bias, st = d.correction_step(p_k[sel], h_k[sel], None if state is None else state[rows_a])
+        if bias is not None:
+            logits = logits + bias
+        if st is not None:
+            if state is None:
+                state = st.new_zeros(len(active), *st.shape[1:])
+            state[rows_a] = st
+        if sampler is None:
+            new_tok = d.draft_token_ids(logits.argmax(dim=-1))  # draft-vocabulary column -> target token id
+        else:
+            full = d.expand_draft_logits(logits)  # [1, V]: -inf outside the draft vocabulary, if one is set
+            i = alive[admit[0]]
+            if sampler.logits_processor is not None and len(sampler.logits_processor) > 0:
+                ids = torch.cat([sampler.input_ids, torch.tensor([tokens[i]], dtype=torch.long,
+                                                                 device=sampler.input_ids.device)], dim=-1)
+                full = sampler.logits_processor(ids, full)
+            if sampler.do_sample:
+                new_tok = torch.multinomial(torch.softmax(full, dim=-1), num_samples=1)[:, 0]
+            else:
+                new_tok = full.argmax(dim=-1)
+            kept[i].append(full)
+        prev[rows_a] = new_tok.to(device)
+        alive_next = []
+        for n, tok in zip(admit, new_tok.tolist()):
+            i = alive[n]
+            tokens[i].append(int(tok))
+            if k + 1 < budgets[i]:
+                alive_next.append(i)
+        alive = alive_next
+        if not alive:
+            break

@@ -1,0 +1,185 @@
+"""The target's packed verify forward: R requests' new tokens in ONE forward, each request with its own K/V cache.
+
+A round concatenates the new tokens of all requests into one sequence of B = Σ_r (1 + ℓ_r) tokens (``[1, B]``,
+per-token position ids), so every linear layer and the LM head run once over B tokens, exactly the batch that the
+scheduler's SPS(B) table describes (no padding to the longest request). Attention is the only per-request part: a
+small attention function (registered with transformers' ``AttentionInterface`` and switched on only for the
+duration of the forward) writes each request's new K/V into its own :class:`RequestKV` and runs SDPA over that
+cache alone, causal inside the new tokens. Rejected draft tokens are dropped by cropping the cache length.
+
+Full-attention decoder families only; sliding-window layers are refused. Not thread-safe: while a packed forward
+runs, the target must not be used from another thread (its attention implementation is switched for the call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["PackedTarget", "RequestKV"]
+
+_ATTN_NAME = "dspark_packed"
+_registered = False
+_swap_lock = threading.RLock()
+
+
+class RequestKV:
+    """Target K/V cache of one request: per layer a ``[1, kv_heads, capacity, head_dim]`` buffer.
+
+    ``length`` positions are valid. Buffers are allocated at the first write (dtype/device of the keys) with
+    ``capacity`` slots and grow by doubling if a write goes beyond it.
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 256):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+
+    def write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor):
+        """Store ``key/value [1, kvh, q, d]`` at positions ``start..start+q-1``; return the K/V of ``[0, start+q)``."""
+        end = start + key.shape[2]
+        buf = self.keys[layer]
+        if buf is None or end > buf.shape[2]:
+            cap = max(end, self.capacity if buf is None else 2 * buf.shape[2])
+            new_k = key.new_empty(key.shape[0], key.shape[1], cap, key.shape[3])
+            new_v = value.new_empty(value.shape[0], value.shape[1], cap, value.shape[3])
+            if buf is not None:
+                new_k[:, :, :start] = buf[:, :, :start]
+                new_v[:, :, :start] = self.values[layer][:, :, :start]
+            self.keys[layer], self.values[layer] = new_k, new_v
+            self.capacity = cap
+        self.keys[layer][:, :, start:end] = key
+        self.values[layer][:, :, start:end] = value
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (drop rejected draft tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+
+class _Layout:
+    """Per-forward description of the packed sequence: (cache, start position, number of tokens, mask) per request."""
+
+    __slots__ = ("segments",)
+
+    def __init__(self, segments):
+        self.segments = segments
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention over per-request caches for a packed ``[1, B]`` query (see the module doc).
+
+    Without a layout (a plain call while the engine's implementation is switched on) it is ordinary SDPA.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layout = kwargs.get("dspark_layout")
+    if layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+    outs, off = [], 0
+    for kv, start, q, mask in layout.segments:
+        k_all, v_all = kv.write(module.layer_idx, start, key[:, :, off : off + q], value[:, :, off : off + q])
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, off : off + q], k_all, v_all, mask, dropout=0.0, scaling=scaling, is_causal=True
+        )
+        outs.append(out)
+        off += q
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _register_attention() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_ATTN_NAME, _packed_attention)
+        _registered = True
+
+
+@contextlib.contextmanager
+def _packed_attention_mode(model):
+    """Switch ``model`` to the packed attention for the duration of one forward, then restore it."""
+    _register_attention()
+    cfg = model.config
+    with _swap_lock:
+        old = cfg._attn_implementation
+        cfg._attn_implementation = _ATTN_NAME
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = old
+
+
+class PackedTarget:
+    """Runs a causal-LM target over the new tokens of several requests in one forward (per-request KV caches).
+
+    Args:
+        target: a transformers ``*ForCausalLM`` with full attention in every layer.
+
+    Raises:
+        ValueError: the model has sliding-window / non-full attention layers.
+    """
+
+    def __init__(self, target):
+        cfg = target.config.get_text_config()
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"PackedTarget supports full-attention layers only; this target has {set(layer_types)}")
+        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+            raise ValueError("PackedTarget does not support sliding-window attention")
+        self.target = target
+        self.num_layers = cfg.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def new_cache(self, capacity: int = 256) -> RequestKV:
+        return RequestKV(self.num_layers, capacity)
+
+    @torch.no_grad()
+    def forward(self, segments: Sequence[tuple[RequestKV, torch.Tensor]], output_hidden_states: bool = False):
+        """One packed forward.
+
+        Args:
+            segments: per request ``(cache, new_ids [q])``; the new tokens take positions
+                ``cache.length .. cache.length + q - 1``. Afterwards ``cache.length`` has grown by q (crop it to drop
+                rejected tokens).
+            output_hidden_states: also return the hidden states tuple (index 0 = embeddings), each ``[1, B, H]``.
+
+        Returns:
+            ``(logits [B, V], hidden_states | None)`` with the segments' tokens in order.
+        """
+        if not segments:
+            raise ValueError("PackedTarget.forward needs at least one segment")
+        device = self.device
+        ids, pos, layout = [], [], []
+        for kv, new_ids in segments:
+            new_ids = torch.as_tensor(new_ids, dtype=torch.long, device=device).reshape(-1)
+            q, start = new_ids.numel(), kv.length
+            if q == 0:
+                raise ValueError("every segment needs at least one token")
+            if q > 1 and start > 0:  # causal inside the new tokens, everything before them visible
+                mask = torch.ones(q, start + q, dtype=torch.bool, device=device).tril(diagonal=start)[None, None]
+            else:  # q == 1: sees all; prefill of an empty cache: is_causal
+                mask = None
+            ids.append(new_ids)
+            pos.append(torch.arange(start, start + q, device=device))
+            layout.append((kv, start, q, mask))
+        with _packed_attention_mode(self.target):
+            out = self.target(
+                input_ids=torch.cat(ids)[None],
+                position_ids=torch.cat(pos)[None],
+                use_cache=False,
+                output_hidden_states=output_hidden_states,
+                dspark_layout=_Layout(layout),
+            )
+        for kv, _, q, _ in layout:
+            kv.length += q
+        return out.logits[0], (out.hidden_states if output_hidden_states else None)

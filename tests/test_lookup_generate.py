@@ -1,0 +1,123 @@
+"""`generate(assistant_model=drafter)` with the lookup proposer on: lossless under greedy and sampling.
+
+Greedy: on the real SmolLM2 target in fp32, prompts that make the answer copy text (so the lookup fires and is
+accepted), the output equals plain `generate()` token for token, with the drafter and lookup together and with
+lookup alone (policy ``none``).
+
+Sampling: on the tiny random Llama of tests/test_lossless_sampling.py, with a prompt that holds every token of the
+vocabulary (so every round has a lookup match), the joint distribution of the first three new tokens equals the
+target's exact one within the bound of that module (4.5 standard errors + 2/N per cell).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from generation import collect_stats, dspark_options
+from generation.lookup import LookupChain
+from generation.scheduler import ChainChoice
+from modeling_dspark.target import apply_chat_template
+
+from . import test_lossless_sampling as tls
+from .test_lossless_sampling import tiny  # noqa: F401  (the fixture: tiny target and drafters)
+
+COPY_PROMPTS = [
+    "Repeat the following sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.",
+    "Here is a function:\n\ndef area(width, height):\n    return width * height\n\nRewrite it with the parameter "
+    "names w and h instead, and keep everything else the same.",
+]
+
+
+@pytest.mark.parametrize("policy", [None, "none", "scheduler"])
+def test_greedy_identical_with_lookup(smollm, random_drafter, policy):
+    target, tok = smollm
+    sps = {b: 1.0 / (1.0 + 0.05 * b) for b in range(1, 40)} if policy == "scheduler" else None
+    lookup_accepted = 0
+    for prompt in COPY_PROMPTS:
+        ids = torch.tensor([apply_chat_template(tok, prompt)])
+        ref = target.generate(ids, max_new_tokens=48, do_sample=False)
+        with dspark_options(policy=policy, sps=sps, block_size=4), collect_stats() as runs:
+            out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=48, do_sample=False)
+        assert torch.equal(out, ref), f"policy {policy}: outputs differ on {prompt[:30]!r}"
+        rounds = runs[-1].rounds
+        lookup_accepted += sum(r.accepted for r in rounds if r.source == "lookup")
+        if policy == "none":
+            assert all(r.drafted == 0 and r.source in ("lookup", "") for r in rounds)
+    assert lookup_accepted >= 10, "the copy prompts should make the lookup chain accepted"
+
+
+def test_lookup_off_never_verifies_a_lookup_chain(smollm, random_drafter):
+    target, tok = smollm
+    ids = torch.tensor([apply_chat_template(tok, COPY_PROMPTS[0])])
+    with dspark_options(block_size=4, lookup=False), collect_stats() as runs:
+        target.generate(ids, assistant_model=random_drafter, max_new_tokens=24, do_sample=False)
+    assert runs[-1].rounds and all(r.source != "lookup" for r in runs[-1].rounds)
+    with pytest.raises(ValueError, match="lookup must be True or False"):
+        with dspark_options(lookup="no"):
+            pass
+
+
+# --------------------------------------------------------------------------------------------- sampling
+# every token but the pad id 0 (a 0 in the prompt would be masked out by generate()'s inferred attention mask, which
+# the exact enumeration does not apply)
+ALL_TOKENS_PROMPT = torch.tensor([[3, 7, 1, 12, 5, 2, 4, 6, 8, 9, 10, 11, 13, 14, 15, 3, 7]])
+
+
+@pytest.fixture
+def all_tokens_prompt(monkeypatch):
+    monkeypatch.setattr(tls, "PROMPT", ALL_TOKENS_PROMPT)
+
+
+def _lookup_counts(runs):
+    rounds = [r for s in runs for r in s.rounds]
+    lookup = [r for r in rounds if r.source == "lookup"]
+    return rounds, lookup, sum(r.accepted for r in lookup), sum(r.verified - r.accepted for r in lookup)
+
+
+def test_plain_sampling_matches_enumeration_on_this_prompt(tiny, all_tokens_prompt):
+    """Control for the enumeration with this module's prompt."""
+    target, _ = tiny
+    exact = tls.exact_joint(target, 0.9, 8, None)
+    emp, _ = tls._sample_counts(target, None, seed=7, temperature=0.9, top_k=8)
+    tls._assert_matches(emp, exact, "plain generate")
+
+
+def test_sampling_lookup_alone_equals_target(tiny, all_tokens_prompt):
+    target, _ = tiny
+    gen = {"temperature": 0.9, "top_k": 8, "top_p": 1.0}
+    exact = tls.exact_joint(target, gen["temperature"], gen["top_k"], None)
+    assert math.isclose(exact.sum().item(), 1.0, rel_tol=1e-6)
+    emp, runs = tls._sample_counts(target, tiny[1]["markov"], seed=2024, policy="none", **gen)
+    rounds, lookup, accepted, rejected = _lookup_counts(runs)
+    assert all(r.drafted == 0 for r in rounds)
+    assert accepted > 50 and rejected > 50, (accepted, rejected)
+    tls._assert_matches(emp, exact, "lookup alone")
+
+
+def test_sampling_drafter_and_lookup_equals_target(tiny, all_tokens_prompt, monkeypatch):
+    """Both chains under the scheduler. Before drafting, a coin flip independent of everything drawn stands in for
+    the lookup-versus-drafting decision, so that many rounds draft with a lookup proposal at hand and then choose
+    between the chains from c_1 (LookupChain.after_drafting); others skip the drafter for the lookup."""
+    coin = random.Random(0)
+
+    def before_drafting(self, budget, sps, draft_seconds):
+        return ChainChoice("lookup" if coin.random() < 0.4 else "draft", 1, 1.0, 1.0)
+
+    monkeypatch.setattr(LookupChain, "before_drafting", before_drafting)
+    target, drafters = tiny
+    sps = {1: 1.0, 2: 0.75, 3: 0.6, 4: 0.5, 5: 0.4}
+    gen = {"temperature": 0.9, "top_k": 8, "top_p": 1.0}
+    exact = tls.exact_joint(target, gen["temperature"], gen["top_k"], None)
+    emp, runs = tls._sample_counts(target, drafters["markov"], seed=4242, policy="scheduler", sps=sps,
+                                   draft_gate=False, **gen)
+    rounds, lookup, accepted, rejected = _lookup_counts(runs)
+    switched = sum(r.drafted > 0 for r in lookup)  # drafted, then the lookup chain was verified
+    drafted = [r for r in rounds if r.source == "draft"]
+    assert switched > 100 and len(lookup) - switched > 100 and len(drafted) > 100, (switched, len(lookup), len(drafted))
+    assert accepted > 50 and rejected > 50, (accepted, rejected)
+    assert sum(r.accepted for r in drafted) > 50 and sum(r.verified - r.accepted for r in drafted) > 50
+    tls._assert_matches(emp, exact, "drafter + lookup")
