@@ -179,7 +179,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         drafter = DSparkDraftModel.from_pretrained(path, target=target)
 
     Raises:
-        ValueError: at binding, when the target does not match (hidden size, vocabulary, layer ids, family).
+        ValueError: at binding, when the target does not match (hidden size, vocabulary, layer ids) or its family
+            is not supported.
         OSError: corrupt or incomplete checkpoint (missing / unexpected / unreadable tensors).
     """
 
@@ -222,10 +223,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def bind_target(self, target: PreTrainedModel) -> DSparkDraftModel:
         """Share ``target``'s embedding table and LM head (by reference, frozen) after validating the match.
 
+        The draft layers do not depend on the target's family (they are Qwen3-style or, in older drafters, built
+        from the config's own fields), so any supported family with the drafter's shapes fits; the config's
+        ``target_model_type`` is set to the bound target's.
+
         Raises:
-            ValueError: naming both values, if hidden size, vocabulary size, number of layers (so the layer ids)
-                or architecture family differ from what this drafter was built for, or the target's family is not
-                supported.
+            ValueError: naming both values, if hidden size, vocabulary size or number of layers (so the layer ids)
+                differ from what this drafter was built for, or the target's family is not supported.
         """
         tc = target.config.get_text_config()
         c = self.config
@@ -234,7 +238,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             ("hidden size", c.hidden_size, tc.hidden_size),
             ("vocab size", c.vocab_size, tc.vocab_size),
             ("number of decoder layers", c.target_num_hidden_layers, tc.num_hidden_layers),
-            ("architecture family", c.target_model_type, tc.model_type),
         ]
         for what, mine, theirs in checks:
             if mine != theirs:
@@ -251,6 +254,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError(f"target {type(target).__name__} has no LM head (need a *ForCausalLM model)")
         for p in list(embed.parameters()) + list(lm_head.parameters()):
             p.requires_grad_(False)
+        c.target_model_type = tc.model_type
         for name in SPECIAL_TOKEN_FIELDS:  # the target's tokenizer is the drafter's (pipeline() compares them)
             setattr(c, name, getattr(tc, name, None))
         self._target = {"embed": embed, "lm_head": lm_head, "model": target}

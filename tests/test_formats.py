@@ -376,3 +376,21 @@ def test_cli_export(tmp_path, capsys):
     back = md.DSparkDraftModel.from_pretrained(tmp_path / "spec", target=target)
     for key, value in drafter.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
+
+
+def test_dflash_export_for_a_llama_target_loads_without_target(tmp_path):
+    """DFlash configs name "qwen3" (the draft layers' type) whatever the target: a drafter loaded without target=
+    binds to a Llama target at its first generate() and drafts losslessly; the CLI export with --target too."""
+    target = tiny_target("llama")
+    drafter = new_drafter(target, anchor_predicts=False, sequential_head="none", use_confidence_head=False)
+    formats.export_drafter(drafter, tmp_path / "lib", format="dflash")
+    drafter.save_pretrained(tmp_path / "mine")
+    target.save_pretrained(tmp_path / "target")
+    assert cli_main(["export", str(tmp_path / "mine"), str(tmp_path / "cli"), "--format", "dflash",
+                     "--target", str(tmp_path / "target")]) == 0
+    ids = prompt(seed=3)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=16)
+    for out in ("lib", "cli"):
+        loaded = md.DSparkDraftModel.from_pretrained(tmp_path / out).eval()
+        assert torch.equal(target.generate(ids, assistant_model=loaded, do_sample=False, max_new_tokens=16), plain)
+        assert loaded.config.target_model_type == "llama"
