@@ -273,8 +273,10 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
         slots = int(dc.get("block_size", config.get("block_size", 16)))
         if slots < 2:
             raise ValueError(f"{where}: block_size={slots} leaves no draft slot (the anchor's slot predicts nothing)")
+        if fmt == "dflash":  # z-lab DFlash reads these from dflash_config, else from the top level
+            dc.update({k: dc.get(k, config.get(k)) for k in ("mask_token_id", "target_layer_ids")})
         if dc.get("mask_token_id") is None:
-            raise ValueError(f"{where}: dflash_config has no mask_token_id")
+            raise ValueError(f"{where}: no mask_token_id (dflash_config or, for DFlash, the top level)")
         n_layers = fields["num_draft_layers"]
         layer_ids = dc.get("target_layer_ids") or _dflash_layer_ids(int(config["num_target_layers"]), n_layers)
         if fmt == "specforge":

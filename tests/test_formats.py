@@ -280,6 +280,17 @@ def test_dflash_conventions():
     assert config.sequential_head == "none" and not config.use_confidence_head
 
 
+def test_dflash_reads_top_level_keys():
+    """z-lab DFlash reads mask_token_id and target_layer_ids from dflash_config first, then the top level."""
+    cfg = _dflash_config()
+    cfg.update(mask_token_id=MASK, target_layer_ids=[0, 2, 4])
+    config, _ = formats.convert_to_dspark("dflash", cfg, {})
+    assert (config.mask_token_id, config.target_layer_ids) == (MASK, [0, 2, 4])
+    cfg["dflash_config"] = {"mask_token_id": MASK + 1, "target_layer_ids": [1, 3]}
+    config, _ = formats.convert_to_dspark("dflash", cfg, {})
+    assert (config.mask_token_id, config.target_layer_ids) == (MASK + 1, [1, 3])
+
+
 @pytest.mark.parametrize("dflash_config,message", [
     ({}, "no mask_token_id"),
     ({"mask_token_id": MASK, "output_multiplier": 2.0}, "output_multiplier"),
