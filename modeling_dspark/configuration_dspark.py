@@ -13,7 +13,7 @@ DRAFT_LAYER_STYLES = ("qwen3", "target")
 # text-model families whose decoder hidden states, embedding table and LM head dspark reads, and whose assisted
 # decoding in transformers is tested token for token against plain greedy generate() (tests/test_families.py)
 SUPPORTED_TARGET_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text")
-_GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
+GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
 # why a family is refused, where there is a reason more specific than "untested"
 _UNSUPPORTED_REASONS = {
     "gpt2": "GPT-2 has learned absolute position embeddings and no RMSNorm / RoPE / intermediate_size",
@@ -311,7 +311,7 @@ class DSparkConfig(PretrainedConfig):
         if isinstance(rope.get("full_attention"), dict):  # RoPE per layer type: draft layers are full attention
             rope = dict(rope["full_attention"])
         style = kwargs.get("draft_layer_style", "qwen3")
-        gemma = family in _GEMMA_FAMILIES
+        gemma = family in GEMMA_FAMILIES
         hidden, heads = t["hidden_size"], t["num_attention_heads"]
         facts = dict(
             vocab_size=t["vocab_size"],

@@ -10,7 +10,8 @@ Formats (``config.json`` decides; docs/serving.md shows where each is used):
 - ``"dflash"``: z-lab DFlash (``DFlashDraftModel`` + ``dflash_config``): ``block_size`` B slots, the anchor's slot
   predicts nothing (γ = B − 1), no sequential or confidence head, the target's embedding and LM head.
 - ``"specforge"``: SpecForge DSpark (``dflash_config.projector_type: "dspark"``): DFlash's slot convention plus
-  ``markov_head`` / ``confidence_head``.
+  ``markov_head`` / ``confidence_head``; never a scaled block input or soft-capped logits (so Gemma targets,
+  whose embedding layer SpecForge calls, are refused when the target is given).
 - ``"speculators"``: vLLM speculators (``speculators_model_type: "dspark" | "dflash"``): a nested
   ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` (= layer id + 1), ``sample_from_anchor`` (True =
   every slot predicts), a reduced draft vocabulary as ``d2t`` (target id = draft id + d2t[draft id]) / ``t2d``.
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from .configuration_dspark import DSparkConfig
+from .configuration_dspark import GEMMA_FAMILIES, DSparkConfig
 
 FORMATS = ("dspark", "deepspec", "dflash", "specforge", "speculators")
 EXPORT_FORMATS = ("deepspec", "speculators", "dflash")
@@ -280,13 +281,22 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
         n_layers = fields["num_draft_layers"]
         layer_ids = dc.get("target_layer_ids") or _dflash_layer_ids(int(config["num_target_layers"]), n_layers)
         if fmt == "specforge":
+            tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+            if getattr(tc, "model_type", None) in GEMMA_FAMILIES:
+                raise ValueError(
+                    f"{where}: SpecForge drafters for Gemma targets ({tc.model_type!r}) are not supported: SpecForge "
+                    "embeds the block through the target's scaled embedding layer and never soft-caps the draft "
+                    "logits, which dspark does not reproduce for Gemma"
+                )
             confidence = dc.get("enable_confidence_head",
                                 dc.get("use_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
             heads = _heads(dc.get("markov_rank", 0), dc.get("markov_head_type", "vanilla"), confidence,
                            dc.get("confidence_head_with_markov", False), where)
         else:
             heads = _heads(0, "vanilla", False, False, where)
-        cap = dc.get("final_logit_softcapping", config.get("final_logit_softcapping"))
+        # DFlash scales the block inputs and soft-caps as its config says; SpecForge never does either
+        cap = dc.get("final_logit_softcapping", config.get("final_logit_softcapping")) if fmt == "dflash" else None
+        scale = dc.get("input_embedding_scale", config.get("input_embedding_scale", 1.0)) if fmt == "dflash" else 1.0
         fields.update(
             heads,
             block_size=slots - 1,
@@ -295,7 +305,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             target_layer_ids=[int(i) for i in layer_ids],
             target_num_hidden_layers=int(config["num_target_layers"]),
             own_embeddings=False,
-            embedding_scale=float(dc.get("input_embedding_scale", config.get("input_embedding_scale", 1.0))),
+            embedding_scale=float(scale),
             final_logit_softcapping=None if cap is None or float(cap) <= 0 else float(cap),
             **_sts(config, slots - 1),
         )

@@ -302,6 +302,21 @@ def test_dflash_refuses_what_it_cannot_reproduce(dflash_config, message):
         formats.convert_to_dspark("dflash", _dflash_config(**dflash_config), {})
 
 
+def test_specforge_for_gemma_targets_is_refused():
+    """SpecForge embeds through a Gemma target's √H-scaled embedding layer and never soft-caps: refused; for other
+    targets the DFlash-only keys input_embedding_scale / final_logit_softcapping are not read."""
+    from transformers import Gemma3TextConfig
+
+    cfg = _dflash_config(mask_token_id=MASK, projector_type="dspark", markov_rank=R, input_embedding_scale=8.0,
+                         final_logit_softcapping=30.0)
+    gemma = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=96, num_hidden_layers=6,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=HD)
+    with pytest.raises(ValueError, match="SpecForge drafters for Gemma targets"):
+        formats.convert_to_dspark("specforge", cfg, {}, gemma)
+    config, _ = formats.convert_to_dspark("specforge", cfg, {}, tiny_target("qwen3").config)
+    assert (config.embedding_scale, config.final_logit_softcapping) == (1.0, None)
+
+
 def test_sliding_window_draft_layers_are_refused():
     cfg = _dflash_config(mask_token_id=MASK)
     cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True)
