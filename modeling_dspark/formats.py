@@ -203,12 +203,21 @@ def _heads(markov_rank, head_type, confidence, with_markov, where: str) -> dict:
     )
 
 
-def _sts(config: dict, block_size: int) -> dict:
-    """STS temperatures / offsets carried as extra config keys (written by :func:`export_drafter`)."""
+def _sts(config: dict, block_size: int, where: str) -> dict:
+    """STS temperatures / offsets carried as extra config keys (written by :func:`export_drafter`).
+
+    Raises:
+        ValueError: a key present that is not a list of ``block_size`` numbers (one per drafted position).
+    """
     out = {}
     for key in ("sts_temperatures", "sts_biases"):
-        if isinstance(config.get(key), list) and len(config[key]) == block_size:
-            out[key] = [float(x) for x in config[key]]
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) != block_size:
+            raise ValueError(f"{where}: {key} must be a list of {block_size} numbers (one per drafted position), "
+                             f"got {value!r}")
+        out[key] = [float(x) for x in value]
     return out
 
 
@@ -256,7 +265,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             # DeepSpec saves frozen copies of the target's table and head; vLLM also loads files without them
             own_embeddings="embed_tokens.weight" in state and "lm_head.weight" in state,
             final_logit_softcapping=None,  # Qwen3DSparkModel.compute_logits never soft-caps
-            **_sts(config, gamma),
+            **_sts(config, gamma, where),
         )
         if config.get("draft_vocab_size") not in (None, fields["vocab_size"]):
             # vLLM's extension of the layout: lm_head / markov_w2 over the draft vocabulary, d2t as a tensor
@@ -307,7 +316,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             own_embeddings=False,
             embedding_scale=float(scale),
             final_logit_softcapping=None if cap is None or float(cap) <= 0 else float(cap),
-            **_sts(config, slots - 1),
+            **_sts(config, slots - 1, where),
         )
     elif fmt == "speculators":
         kind = config["speculators_model_type"]
@@ -344,7 +353,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             own_embeddings=False,
             draft_vocab_size=n_draft if n_draft != fields["vocab_size"] else None,
             target_name_or_path=verifier,
-            **_sts(config, gamma),
+            **_sts(config, gamma, where),
         )
         if "num_target_layers" in config:
             fields["target_num_hidden_layers"] = int(config["num_target_layers"])

@@ -317,6 +317,16 @@ def test_specforge_for_gemma_targets_is_refused():
     assert (config.embedding_scale, config.final_logit_softcapping) == (1.0, None)
 
 
+@pytest.mark.parametrize("key", ["sts_temperatures", "sts_biases"])
+def test_sts_of_the_wrong_length_is_refused(key):
+    cfg = _dflash_config(mask_token_id=MASK, block_size=5)
+    cfg[key] = [1.0] * 5  # one per slot, but the anchor's slot drafts nothing: γ = 4
+    with pytest.raises(ValueError, match=f"{key} must be a list of 4 numbers"):
+        formats.convert_to_dspark("dflash", cfg, {})
+    cfg[key] = [1.0] * 4
+    assert len(getattr(formats.convert_to_dspark("dflash", cfg, {})[0], key)) == 4
+
+
 def test_sliding_window_draft_layers_are_refused():
     cfg = _dflash_config(mask_token_id=MASK)
     cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True)
