@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
 DRAFT_LAYER_STYLES = ("qwen3", "target")
+DEFAULT_MARKOV_RANK = 64  # r of W_1 / W_2 (eq. 5)
 # text-model families whose decoder hidden states, embedding table and LM head dspark reads, and whose assisted
 # decoding in transformers is tested token for token against plain greedy generate() (tests/test_families.py)
 SUPPORTED_TARGET_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text")
@@ -157,7 +158,7 @@ class DSparkConfig(PretrainedConfig):
         embedding_scale: float = 1.0,
         final_logit_softcapping: float | None = None,
         sequential_head: str = "markov",
-        markov_rank: int = 64,
+        markov_rank: int = DEFAULT_MARKOV_RANK,
         use_confidence_head: bool = True,
         confidence_head_with_markov: bool = True,
         draft_vocab_size: int | None = None,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from .configuration_dspark import GEMMA_FAMILIES, DSparkConfig
+from .configuration_dspark import DEFAULT_MARKOV_RANK, GEMMA_FAMILIES, DSparkConfig
 
 FORMATS = ("dspark", "deepspec", "dflash", "specforge", "speculators")
 EXPORT_FORMATS = ("deepspec", "speculators", "dflash")
@@ -197,7 +197,7 @@ def _heads(markov_rank, head_type, confidence, with_markov, where: str) -> dict:
         raise ValueError(f"{where}: confidence_head_with_markov needs markov_rank > 0")
     return dict(
         sequential_head=_HEAD_TYPES[str(head_type).lower()] if rank > 0 else "none",
-        markov_rank=rank if rank > 0 else DSparkConfig().markov_rank,
+        markov_rank=rank if rank > 0 else DEFAULT_MARKOV_RANK,
         use_confidence_head=bool(confidence),
         confidence_head_with_markov=bool(confidence and with_markov),
     )
@@ -417,7 +417,7 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
         )
     if c.mask_token_id is None:
         problems.append("it uses a learned mask embedding; the format needs a real mask token id (mask_token_id)")
-    if abs(c.embedding_scale - 1.0) > 0 and fmt != "dflash":
+    if c.embedding_scale != 1.0 and fmt != "dflash":
         problems.append(f"embedding_scale={c.embedding_scale} (Gemma-style scaled block inputs) has no key there")
     if c.final_logit_softcapping is not None and fmt != "dflash":
         problems.append("final_logit_softcapping (Gemma) has no place in this format's Qwen3 drafter")
