@@ -222,11 +222,6 @@ class DSparkConfig(PretrainedConfig):
         """Alias of `num_draft_layers` (transformers utilities look for this name)."""
         return self.num_draft_layers
 
-    @property
-    def num_block_slots(self) -> int:
-        """Block slots of a full round: γ (all slots predict) or γ + 1 (the anchor's slot predicts nothing)."""
-        return self.block_size + (0 if self.anchor_predicts else 1)
-
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """`PretrainedConfig.from_dict`; a config saved before `draft_layer_style` existed means "target" layers."""

@@ -139,7 +139,7 @@ def test_anchor_slot_convention():
     """anchor_predicts=False: a block of γ+1 slots whose first output is dropped; entry k still drafts anchor+k+1."""
     target = _target("qwen3")
     d = _drafter(target, mask_token_id=VOCAB - 1, anchor_predicts=False)
-    assert d.block_slots() == 5 and d.config.num_block_slots == 5 and d.block_slots(2) == 3
+    assert d.block_slots() == 5 and d.block_slots(2) == 3
     feats = torch.randn(1, 6, 2 * 32)
     out = d(torch.tensor([[4]]), torch.tensor([[6]]), feats, torch.arange(6)[None], num_slots=4)
     assert out.hidden_states.shape == (1, 1, 4, 32) and out.base_logits.shape == (1, 1, 4, VOCAB)
