@@ -401,10 +401,9 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
 
     A format must reproduce the drafter's drafts exactly in the engine that loads it: Qwen3-style draft layers,
     a real mask token, its slot convention, its heads (vLLM has only the vanilla Markov head) and vocabulary.
-    ``need_target=False`` leaves out the one check a bound target answers (DeepSpec's copies of the target's
-    embedding and LM head), so a command can refuse before it loads the target. A drafter with its own copies
-    (imported from DeepSpec) written as speculators or DFlash drops them for the target's: when it is bound, the
-    copies must equal the target's.
+    ``need_target=False`` leaves out the checks a bound target answers (:func:`export_needs_target`), so a command
+    can refuse before it loads the target. A drafter with its own copies (imported from DeepSpec) written as
+    speculators or DFlash drops them for the target's: it must be bound, and the copies must equal the target's.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {EXPORT_FORMATS}")
@@ -441,10 +440,15 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
             problems.append("it has no Markov head; vLLM and SGLang DSpark need markov_rank > 0 (use --format dflash)")
         if c.use_confidence_head and c.confidence_head_with_markov and c.sequential_head == "none":
             problems.append("its confidence head reads the target embedding of x_{k-1}; no format has that input")
-    if (fmt == "speculators" and c.draft_vocab_size and need_target and not c.own_embeddings
-            and not getattr(drafter, "_target", None)):
-        problems.append("a reduced-vocabulary speculators checkpoint holds the target's LM-head rows: load the "
-                        "drafter with target=... (or bind_target) first")
+    bound = getattr(drafter, "_target", None)
+    if need_target and not bound and export_needs_target(c, fmt):
+        if c.own_embeddings:
+            why = "it drops the drafter's own embedding / LM-head copies for the target's, which must be equal"
+        elif fmt == "deepspec":
+            why = "DeepSpec checkpoints hold the target's embedding and LM head"
+        else:
+            why = "a reduced-vocabulary speculators checkpoint holds the target's LM-head rows"
+        problems.append(f"{why}: load the drafter with target=... (or bind_target) first")
     if fmt == "deepspec":
         if not c.anchor_predicts:
             problems.append("its anchor slot predicts nothing; DeepSpec's every slot predicts (use --format dflash "
@@ -452,10 +456,6 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
         if c.draft_vocab_size:
             problems.append("it drafts over a reduced vocabulary; SGLang and DeepSpec load the full vocabulary only "
                             "(use --format speculators)")
-        if need_target and not c.own_embeddings and not getattr(drafter, "_target", None):
-            problems.append("DeepSpec checkpoints hold the target's embedding and LM head: load the drafter with "
-                            "target=... (or bind_target) first")
-    bound = getattr(drafter, "_target", None)
     if fmt != "deepspec" and c.own_embeddings and bound:
         # the format drops the drafter's copies and uses the target's table and head: they must be the same
         head = bound["lm_head"].weight
@@ -466,6 +466,16 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
             problems.append("its own embedding / LM-head copies differ from the target's, which this format uses")
     if problems:
         raise ValueError(f"cannot export this drafter as {fmt!r}: " + "; ".join(problems))
+
+
+def export_needs_target(config: DSparkConfig, fmt: str) -> bool:
+    """Whether writing a drafter with ``config`` as ``fmt`` needs its target bound: a DeepSpec file holds the
+    target's embedding and LM head, a reduced-vocabulary speculators file the LM head's rows, and a drafter with its
+    own copies written as speculators or DFlash must have copies equal to the target's (those formats use the
+    target's)."""
+    if config.own_embeddings:
+        return fmt != "deepspec"
+    return fmt == "deepspec" or (fmt == "speculators" and bool(config.draft_vocab_size))
 
 
 def _qwen3_layer_config(c: DSparkConfig) -> dict:
@@ -586,6 +596,18 @@ def convert_from_dspark(drafter, fmt: str) -> tuple[dict, dict]:
     return config, out
 
 
+def check_output_dir(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` as a Path if it is free to write an export into (absent or an empty directory).
+
+    Raises:
+        ValueError: ``out_dir`` exists and is not an empty directory.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output {str(out)!r} exists and is not an empty directory")
+    return out
+
+
 def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec") -> Path:  # noqa: A002
     """Write ``drafter`` to ``out_dir`` as ``config.json`` + ``model.safetensors`` in ``format``.
 
@@ -602,10 +624,8 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     """
     from safetensors.torch import save_file
 
+    out = check_output_dir(out_dir)
     config, state = convert_from_dspark(drafter, format)
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output {str(out)!r} exists and is not an empty directory")
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config key {key}={value} is not finite")

@@ -430,3 +430,22 @@ def test_dflash_export_for_a_llama_target_loads_without_target(tmp_path):
         loaded = md.DSparkDraftModel.from_pretrained(tmp_path / out).eval()
         assert torch.equal(target.generate(ids, assistant_model=loaded, do_sample=False, max_new_tokens=16), plain)
         assert loaded.config.target_model_type == "llama"
+
+
+def test_deepspec_import_as_speculators_checks_its_copies(tmp_path, capsys):
+    """A DeepSpec import's own embedding / LM-head copies are dropped by speculators for the target's: unbound it is
+    refused, and the CLI binds --target and refuses copies that differ from the target's."""
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    _, state = deepspec_checkpoint(tmp_path / "good", target)
+    deepspec_checkpoint(tmp_path / "bad", target)
+    state["lm_head.weight"] = state["lm_head.weight"] + 1.0
+    save_file(state, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"own embedding / LM-head copies.*target="):
+        formats.export_drafter(md.DSparkDraftModel.from_pretrained(tmp_path / "good"), tmp_path / "x",
+                               format="speculators")
+    args = ["--format", "speculators", "--target", str(tmp_path / "target")]
+    assert cli_main(["export", str(tmp_path / "bad"), str(tmp_path / "bad_out"), *args]) == 2
+    assert "copies differ" in capsys.readouterr().err and not (tmp_path / "bad_out").exists()
+    assert cli_main(["export", str(tmp_path / "good"), str(tmp_path / "good_out"), *args]) == 0
+    assert not md.DSparkDraftModel.from_pretrained(tmp_path / "good_out").config.own_embeddings
