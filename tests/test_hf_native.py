@@ -336,7 +336,7 @@ def test_cli_relative_drafter_outside_the_repository(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert "not found" in err and str(tmp_path / "drafters") in err
     assert main(["generate", "--prompt", "hi", "--drafter", "./absent/drafter"]) == 2
-    assert "drafter path does not exist" in capsys.readouterr().err
+    assert "drafter directory not found" in capsys.readouterr().err
 
 
 def test_cli_unsupported_target_family(tmp_path, capsys):
