@@ -449,3 +449,16 @@ def test_deepspec_import_as_speculators_checks_its_copies(tmp_path, capsys):
     assert "copies differ" in capsys.readouterr().err and not (tmp_path / "bad_out").exists()
     assert cli_main(["export", str(tmp_path / "good"), str(tmp_path / "good_out"), *args]) == 0
     assert not md.DSparkDraftModel.from_pretrained(tmp_path / "good_out").config.own_embeddings
+
+
+def test_from_pretrained_options_of_a_converted_drafter(tmp_path):
+    """dtype, attn_implementation and device_map apply to an imported drafter; other options are refused, named."""
+    target = tiny_target("qwen3")
+    deepspec_checkpoint(tmp_path, target)
+    drafter = md.DSparkDraftModel.from_pretrained(tmp_path, target=target, attn_implementation="sdpa",
+                                                  dtype=torch.float64, device_map="cpu")
+    assert drafter.config._attn_implementation == "sdpa" and drafter.fc.weight.dtype == torch.float64
+    with pytest.raises(ValueError, match="low_cpu_mem_usage"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, low_cpu_mem_usage=True)
+    with pytest.raises(ValueError, match="one device"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, device_map="auto")
