@@ -4,7 +4,7 @@ Never imports training code.
 """
 
 from .candidate_generator import DSparkCandidateGenerator
-from .integration import dspark_options, enable_dspark
+from .integration import dspark_options
 from .policies import ConfidenceThreshold, FixedLength, FullBlock, PrefixScheduler, VerifyPolicy, make_policy
 from .stats import GenerationStats, RoundStats, collect_stats
 from .engine import DSparkEngine, RequestOutput, generate_batch
@@ -13,7 +13,6 @@ from .profiling import SPSCurve, SPSProfile, ensure_profile, load_profile, load_
 __all__ = [
     "DSparkCandidateGenerator",
     "dspark_options",
-    "enable_dspark",
     "VerifyPolicy",
     "FullBlock",
     "FixedLength",

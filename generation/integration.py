@@ -163,14 +163,3 @@ def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_con
         draft_gate=opts.get("draft_gate", True),
     )
 
-
-def enable_dspark(target):
-    """Kept for callers written before the class-level hook: makes sure it is installed; returns ``target``.
-
-    Importing :mod:`modeling_dspark` already routes ``generate(..., assistant_model=<DSparkDraftModel>)`` to DSpark
-    for every target, so this call is never needed.
-    """
-    from modeling_dspark import install_generate_hook
-
-    install_generate_hook()
-    return target

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generation import collect_stats, dspark_options, enable_dspark
+from generation import collect_stats, dspark_options
 from generation.draft_gate import SKIP_REASONS, DraftGate
 from tests.conftest import make_drafter, tiny_target
 
@@ -96,7 +96,7 @@ def test_veto_when_measured_drafting_rounds_are_slower():
 
 @pytest.fixture(scope="module")
 def tiny(one_thread):
-    target = enable_dspark(tiny_target(vocab_size=32, seed=3))
+    target = tiny_target(vocab_size=32, seed=3)
     return target, make_drafter(target, block_size=4, seed=1)
 
 

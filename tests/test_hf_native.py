@@ -70,9 +70,6 @@ def test_hook_is_installed_once_at_class_level(gpt2):
     hook = GenerationMixin._get_candidate_generator
     assert getattr(hook, "_dspark_hook", False), "importing modeling_dspark must install the hook"
     md.install_generate_hook()
-    from generation import enable_dspark
-
-    assert enable_dspark(gpt2) is gpt2  # the old per-instance call is a harmless alias
     assert GenerationMixin._get_candidate_generator is hook
     assert "_get_candidate_generator" not in vars(gpt2)
     assert not getattr(hook.__wrapped__, "_dspark_hook", False)  # wraps transformers' own method, not itself
