@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.nn import functional as F
 
 import modeling_dspark as md
 from dspark_cli.common import SHIPPED_DRAFTER
@@ -142,6 +143,97 @@ def test_deepspec_checkpoint_loads_and_is_lossless(tmp_path, family, head, confi
     ids = prompt(seed=4)
     plain = target.generate(ids, do_sample=False, max_new_tokens=20)
     assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20), plain)
+
+
+def deepspec_round(config, state, target):
+    """DeepSpec's drafting round at a committed prefix, written from its code independently of dspark's forward:
+    ``Qwen3DSparkModel._forward_backbone`` over the block [anchor, mask_token_id × (γ−1)] attending to the whole
+    context (`forward_dspark_draft_block`), every slot predicting; the Markov head's greedy
+    ``sample_block_tokens`` (bias from the previous token, an RNN state carried left to right); confidences
+    σ(``predict_confidence_step``) with the previous token x_{k−1} (`build_dspark_proposal`). Plain torch over the
+    checkpoint's tensors, float32."""
+    S = {k: v.float() for k, v in state.items()}
+    gamma, eps = config["block_size"], config["rms_norm_eps"]
+    nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+    rank, head = config["markov_rank"], config.get("markov_head_type")
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x, pos):  # x [T, heads, d], pos [T]
+        freqs = pos[:, None].float() * theta ** (-torch.arange(0, hd, 2).float() / hd)
+        cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
+
+    def run(prefix):
+        start = prefix.shape[1] - 1
+        with torch.no_grad():
+            hs = target(prefix, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[0 if i == -1 else i + 1] for i in config["target_layer_ids"]], -1)[0, :start]
+        ctx = rms(feats @ S["fc.weight"].T, S["hidden_norm.weight"])
+        block = torch.tensor([int(prefix[0, -1])] + [config["mask_token_id"]] * (gamma - 1))
+        x = S["embed_tokens.weight"][block]
+        pos = torch.arange(start + gamma)
+        for i in range(config["num_hidden_layers"]):
+            w = {k[len(f"layers.{i}."):]: v for k, v in S.items() if k.startswith(f"layers.{i}.")}
+            h = rms(x, w["input_layernorm.weight"])
+            q = rope(rms((h @ w["self_attn.q_proj.weight"].T).view(gamma, nh, hd), w["self_attn.q_norm.weight"]),
+                     pos[start:])
+            kv_in = torch.cat([ctx, h])  # the same k_proj / k_norm over context and block keys
+            k = rope(rms((kv_in @ w["self_attn.k_proj.weight"].T).view(-1, nkv, hd), w["self_attn.k_norm.weight"]),
+                     pos)
+            v = (kv_in @ w["self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+            k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+            att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * hd**-0.5, -1)  # no mask: bidirectional
+            x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(gamma, nh * hd) @ w["self_attn.o_proj.weight"].T
+            m = rms(x, w["post_attention_layernorm.weight"])
+            x = x + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ \
+                w["mlp.down_proj.weight"].T
+        hidden = rms(x, S["norm.weight"])
+        logits = hidden @ S["lm_head.weight"].T
+        tokens, prev, state_r = [], int(block[0]), torch.zeros(rank)
+        for k in range(gamma):
+            step = logits[k]
+            if rank:
+                e = S["markov_head.markov_w1.weight"][prev]
+                if head == "gated":
+                    e = torch.sigmoid(S["markov_head.gate_proj.weight"] @ torch.cat([hidden[k], e])
+                                      + S["markov_head.gate_proj.bias"]) * e
+                elif head == "rnn":
+                    g, c, o = (S["markov_head.joint_proj.weight"] @ torch.cat([state_r, e, hidden[k]])
+                               + S["markov_head.joint_proj.bias"]).chunk(3)
+                    state_r = torch.sigmoid(g) * state_r + (1 - torch.sigmoid(g)) * torch.tanh(c)
+                    e = torch.tanh(o)
+                step = step + S["markov_head.markov_w2.weight"] @ e
+            prev = int(step.argmax())
+            tokens.append(prev)
+        confs = None
+        if config["enable_confidence_head"]:
+            feats = hidden
+            if config.get("confidence_head_with_markov"):
+                prev_ids = torch.tensor([int(block[0])] + tokens[:-1])
+                feats = torch.cat([hidden, S["markov_head.markov_w1.weight"][prev_ids]], -1)
+            confs = torch.sigmoid(feats @ S["confidence_head.proj.weight"][0] + S["confidence_head.proj.bias"])
+            confs = confs.tolist()
+        return tokens, confs
+    return run
+
+
+@pytest.mark.parametrize("family,head,rank,confidence,with_markov,layer_ids,block,seed", [
+    ("qwen3", "vanilla", R, True, True, (-1, 1, 3), 5, 11), ("qwen3", "gated", R, True, False, (0, 2, 4), 4, 12),
+    ("qwen3", "rnn", R, True, True, (-1, 3), 5, 13), ("llama", "vanilla", R, True, True, (-1, 2), 3, 14),
+    ("qwen3", "vanilla", 0, True, False, (1, 3), 5, 15), ("qwen3", "rnn", R, False, False, (-1, 0, 4), 6, 16),
+])
+def test_deepspec_drafts_as_deepspec(tmp_path, family, head, rank, confidence, with_markov, layer_ids, block, seed):
+    """A DeepSpec checkpoint loaded with from_pretrained(dir, target=...) drafts, round by round, the tokens and
+    confidences of DeepSpec's own drafting round (:func:`deepspec_round`) at each committed prefix."""
+    target = tiny_target(family)
+    config, state = deepspec_checkpoint(tmp_path, target, block=block, layer_ids=layer_ids, rank=rank, head=head,
+                                        confidence=confidence, with_markov=with_markov, seed=seed)
+    drafter = md.DSparkDraftModel.from_pretrained(tmp_path, target=target).eval()
+    rounds = check_rounds(target, drafter, deepspec_round(config, state, target), prompt(seed=seed), max_new_tokens=30)
+    assert any(len(set(t)) > 1 for _, t, _ in rounds)  # drafts vary: the comparison is not vacuous
 
 
 def test_published_deepspec_config():
