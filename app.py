@@ -264,7 +264,6 @@ class ModelBank:
             return self._targets[dtype]
 
     def _drafter(self, dtype: str, spec: str, target):
-        from generation import enable_dspark
         from modeling_dspark import DSparkConfig, DSparkDraftModel
 
         key = (dtype, spec)
@@ -278,7 +277,6 @@ class ModelBank:
                     config = DSparkConfig.from_target_config(target.config, block_size=RANDOM_DRAFTER_BLOCK_SIZE)
                     drafter = DSparkDraftModel(config)
                 drafter = drafter.to(dtype=target.dtype, device=target.device).eval().bind_target(target)
-                enable_dspark(target)
             else:
                 try:
                     drafter = DSparkDraftModel.from_pretrained(spec, target=target, dtype=target.dtype).eval()

@@ -152,7 +152,6 @@ def load_drafter(spec: str, target, dtype):
     """
     import torch
 
-    from generation import enable_dspark
     from modeling_dspark import DSparkConfig, DSparkDraftModel
 
     if spec == "random":
@@ -162,7 +161,6 @@ def load_drafter(spec: str, target, dtype):
                 DSparkConfig.from_target_config(target.config, block_size=RANDOM_DRAFTER_BLOCK_SIZE)
             )
         drafter = drafter.to(dtype=dtype, device=target.device).eval().bind_target(target)
-        enable_dspark(target)
         return drafter
     try:
         return DSparkDraftModel.from_pretrained(spec, target=target, dtype=dtype).eval()

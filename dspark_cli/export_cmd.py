@@ -6,10 +6,12 @@
 
 DRAFTER is a drafter directory of any format dspark loads (its own, DeepSpec, DFlash, SpecForge, speculators), so
 the command also converts between formats. ``--format deepspec`` writes copies of the target's embedding table and
-LM head, and ``--format speculators`` of a drafter with a reduced draft vocabulary the LM head's rows, so both load
-the target (``--target``, default SmolLM2-135M-Instruct). What a
-format cannot hold is refused, with every reason, before anything is loaded or written
-(:func:`modeling_dspark.formats.check_exportable`); docs/serving.md has the serving commands.
+LM head, ``--format speculators`` of a drafter with a reduced draft vocabulary the LM head's rows, and a drafter
+with its own copies (a DeepSpec import) written as speculators or DFlash must have copies equal to the target's,
+so these load the target (``--target``, default SmolLM2-135M-Instruct;
+:func:`modeling_dspark.formats.export_needs_target`). What a format cannot hold is refused, with every reason,
+before anything is loaded or written (:func:`modeling_dspark.formats.check_exportable`); docs/serving.md has the
+serving commands.
 
 Exit codes: 0 written, 2 usage or input error (nothing written).
 """
@@ -36,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", required=True, choices=("deepspec", "speculators", "dflash"),
                    help="deepspec: vLLM method dspark / SGLang DSPARK; speculators: vLLM speculators; dflash: DFlash")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="the target's local directory, for --format deepspec and a reduced-vocabulary speculators "
-                        "export (default: SmolLM2-135M-Instruct)")
+                   help="the target's local directory, for --format deepspec, a reduced-vocabulary speculators "
+                        "export and a DeepSpec import written as speculators / dflash (default: "
+                        "SmolLM2-135M-Instruct)")
 
 
 def _load_target(path, dtype):
@@ -56,24 +59,21 @@ def _load_target(path, dtype):
 def _export(args) -> Path:
     from modeling_dspark import DSparkDraftModel, formats
 
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CLIError(f"output {str(out)!r} exists and is not an empty directory")
     if not Path(args.drafter).is_dir():
         raise CLIError(f"drafter {args.drafter!r} is not a local directory")
     try:
+        formats.check_output_dir(args.out)
         drafter = DSparkDraftModel.from_pretrained(args.drafter).eval()
         formats.check_exportable(drafter, args.format, need_target=False)
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
-    c = drafter.config
-    if not c.own_embeddings and (args.format == "deepspec" or (args.format == "speculators" and c.draft_vocab_size)):
+    if formats.export_needs_target(drafter.config, args.format):
         try:
             drafter.bind_target(_load_target(args.target, next(drafter.parameters()).dtype))
         except (OSError, ValueError) as err:
             raise CLIError(f"could not use target {args.target or 'SmolLM2-135M-Instruct'!r}: {err}") from None
     try:
-        return formats.export_drafter(drafter, out, format=args.format)
+        return formats.export_drafter(drafter, args.out, format=args.format)
     except ValueError as err:
         raise CLIError(str(err)) from None
 

@@ -150,11 +150,8 @@ def _resolve_drafter(args) -> str | None:
         )
     if args.drafter == "random":
         return "random"
-    from modeling_dspark.hub import is_hub_repo_id, resolve_pretrained_dir
+    from modeling_dspark.hub import resolve_pretrained_dir
 
-    path = Path(args.drafter).expanduser()
-    if not path.exists() and not is_hub_repo_id(args.drafter):
-        raise CLIError(f"drafter path does not exist: {args.drafter!r} (give a drafter directory, a Hub id or 'random')")
     try:
         path = resolve_pretrained_dir(args.drafter)
     except OSError as err:

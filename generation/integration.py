@@ -12,7 +12,9 @@ Per-call options (verify policy, block size) are context-local, so concurrent us
     with dspark_options(policy="fixed:3", block_size=4):
         target.generate(ids, assistant_model=drafter)
 
-The block size can also be given the transformers way, ``target.generate(..., num_assistant_tokens=4)``.
+The block size can also be given the transformers way, ``target.generate(..., num_assistant_tokens=4)``, except
+the value 20: transformers fills an unset ``num_assistant_tokens`` with its default 20 and does not record whether
+the caller passed it, so 20 reads as unset (the drafter's γ); ``dspark_options(block_size=20)`` asks for 20.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def _assistant_options(generation_config, block_size: int | None, gamma: int) ->
     drafter's γ), after refusing the transformers assisted-decoding options DSpark cannot honour.
 
     transformers fills unset options with its defaults before this point (``num_assistant_tokens`` 20,
-    ``num_assistant_tokens_schedule`` "constant", ``assistant_confidence_threshold`` 0.4), so a value equal to the
-    default reads as unset: ``num_assistant_tokens=20`` means "the drafter's γ" when γ < 20.
+    ``num_assistant_tokens_schedule`` "constant", ``assistant_confidence_threshold`` 0.4) and keeps no record of
+    which ones the caller passed, so a value equal to the default reads as unset: ``num_assistant_tokens=20``
+    means "the drafter's γ" (use ``dspark_options(block_size=20)`` for a block of exactly 20).
 
     Raises:
         ValueError: ``num_assistant_tokens`` outside [1, ``gamma``] (the drafter's block size γ),
@@ -103,7 +106,8 @@ def _assistant_options(generation_config, block_size: int | None, gamma: int) ->
         return block_size
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= gamma:
         raise ValueError(f"num_assistant_tokens={n!r} out of range: it sets the DSpark block size, an int in "
-                         f"[1, {gamma}] for this drafter")
+                         f"[1, {gamma}] for this drafter (20, transformers' default, cannot be told from unset and "
+                         "means the drafter's block size; dspark_options(block_size=...) sets any size)")
     if block_size is not None and block_size != n:
         raise ValueError(f"num_assistant_tokens={n} and dspark_options(block_size={block_size}) disagree; give one")
     return n

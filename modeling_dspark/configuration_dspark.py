@@ -10,10 +10,11 @@ from transformers import PretrainedConfig
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
 DRAFT_LAYER_STYLES = ("qwen3", "target")
+DEFAULT_MARKOV_RANK = 64  # r of W_1 / W_2 (eq. 5)
 # text-model families whose decoder hidden states, embedding table and LM head dspark reads, and whose assisted
 # decoding in transformers is tested token for token against plain greedy generate() (tests/test_families.py)
 SUPPORTED_TARGET_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text")
-_GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
+GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
 # why a family is refused, where there is a reason more specific than "untested"
 _UNSUPPORTED_REASONS = {
     "gpt2": "GPT-2 has learned absolute position embeddings and no RMSNorm / RoPE / intermediate_size",
@@ -157,7 +158,7 @@ class DSparkConfig(PretrainedConfig):
         embedding_scale: float = 1.0,
         final_logit_softcapping: float | None = None,
         sequential_head: str = "markov",
-        markov_rank: int = 64,
+        markov_rank: int = DEFAULT_MARKOV_RANK,
         use_confidence_head: bool = True,
         confidence_head_with_markov: bool = True,
         draft_vocab_size: int | None = None,
@@ -220,11 +221,6 @@ class DSparkConfig(PretrainedConfig):
     def num_hidden_layers(self) -> int:
         """Alias of `num_draft_layers` (transformers utilities look for this name)."""
         return self.num_draft_layers
-
-    @property
-    def num_block_slots(self) -> int:
-        """Block slots of a full round: γ (all slots predict) or γ + 1 (the anchor's slot predicts nothing)."""
-        return self.block_size + (0 if self.anchor_predicts else 1)
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
@@ -311,7 +307,7 @@ class DSparkConfig(PretrainedConfig):
         if isinstance(rope.get("full_attention"), dict):  # RoPE per layer type: draft layers are full attention
             rope = dict(rope["full_attention"])
         style = kwargs.get("draft_layer_style", "qwen3")
-        gemma = family in _GEMMA_FAMILIES
+        gemma = family in GEMMA_FAMILIES
         hidden, heads = t["hidden_size"], t["num_attention_heads"]
         facts = dict(
             vocab_size=t["vocab_size"],

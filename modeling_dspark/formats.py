@@ -10,7 +10,8 @@ Formats (``config.json`` decides; docs/serving.md shows where each is used):
 - ``"dflash"``: z-lab DFlash (``DFlashDraftModel`` + ``dflash_config``): ``block_size`` B slots, the anchor's slot
   predicts nothing (γ = B − 1), no sequential or confidence head, the target's embedding and LM head.
 - ``"specforge"``: SpecForge DSpark (``dflash_config.projector_type: "dspark"``): DFlash's slot convention plus
-  ``markov_head`` / ``confidence_head``.
+  ``markov_head`` / ``confidence_head``; never a scaled block input or soft-capped logits (so Gemma targets,
+  whose embedding layer SpecForge calls, are refused when the target is given).
 - ``"speculators"``: vLLM speculators (``speculators_model_type: "dspark" | "dflash"``): a nested
   ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` (= layer id + 1), ``sample_from_anchor`` (True =
   every slot predicts), a reduced draft vocabulary as ``d2t`` (target id = draft id + d2t[draft id]) / ``t2d``.
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from .configuration_dspark import DSparkConfig
+from .configuration_dspark import DEFAULT_MARKOV_RANK, GEMMA_FAMILIES, DSparkConfig
 
 FORMATS = ("dspark", "deepspec", "dflash", "specforge", "speculators")
 EXPORT_FORMATS = ("deepspec", "speculators", "dflash")
@@ -196,18 +197,27 @@ def _heads(markov_rank, head_type, confidence, with_markov, where: str) -> dict:
         raise ValueError(f"{where}: confidence_head_with_markov needs markov_rank > 0")
     return dict(
         sequential_head=_HEAD_TYPES[str(head_type).lower()] if rank > 0 else "none",
-        markov_rank=rank if rank > 0 else DSparkConfig().markov_rank,
+        markov_rank=rank if rank > 0 else DEFAULT_MARKOV_RANK,
         use_confidence_head=bool(confidence),
         confidence_head_with_markov=bool(confidence and with_markov),
     )
 
 
-def _sts(config: dict, block_size: int) -> dict:
-    """STS temperatures / offsets carried as extra config keys (written by :func:`export_drafter`)."""
+def _sts(config: dict, block_size: int, where: str) -> dict:
+    """STS temperatures / offsets carried as extra config keys (written by :func:`export_drafter`).
+
+    Raises:
+        ValueError: a key present that is not a list of ``block_size`` numbers (one per drafted position).
+    """
     out = {}
     for key in ("sts_temperatures", "sts_biases"):
-        if isinstance(config.get(key), list) and len(config[key]) == block_size:
-            out[key] = [float(x) for x in config[key]]
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) != block_size:
+            raise ValueError(f"{where}: {key} must be a list of {block_size} numbers (one per drafted position), "
+                             f"got {value!r}")
+        out[key] = [float(x) for x in value]
     return out
 
 
@@ -255,7 +265,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             # DeepSpec saves frozen copies of the target's table and head; vLLM also loads files without them
             own_embeddings="embed_tokens.weight" in state and "lm_head.weight" in state,
             final_logit_softcapping=None,  # Qwen3DSparkModel.compute_logits never soft-caps
-            **_sts(config, gamma),
+            **_sts(config, gamma, where),
         )
         if config.get("draft_vocab_size") not in (None, fields["vocab_size"]):
             # vLLM's extension of the layout: lm_head / markov_w2 over the draft vocabulary, d2t as a tensor
@@ -273,18 +283,29 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
         slots = int(dc.get("block_size", config.get("block_size", 16)))
         if slots < 2:
             raise ValueError(f"{where}: block_size={slots} leaves no draft slot (the anchor's slot predicts nothing)")
+        if fmt == "dflash":  # z-lab DFlash reads these from dflash_config, else from the top level
+            dc.update({k: dc.get(k, config.get(k)) for k in ("mask_token_id", "target_layer_ids")})
         if dc.get("mask_token_id") is None:
-            raise ValueError(f"{where}: dflash_config has no mask_token_id")
+            raise ValueError(f"{where}: no mask_token_id (dflash_config or, for DFlash, the top level)")
         n_layers = fields["num_draft_layers"]
         layer_ids = dc.get("target_layer_ids") or _dflash_layer_ids(int(config["num_target_layers"]), n_layers)
         if fmt == "specforge":
+            tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+            if getattr(tc, "model_type", None) in GEMMA_FAMILIES:
+                raise ValueError(
+                    f"{where}: SpecForge drafters for Gemma targets ({tc.model_type!r}) are not supported: SpecForge "
+                    "embeds the block through the target's scaled embedding layer and never soft-caps the draft "
+                    "logits, which dspark does not reproduce for Gemma"
+                )
             confidence = dc.get("enable_confidence_head",
                                 dc.get("use_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
             heads = _heads(dc.get("markov_rank", 0), dc.get("markov_head_type", "vanilla"), confidence,
                            dc.get("confidence_head_with_markov", False), where)
         else:
             heads = _heads(0, "vanilla", False, False, where)
-        cap = dc.get("final_logit_softcapping", config.get("final_logit_softcapping"))
+        # DFlash scales the block inputs and soft-caps as its config says; SpecForge never does either
+        cap = dc.get("final_logit_softcapping", config.get("final_logit_softcapping")) if fmt == "dflash" else None
+        scale = dc.get("input_embedding_scale", config.get("input_embedding_scale", 1.0)) if fmt == "dflash" else 1.0
         fields.update(
             heads,
             block_size=slots - 1,
@@ -293,9 +314,9 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             target_layer_ids=[int(i) for i in layer_ids],
             target_num_hidden_layers=int(config["num_target_layers"]),
             own_embeddings=False,
-            embedding_scale=float(dc.get("input_embedding_scale", config.get("input_embedding_scale", 1.0))),
+            embedding_scale=float(scale),
             final_logit_softcapping=None if cap is None or float(cap) <= 0 else float(cap),
-            **_sts(config, slots - 1),
+            **_sts(config, slots - 1, where),
         )
     elif fmt == "speculators":
         kind = config["speculators_model_type"]
@@ -332,7 +353,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
             own_embeddings=False,
             draft_vocab_size=n_draft if n_draft != fields["vocab_size"] else None,
             target_name_or_path=verifier,
-            **_sts(config, gamma),
+            **_sts(config, gamma, where),
         )
         if "num_target_layers" in config:
             fields["target_num_hidden_layers"] = int(config["num_target_layers"])
@@ -380,10 +401,9 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
 
     A format must reproduce the drafter's drafts exactly in the engine that loads it: Qwen3-style draft layers,
     a real mask token, its slot convention, its heads (vLLM has only the vanilla Markov head) and vocabulary.
-    ``need_target=False`` leaves out the one check a bound target answers (DeepSpec's copies of the target's
-    embedding and LM head), so a command can refuse before it loads the target. A drafter with its own copies
-    (imported from DeepSpec) written as speculators or DFlash drops them for the target's: when it is bound, the
-    copies must equal the target's.
+    ``need_target=False`` leaves out the checks a bound target answers (:func:`export_needs_target`), so a command
+    can refuse before it loads the target. A drafter with its own copies (imported from DeepSpec) written as
+    speculators or DFlash drops them for the target's: it must be bound, and the copies must equal the target's.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {EXPORT_FORMATS}")
@@ -396,7 +416,7 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
         )
     if c.mask_token_id is None:
         problems.append("it uses a learned mask embedding; the format needs a real mask token id (mask_token_id)")
-    if abs(c.embedding_scale - 1.0) > 0 and fmt != "dflash":
+    if c.embedding_scale != 1.0 and fmt != "dflash":
         problems.append(f"embedding_scale={c.embedding_scale} (Gemma-style scaled block inputs) has no key there")
     if c.final_logit_softcapping is not None and fmt != "dflash":
         problems.append("final_logit_softcapping (Gemma) has no place in this format's Qwen3 drafter")
@@ -420,10 +440,15 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
             problems.append("it has no Markov head; vLLM and SGLang DSpark need markov_rank > 0 (use --format dflash)")
         if c.use_confidence_head and c.confidence_head_with_markov and c.sequential_head == "none":
             problems.append("its confidence head reads the target embedding of x_{k-1}; no format has that input")
-    if (fmt == "speculators" and c.draft_vocab_size and need_target and not c.own_embeddings
-            and not getattr(drafter, "_target", None)):
-        problems.append("a reduced-vocabulary speculators checkpoint holds the target's LM-head rows: load the "
-                        "drafter with target=... (or bind_target) first")
+    bound = getattr(drafter, "_target", None)
+    if need_target and not bound and export_needs_target(c, fmt):
+        if c.own_embeddings:
+            why = "it drops the drafter's own embedding / LM-head copies for the target's, which must be equal"
+        elif fmt == "deepspec":
+            why = "DeepSpec checkpoints hold the target's embedding and LM head"
+        else:
+            why = "a reduced-vocabulary speculators checkpoint holds the target's LM-head rows"
+        problems.append(f"{why}: load the drafter with target=... (or bind_target) first")
     if fmt == "deepspec":
         if not c.anchor_predicts:
             problems.append("its anchor slot predicts nothing; DeepSpec's every slot predicts (use --format dflash "
@@ -431,10 +456,6 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
         if c.draft_vocab_size:
             problems.append("it drafts over a reduced vocabulary; SGLang and DeepSpec load the full vocabulary only "
                             "(use --format speculators)")
-        if need_target and not c.own_embeddings and not getattr(drafter, "_target", None):
-            problems.append("DeepSpec checkpoints hold the target's embedding and LM head: load the drafter with "
-                            "target=... (or bind_target) first")
-    bound = getattr(drafter, "_target", None)
     if fmt != "deepspec" and c.own_embeddings and bound:
         # the format drops the drafter's copies and uses the target's table and head: they must be the same
         head = bound["lm_head"].weight
@@ -445,6 +466,16 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
             problems.append("its own embedding / LM-head copies differ from the target's, which this format uses")
     if problems:
         raise ValueError(f"cannot export this drafter as {fmt!r}: " + "; ".join(problems))
+
+
+def export_needs_target(config: DSparkConfig, fmt: str) -> bool:
+    """Whether writing a drafter with ``config`` as ``fmt`` needs its target bound: a DeepSpec file holds the
+    target's embedding and LM head, a reduced-vocabulary speculators file the LM head's rows, and a drafter with its
+    own copies written as speculators or DFlash must have copies equal to the target's (those formats use the
+    target's)."""
+    if config.own_embeddings:
+        return fmt != "deepspec"
+    return fmt == "deepspec" or (fmt == "speculators" and bool(config.draft_vocab_size))
 
 
 def _qwen3_layer_config(c: DSparkConfig) -> dict:
@@ -565,6 +596,18 @@ def convert_from_dspark(drafter, fmt: str) -> tuple[dict, dict]:
     return config, out
 
 
+def check_output_dir(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` as a Path if it is free to write an export into (absent or an empty directory).
+
+    Raises:
+        ValueError: ``out_dir`` exists and is not an empty directory.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output {str(out)!r} exists and is not an empty directory")
+    return out
+
+
 def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec") -> Path:  # noqa: A002
     """Write ``drafter`` to ``out_dir`` as ``config.json`` + ``model.safetensors`` in ``format``.
 
@@ -581,10 +624,8 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     """
     from safetensors.torch import save_file
 
+    out = check_output_dir(out_dir)
     config, state = convert_from_dspark(drafter, format)
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output {str(out)!r} exists and is not an empty directory")
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config key {key}={value} is not finite")

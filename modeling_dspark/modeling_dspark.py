@@ -179,7 +179,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         drafter = DSparkDraftModel.from_pretrained(path, target=target)
 
     Raises:
-        ValueError: at binding, when the target does not match (hidden size, vocabulary, layer ids, family).
+        ValueError: at binding, when the target does not match (hidden size, vocabulary, layer ids) or its family
+            is not supported.
         OSError: corrupt or incomplete checkpoint (missing / unexpected / unreadable tensors).
     """
 
@@ -222,10 +223,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def bind_target(self, target: PreTrainedModel) -> DSparkDraftModel:
         """Share ``target``'s embedding table and LM head (by reference, frozen) after validating the match.
 
+        The draft layers do not depend on the target's family (they are Qwen3-style or, in older drafters, built
+        from the config's own fields), so any supported family with the drafter's shapes fits; the config's
+        ``target_model_type`` is set to the bound target's.
+
         Raises:
-            ValueError: naming both values, if hidden size, vocabulary size, number of layers (so the layer ids)
-                or architecture family differ from what this drafter was built for, or the target's family is not
-                supported.
+            ValueError: naming both values, if hidden size, vocabulary size or number of layers (so the layer ids)
+                differ from what this drafter was built for, or the target's family is not supported.
         """
         tc = target.config.get_text_config()
         c = self.config
@@ -234,7 +238,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             ("hidden size", c.hidden_size, tc.hidden_size),
             ("vocab size", c.vocab_size, tc.vocab_size),
             ("number of decoder layers", c.target_num_hidden_layers, tc.num_hidden_layers),
-            ("architecture family", c.target_model_type, tc.model_type),
         ]
         for what, mine, theirs in checks:
             if mine != theirs:
@@ -251,6 +254,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError(f"target {type(target).__name__} has no LM head (need a *ForCausalLM model)")
         for p in list(embed.parameters()) + list(lm_head.parameters()):
             p.requires_grad_(False)
+        c.target_model_type = tc.model_type
         for name in SPECIAL_TOKEN_FIELDS:  # the target's tokenizer is the drafter's (pipeline() compares them)
             setattr(c, name, getattr(tc, name, None))
         self._target = {"embed": embed, "lm_head": lm_head, "model": target}
@@ -305,7 +309,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             from . import formats
 
             if formats.detect_format(json.loads(config_file.read_text())) != "dspark":  # ValueError if unknown
-                return cls._from_other_format(path, target, kwargs.get("dtype", kwargs.get("torch_dtype")))
+                kwargs.pop("config", None)  # None here
+                return cls._from_other_format(path, target, *args, **kwargs)
         if not any(f.endswith(".safetensors") for f in os.listdir(path)):
             raise OSError(f"no safetensors weights file in drafter directory {str(path)!r}")
         kwargs["output_loading_info"] = True
@@ -324,29 +329,56 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return model
 
     @classmethod
-    def _from_other_format(cls, path, target: PreTrainedModel | None, dtype) -> DSparkDraftModel:
+    def _from_other_format(cls, path, target: PreTrainedModel | None, *args, dtype=None, torch_dtype=None,
+                           attn_implementation: str | None = None, device_map=None, **kwargs) -> DSparkDraftModel:
         """A DeepSpec / DFlash / SpecForge / speculators checkpoint in directory ``path``, converted by
-        :func:`modeling_dspark.formats.load_config_and_state`, in ``dtype`` (a torch dtype; None or "auto": the
-        checkpoint's), bound to ``target`` if given.
+        :func:`modeling_dspark.formats.load_config_and_state`, bound to ``target`` if given.
+
+        Args:
+            dtype (or ``torch_dtype``): a torch dtype; None or "auto": the checkpoint's.
+            attn_implementation: as in ``from_pretrained`` ("eager", "sdpa", ...).
+            device_map: one device (``"cpu"``, ``"cuda:0"``, an index or a ``torch.device``); default the target's
+                device, else the CPU.
 
         Raises:
             OSError: no weights, corrupt weights, or tensors missing/unexpected after conversion.
-            ValueError: a convention the conversion cannot reproduce, or a drafter that does not fit ``target``.
+            ValueError: a convention the conversion cannot reproduce, a drafter that does not fit ``target``, a
+                ``device_map`` other than one device (or not the target's), or any other ``from_pretrained`` option
+                (named; they do not apply to a converted checkpoint).
         """
         from . import formats
 
+        if args or kwargs:
+            raise ValueError(
+                f"from_pretrained options {[*map(repr, args), *sorted(kwargs)]} do not apply to a drafter converted "
+                f"from another format ({str(path)!r}); it takes dtype, attn_implementation and device_map"
+            )
+        device = None
+        if device_map is not None:
+            try:
+                device = torch.device(device_map)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device_map={device_map!r}: a converted drafter goes to one device (e.g. 'cpu', "
+                                 "'cuda:0')") from None
+            if target is not None and device != target.device:
+                raise ValueError(f"device_map={device_map!r} differs from the target's device {target.device}")
         config, state = formats.load_config_and_state(path, target.config if target is not None else None)
         model = cls(config)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise OSError(f"incomplete or incompatible drafter checkpoint in {str(path)!r}: "
                           f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        if attn_implementation is not None:
+            model.set_attn_implementation(attn_implementation)
+        dtype = dtype if dtype is not None else torch_dtype
         if dtype in (None, "auto"):
             dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
         model.to(dtype=dtype).eval()
         if target is not None:
             model.bind_target(target)
             model.to(target.device)
+        elif device is not None:
+            model.to(device)
         return model
 
     # ------------------------------------------------------------------ eq. 2

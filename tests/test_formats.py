@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.nn import functional as F
 
 import modeling_dspark as md
 from dspark_cli.common import SHIPPED_DRAFTER
@@ -142,6 +143,97 @@ def test_deepspec_checkpoint_loads_and_is_lossless(tmp_path, family, head, confi
     ids = prompt(seed=4)
     plain = target.generate(ids, do_sample=False, max_new_tokens=20)
     assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=20), plain)
+
+
+def deepspec_round(config, state, target):
+    """DeepSpec's drafting round at a committed prefix, written from its code independently of dspark's forward:
+    ``Qwen3DSparkModel._forward_backbone`` over the block [anchor, mask_token_id × (γ−1)] attending to the whole
+    context (`forward_dspark_draft_block`), every slot predicting; the Markov head's greedy
+    ``sample_block_tokens`` (bias from the previous token, an RNN state carried left to right); confidences
+    σ(``predict_confidence_step``) with the previous token x_{k−1} (`build_dspark_proposal`). Plain torch over the
+    checkpoint's tensors, float32."""
+    S = {k: v.float() for k, v in state.items()}
+    gamma, eps = config["block_size"], config["rms_norm_eps"]
+    nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+    rank, head = config["markov_rank"], config.get("markov_head_type")
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x, pos):  # x [T, heads, d], pos [T]
+        freqs = pos[:, None].float() * theta ** (-torch.arange(0, hd, 2).float() / hd)
+        cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
+
+    def run(prefix):
+        start = prefix.shape[1] - 1
+        with torch.no_grad():
+            hs = target(prefix, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[0 if i == -1 else i + 1] for i in config["target_layer_ids"]], -1)[0, :start]
+        ctx = rms(feats @ S["fc.weight"].T, S["hidden_norm.weight"])
+        block = torch.tensor([int(prefix[0, -1])] + [config["mask_token_id"]] * (gamma - 1))
+        x = S["embed_tokens.weight"][block]
+        pos = torch.arange(start + gamma)
+        for i in range(config["num_hidden_layers"]):
+            w = {k[len(f"layers.{i}."):]: v for k, v in S.items() if k.startswith(f"layers.{i}.")}
+            h = rms(x, w["input_layernorm.weight"])
+            q = rope(rms((h @ w["self_attn.q_proj.weight"].T).view(gamma, nh, hd), w["self_attn.q_norm.weight"]),
+                     pos[start:])
+            kv_in = torch.cat([ctx, h])  # the same k_proj / k_norm over context and block keys
+            k = rope(rms((kv_in @ w["self_attn.k_proj.weight"].T).view(-1, nkv, hd), w["self_attn.k_norm.weight"]),
+                     pos)
+            v = (kv_in @ w["self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+            k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+            att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * hd**-0.5, -1)  # no mask: bidirectional
+            x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(gamma, nh * hd) @ w["self_attn.o_proj.weight"].T
+            m = rms(x, w["post_attention_layernorm.weight"])
+            x = x + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ \
+                w["mlp.down_proj.weight"].T
+        hidden = rms(x, S["norm.weight"])
+        logits = hidden @ S["lm_head.weight"].T
+        tokens, prev, state_r = [], int(block[0]), torch.zeros(rank)
+        for k in range(gamma):
+            step = logits[k]
+            if rank:
+                e = S["markov_head.markov_w1.weight"][prev]
+                if head == "gated":
+                    e = torch.sigmoid(S["markov_head.gate_proj.weight"] @ torch.cat([hidden[k], e])
+                                      + S["markov_head.gate_proj.bias"]) * e
+                elif head == "rnn":
+                    g, c, o = (S["markov_head.joint_proj.weight"] @ torch.cat([state_r, e, hidden[k]])
+                               + S["markov_head.joint_proj.bias"]).chunk(3)
+                    state_r = torch.sigmoid(g) * state_r + (1 - torch.sigmoid(g)) * torch.tanh(c)
+                    e = torch.tanh(o)
+                step = step + S["markov_head.markov_w2.weight"] @ e
+            prev = int(step.argmax())
+            tokens.append(prev)
+        confs = None
+        if config["enable_confidence_head"]:
+            feats = hidden
+            if config.get("confidence_head_with_markov"):
+                prev_ids = torch.tensor([int(block[0])] + tokens[:-1])
+                feats = torch.cat([hidden, S["markov_head.markov_w1.weight"][prev_ids]], -1)
+            confs = torch.sigmoid(feats @ S["confidence_head.proj.weight"][0] + S["confidence_head.proj.bias"])
+            confs = confs.tolist()
+        return tokens, confs
+    return run
+
+
+@pytest.mark.parametrize("family,head,rank,confidence,with_markov,layer_ids,block,seed", [
+    ("qwen3", "vanilla", R, True, True, (-1, 1, 3), 5, 11), ("qwen3", "gated", R, True, False, (0, 2, 4), 4, 12),
+    ("qwen3", "rnn", R, True, True, (-1, 3), 5, 13), ("llama", "vanilla", R, True, True, (-1, 2), 3, 14),
+    ("qwen3", "vanilla", 0, True, False, (1, 3), 5, 15), ("qwen3", "rnn", R, False, False, (-1, 0, 4), 6, 16),
+])
+def test_deepspec_drafts_as_deepspec(tmp_path, family, head, rank, confidence, with_markov, layer_ids, block, seed):
+    """A DeepSpec checkpoint loaded with from_pretrained(dir, target=...) drafts, round by round, the tokens and
+    confidences of DeepSpec's own drafting round (:func:`deepspec_round`) at each committed prefix."""
+    target = tiny_target(family)
+    config, state = deepspec_checkpoint(tmp_path, target, block=block, layer_ids=layer_ids, rank=rank, head=head,
+                                        confidence=confidence, with_markov=with_markov, seed=seed)
+    drafter = md.DSparkDraftModel.from_pretrained(tmp_path, target=target).eval()
+    rounds = check_rounds(target, drafter, deepspec_round(config, state, target), prompt(seed=seed), max_new_tokens=30)
+    assert any(len(set(t)) > 1 for _, t, _ in rounds)  # drafts vary: the comparison is not vacuous
 
 
 def test_published_deepspec_config():
@@ -280,6 +372,17 @@ def test_dflash_conventions():
     assert config.sequential_head == "none" and not config.use_confidence_head
 
 
+def test_dflash_reads_top_level_keys():
+    """z-lab DFlash reads mask_token_id and target_layer_ids from dflash_config first, then the top level."""
+    cfg = _dflash_config()
+    cfg.update(mask_token_id=MASK, target_layer_ids=[0, 2, 4])
+    config, _ = formats.convert_to_dspark("dflash", cfg, {})
+    assert (config.mask_token_id, config.target_layer_ids) == (MASK, [0, 2, 4])
+    cfg["dflash_config"] = {"mask_token_id": MASK + 1, "target_layer_ids": [1, 3]}
+    config, _ = formats.convert_to_dspark("dflash", cfg, {})
+    assert (config.mask_token_id, config.target_layer_ids) == (MASK + 1, [1, 3])
+
+
 @pytest.mark.parametrize("dflash_config,message", [
     ({}, "no mask_token_id"),
     ({"mask_token_id": MASK, "output_multiplier": 2.0}, "output_multiplier"),
@@ -289,6 +392,31 @@ def test_dflash_conventions():
 def test_dflash_refuses_what_it_cannot_reproduce(dflash_config, message):
     with pytest.raises(ValueError, match=message):
         formats.convert_to_dspark("dflash", _dflash_config(**dflash_config), {})
+
+
+def test_specforge_for_gemma_targets_is_refused():
+    """SpecForge embeds through a Gemma target's √H-scaled embedding layer and never soft-caps: refused; for other
+    targets the DFlash-only keys input_embedding_scale / final_logit_softcapping are not read."""
+    from transformers import Gemma3TextConfig
+
+    cfg = _dflash_config(mask_token_id=MASK, projector_type="dspark", markov_rank=R, input_embedding_scale=8.0,
+                         final_logit_softcapping=30.0)
+    gemma = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=96, num_hidden_layers=6,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=HD)
+    with pytest.raises(ValueError, match="SpecForge drafters for Gemma targets"):
+        formats.convert_to_dspark("specforge", cfg, {}, gemma)
+    config, _ = formats.convert_to_dspark("specforge", cfg, {}, tiny_target("qwen3").config)
+    assert (config.embedding_scale, config.final_logit_softcapping) == (1.0, None)
+
+
+@pytest.mark.parametrize("key", ["sts_temperatures", "sts_biases"])
+def test_sts_of_the_wrong_length_is_refused(key):
+    cfg = _dflash_config(mask_token_id=MASK, block_size=5)
+    cfg[key] = [1.0] * 5  # one per slot, but the anchor's slot drafts nothing: γ = 4
+    with pytest.raises(ValueError, match=f"{key} must be a list of 4 numbers"):
+        formats.convert_to_dspark("dflash", cfg, {})
+    cfg[key] = [1.0] * 4
+    assert len(getattr(formats.convert_to_dspark("dflash", cfg, {})[0], key)) == 4
 
 
 def test_sliding_window_draft_layers_are_refused():
@@ -376,3 +504,53 @@ def test_cli_export(tmp_path, capsys):
     back = md.DSparkDraftModel.from_pretrained(tmp_path / "spec", target=target)
     for key, value in drafter.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
+
+
+def test_dflash_export_for_a_llama_target_loads_without_target(tmp_path):
+    """DFlash configs name "qwen3" (the draft layers' type) whatever the target: a drafter loaded without target=
+    binds to a Llama target at its first generate() and drafts losslessly; the CLI export with --target too."""
+    target = tiny_target("llama")
+    drafter = new_drafter(target, anchor_predicts=False, sequential_head="none", use_confidence_head=False)
+    formats.export_drafter(drafter, tmp_path / "lib", format="dflash")
+    drafter.save_pretrained(tmp_path / "mine")
+    target.save_pretrained(tmp_path / "target")
+    assert cli_main(["export", str(tmp_path / "mine"), str(tmp_path / "cli"), "--format", "dflash",
+                     "--target", str(tmp_path / "target")]) == 0
+    ids = prompt(seed=3)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=16)
+    for out in ("lib", "cli"):
+        loaded = md.DSparkDraftModel.from_pretrained(tmp_path / out).eval()
+        assert torch.equal(target.generate(ids, assistant_model=loaded, do_sample=False, max_new_tokens=16), plain)
+        assert loaded.config.target_model_type == "llama"
+
+
+def test_deepspec_import_as_speculators_checks_its_copies(tmp_path, capsys):
+    """A DeepSpec import's own embedding / LM-head copies are dropped by speculators for the target's: unbound it is
+    refused, and the CLI binds --target and refuses copies that differ from the target's."""
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    _, state = deepspec_checkpoint(tmp_path / "good", target)
+    deepspec_checkpoint(tmp_path / "bad", target)
+    state["lm_head.weight"] = state["lm_head.weight"] + 1.0
+    save_file(state, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"own embedding / LM-head copies.*target="):
+        formats.export_drafter(md.DSparkDraftModel.from_pretrained(tmp_path / "good"), tmp_path / "x",
+                               format="speculators")
+    args = ["--format", "speculators", "--target", str(tmp_path / "target")]
+    assert cli_main(["export", str(tmp_path / "bad"), str(tmp_path / "bad_out"), *args]) == 2
+    assert "copies differ" in capsys.readouterr().err and not (tmp_path / "bad_out").exists()
+    assert cli_main(["export", str(tmp_path / "good"), str(tmp_path / "good_out"), *args]) == 0
+    assert not md.DSparkDraftModel.from_pretrained(tmp_path / "good_out").config.own_embeddings
+
+
+def test_from_pretrained_options_of_a_converted_drafter(tmp_path):
+    """dtype, attn_implementation and device_map apply to an imported drafter; other options are refused, named."""
+    target = tiny_target("qwen3")
+    deepspec_checkpoint(tmp_path, target)
+    drafter = md.DSparkDraftModel.from_pretrained(tmp_path, target=target, attn_implementation="sdpa",
+                                                  dtype=torch.float64, device_map="cpu")
+    assert drafter.config._attn_implementation == "sdpa" and drafter.fc.weight.dtype == torch.float64
+    with pytest.raises(ValueError, match="low_cpu_mem_usage"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, low_cpu_mem_usage=True)
+    with pytest.raises(ValueError, match="one device"):
+        md.DSparkDraftModel.from_pretrained(tmp_path, device_map="auto")

@@ -144,7 +144,7 @@ def test_logits_processors_greedy_identical(smollm, prompt_ids, random_drafter, 
 
 
 def test_other_assistants_unchanged(smollm, prompt_ids):
-    """enable_dspark leaves transformers' own assisted decoding (prompt lookup) working."""
+    """The DSpark hook leaves transformers' own assisted decoding (prompt lookup) working."""
     target, _ = smollm
     ids = prompt_ids[0]
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)

@@ -16,7 +16,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import modeling_dspark as md
-from generation import collect_stats, dspark_options, enable_dspark
+from generation import collect_stats, dspark_options
 
 from .conftest import tiny_target
 
@@ -92,7 +92,6 @@ def tiny():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread avoids oversubscription overhead (≈ 15x faster here)
     target = tiny_target(vocab_size=16)
-    enable_dspark(target)
     drafters = {
         "markov": _tiny_drafter(target, 1, spread_confidence=True),
         "markov+draft_vocab": _tiny_drafter(target, 2, draft_vocab_size=10),

@@ -9,7 +9,6 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 import modeling_dspark as md
-from generation import enable_dspark
 
 from .conftest import make_drafter
 
@@ -98,7 +97,6 @@ def test_corrupt_and_missing_weights(smollm, tmp_path):
 
 def test_bad_generate_inputs_fail_before_compute(smollm, random_drafter, prompt_ids):
     target, tok = smollm
-    enable_dspark(target)
     calls = {"target": 0, "drafter": 0}
     h1 = target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))
     h2 = random_drafter.register_forward_hook(lambda *a: calls.__setitem__("drafter", calls["drafter"] + 1))

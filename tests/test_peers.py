@@ -19,7 +19,6 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import modeling_dspark as md
-from generation import enable_dspark
 from generation.integration import dspark_options
 from generation.stats import collect_stats
 from modeling_dspark import formats
@@ -55,7 +54,7 @@ def tiny_target(family: str = "qwen3", seed: int = 0, vocab: int = VOCAB):
     else:
         target = LlamaForCausalLM(LlamaConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
     target.config._attn_implementation = "eager"
-    return enable_dspark(target.eval())
+    return target.eval()
 
 
 def prompt(seed: int = 1, length: int = 9, vocab: int = VOCAB) -> torch.LongTensor:

@@ -216,10 +216,9 @@ def test_sps_for_generate_profiles_when_asked(tiny, monkeypatch):
 
 def test_scheduler_generate_greedy_identical_with_profiled_curve(tiny, measured):
     """The R = 1 scheduler in generate(), driven by a measured curve, keeps greedy output identical."""
-    from generation import dspark_options, enable_dspark
+    from generation import dspark_options
     from generation.stats import collect_stats
 
-    enable_dspark(tiny)
     drafter = make_drafter(tiny, block_size=4)
     curve = SPSCurve({b: 100.0 / (1 + 0.3 * b) for b in range(1, 6)})
     ids = torch.tensor([[3, 5, 7, 1]])
@@ -257,10 +256,8 @@ def test_profile_cli(tmp_path, capsys):
 def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
     """generate(assistant_model=drafter) with no policy: the DSpark scheduler when a profile for this target is
     cached, the full block otherwise (or with DSPARK_SCHEDULER=off). Greedy output identical either way."""
-    from generation import enable_dspark
     from generation.stats import collect_stats
 
-    enable_dspark(tiny)
     drafter = make_drafter(tiny, block_size=4)
     ids = torch.tensor([[3, 5, 7, 1]])
     ref = tiny.generate(ids, max_new_tokens=12, do_sample=False)

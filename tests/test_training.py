@@ -225,6 +225,29 @@ def test_init_from_target(target):
         init_from_target(drafter, target, [0])
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_init_from_target_in_half_precision(family, dtype):
+    """The norm probe works in the target's dtype (bf16 rounds ~4e-3): Qwen3 stores the scale, Gemma scale − 1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    target = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + 0.3 * torch.randn(p.shape))
+    target.to(dtype)
+    drafter = md.DSparkDraftModel(md.DSparkConfig.from_target_config(target.config, num_draft_layers=1)).to(dtype)
+    init_from_target(drafter, target)
+    offset = 1.0 if family.startswith("gemma") else 0.0
+    src = target.model.layers[3]
+    assert torch.equal(drafter.layers[0].input_layernorm.weight, (src.input_layernorm.weight.float() + offset).to(dtype))
+    assert torch.equal(drafter.norm.weight, (target.model.norm.weight.float() + offset).to(dtype))
+
+
 # --------------------------------------------------------------------------- data build
 def saved_tiny_target(root, data_sets: dict[str, list[str]] | None = None):
     """A tiny target + char tokenizer saved to ``root/target`` (a local checkpoint for the CLIs), and for each

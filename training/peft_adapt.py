@@ -270,10 +270,8 @@ def greedy_tau(
         pooled over all prompts.
     """
     from generation import collect_stats, dspark_options
-    from generation.integration import enable_dspark
 
     d = base_drafter(drafter)
-    enable_dspark(target)
     was_training = d.training
     d.eval()
     gamma = block_size or d.config.block_size

@@ -349,20 +349,26 @@ def rmsnorm_scale(norm: torch.nn.Module) -> torch.Tensor:
     """The per-channel scale s of a target RMSNorm written as y = s ⊙ x / rms(x), float32 ``[d]``.
 
     Most families store s as the weight; Gemma 1–3 store s − 1 (their norm multiplies by 1 + weight). Which one is
-    found by running the module on a probe input, so a copied norm computes what the target's does.
+    found by running the module on a probe input in its own dtype: the candidate closer to its output is taken,
+    if it is within a few roundings of that dtype (``4·finfo(dtype).eps`` relative), so a copied norm computes what
+    the target's does in fp32, bf16 and fp16 alike.
 
     Raises:
         ValueError: neither form reproduces the module (not an RMSNorm).
     """
+    dtype = norm.weight.dtype
     w = norm.weight.detach().float().cpu()
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    x = torch.randn(4, w.numel(), generator=torch.Generator().manual_seed(0))
-    y = norm(x.to(norm.weight.device, norm.weight.dtype)).float().cpu()
+    x = torch.randn(4, w.numel(), generator=torch.Generator().manual_seed(0)).to(dtype)
+    y = norm(x.to(norm.weight.device)).float().cpu()
+    x = x.float()
     unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    for scale in (w, 1.0 + w):
-        if torch.allclose(unit * scale, y, rtol=1e-3, atol=1e-5):
-            return scale
-    raise ValueError(f"{type(norm).__name__} is not an RMSNorm with a per-channel scale")
+    rtol = max(1e-3, 4 * torch.finfo(dtype).eps)
+    errors = {i: ((unit * s - y).abs() / (y.abs() + 1e-5)).max().item() for i, s in enumerate((w, 1.0 + w))}
+    best = min(errors, key=errors.get)
+    if errors[best] > rtol:
+        raise ValueError(f"{type(norm).__name__} is not an RMSNorm with a per-channel scale")
+    return (w, 1.0 + w)[best]
 
 
 @torch.no_grad()
