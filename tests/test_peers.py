@@ -78,7 +78,7 @@ def dspark_rounds(target, drafter, ids, max_new_tokens=24):
 
     Returns ``(output ids, [(committed prefix [1, L], draft tokens, confidences)] per drafting round)``.
     """
-    with collect_stats() as runs, dspark_options(policy="full"):
+    with collect_stats() as runs, dspark_options(policy="full", lookup=False):
         out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=max_new_tokens)
     rounds, length = [], ids.shape[1] + 1  # the prefill commits one token before the first round
     for r in runs[-1].rounds:
