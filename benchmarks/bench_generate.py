@@ -293,6 +293,22 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def write_result(result: dict, table: str, out: str | os.PathLike) -> Path:
+    """Record the load average at the end, store ``table`` as ``result["markdown"]``, write ``result`` as JSON to
+    ``out`` (parents created) and print the table; returns the path."""
+    try:
+        result["machine"]["load_average_at_end"] = os.getloadavg()
+    except OSError:
+        pass
+    result["markdown"] = table
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(table)
+    print(f"\nwritten to {path}", file=sys.stderr)
+    return path
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -338,16 +354,7 @@ def main(argv=None) -> int:
     for dt in dtypes:
         for rank in ([None] + [int(r) for r in args.ranks.split(",") if r.strip()]) if args.ranks.strip() else []:
             result["markov_head"].append(bench_markov(args, result["vocab_size"], dt, rank))
-    try:
-        result["machine"]["load_average_at_end"] = os.getloadavg()
-    except OSError:
-        pass
-    result["markdown"] = markdown(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(result["markdown"])
-    print(f"\nwritten to {out}", file=sys.stderr)
+    write_result(result, markdown(result), args.out)
     return 0
 
 

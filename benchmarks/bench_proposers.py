@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
-import json
 import os
 import sys
 import time
@@ -236,7 +235,7 @@ def main(argv=None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.bench_generate import machine_info, usable_cores
+    from benchmarks.bench_generate import machine_info, usable_cores, write_result
     from generation import dspark_options
     from modeling_dspark.target import DEFAULT_TARGET
 
@@ -269,16 +268,7 @@ def main(argv=None) -> int:
         print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
         result["runs"].append(bench_dtype(args, dt, prompts))
     result["bandwidth_limit_at_end"] = measure_bandwidth(threads)
-    try:
-        result["machine"]["load_average_at_end"] = os.getloadavg()
-    except OSError:
-        pass
-    result["markdown"] = markdown(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(result["markdown"])
-    print(f"\nwritten to {out}", file=sys.stderr)
+    write_result(result, markdown(result), args.out)
     return 0
 
 
