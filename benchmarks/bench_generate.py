@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -57,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--draft-gate", choices=("on", "off", "both"), default="on",
                    help="the cost model's draft gate (generation.cost_model): on, off, or both (an ablation: every "
                         "prompt runs plain, gated and ungated back to back)")
+    p.add_argument("--lookup", choices=("on", "off"), default="off",
+                   help="the n-gram lookup proposer beside the drafter (generate()'s default is on; default here: off, "
+                        "the drafter alone)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (paired repetitions)")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
@@ -141,7 +143,7 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
 
     def options(gate):
         opts = {"policy": args.policy, "block_size": args.block_size, "draft_gate": gate}
-        if "lookup" in inspect.signature(dspark_options).parameters:  # the drafter alone, no second proposer
+        if args.lookup == "off":  # the drafter alone, no second proposer
             opts["lookup"] = False
         return dspark_options(**opts)
 
@@ -187,6 +189,7 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
             "dtype": dtype_name,
             "draft_gate": gate,
             "policy": args.policy,
+            "lookup": args.lookup,
             "target_param_bytes": param_bytes,
             "drafter": args.drafter,
             "drafter_config": {k: getattr(drafter.config, k) for k in
@@ -340,7 +343,7 @@ def main(argv=None) -> int:
         "target": args.target or DEFAULT_TARGET,
         "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup_calls_per_path": 1,
                      "block_size": args.block_size, "dtypes": dtypes, "policy": args.policy,
-                     "draft_gate": args.draft_gate, "repeats": args.repeats},
+                     "draft_gate": args.draft_gate, "lookup": args.lookup, "repeats": args.repeats},
         "generate": [],
         "markov_head": [],
     }

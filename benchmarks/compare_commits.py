@@ -1,0 +1,140 @@
+"""Before/after speed of two checkouts of this repository: the same benchmark run alternately in each, paired.
+
+Runs one benchmark command in checkout A and in checkout B, one process each, ``--repeats`` times, alternating
+the order every repetition (A B, B A, A B, …) so that the machine's drift hits both alike. Each process imports its
+own checkout (``PYTHONPATH`` = the checkout, run from inside it) and writes its JSON to a temporary file. Per
+metric the report gives the median of each side, the paired per-repetition ratios B / A, in how many repetitions B
+was faster and the two-sided sign test's p-value (``scipy.stats.binomtest``, p = 0.5).
+
+Benchmarks:
+
+- ``generate``: ``benchmarks/bench_generate.py`` (plain and DSpark ``generate()`` in the same process); metrics per
+  dtype: DSpark tokens/s, plain tokens/s, and their ratio (the speed-up measured inside one process).
+- ``serve``: ``python -m dspark_cli bench serve``; metrics per (R, policy): median total tokens/s.
+
+Arguments after ``--`` go to the benchmark unchanged, so both checkouts must accept them. Make a checkout of an old
+commit with ``git worktree add ../dspark-old COMMIT``; both use the Python running this script, and the SPS(B)
+table cache is shared (set ``DSPARK_PROFILE_DIR`` to profile once for both)::
+
+    python benchmarks/compare_commits.py --before ../dspark-old --after . --bench generate --repeats 6 \\
+        --out benchmarks/results/before-after-generate.json -- --drafter drafters/smollm2-135m-dspark \\
+        --num-prompts 4 --max-new-tokens 64 --dtypes float32 --threads 2 --ranks ""
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", required=True, help="checkout A (the old code)")
+    p.add_argument("--after", required=True, help="checkout B (the new code)")
+    p.add_argument("--bench", choices=("generate", "serve"), required=True)
+    p.add_argument("--repeats", type=int, default=6, help="processes per checkout (default: 6)")
+    p.add_argument("--out", required=True, help="JSON report")
+    p.add_argument("--after-args", default="", metavar="ARGS",
+                   help="extra benchmark arguments for checkout B only, one string (e.g. an option A lacks)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the benchmark's own arguments")
+    args = p.parse_args(argv)
+    if args.bench_args[:1] == ["--"]:
+        args.bench_args = args.bench_args[1:]
+    for side in ("before", "after"):
+        root = Path(getattr(args, side)).resolve()
+        if not (root / "dspark_cli").is_dir():
+            p.error(f"--{side} {root}: not a checkout of this repository (no dspark_cli/)")
+        setattr(args, side, root)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+def run_once(root: Path, bench: str, bench_args: list[str]) -> dict:
+    """Run the benchmark in checkout ``root``; return its JSON. Raises RuntimeError with its stderr tail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        if bench == "generate":
+            cmd = [sys.executable, str(root / "benchmarks" / "bench_generate.py"), *bench_args, "--out", str(out)]
+        else:
+            cmd = [sys.executable, "-m", "dspark_cli", "bench", "serve", *bench_args, "--out", str(out)]
+        env = dict(os.environ, PYTHONPATH=str(root))
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"{' '.join(cmd)} failed in {root} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def metrics(bench: str, result: dict) -> dict[str, float]:
+    """The numbers compared, by name."""
+    if bench == "generate":
+        found = {}
+        for r in result["generate"]:
+            d = r["dtype"]
+            found[f"{d} dspark tok/s"] = r["dspark_tokens_per_s"]
+            found[f"{d} plain tok/s"] = r["plain_tokens_per_s"]
+            found[f"{d} dspark / plain"] = r["speedup"]
+            found[f"{d} tau"] = r["tau"]
+        return found
+    return {f"R={r['R']} {r['policy']} tok/s": r["throughput_tok_s"] for r in result["results"]}
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    from scipy.stats import binomtest
+
+    ratios = [y / x for x, y in zip(a, b)]
+    faster = sum(r > 1 for r in ratios)
+    ties = sum(r == 1 for r in ratios)
+    n = len(ratios) - ties
+    p = binomtest(faster, n, 0.5).pvalue if n else 1.0
+    return {"before_median": statistics.median(a), "after_median": statistics.median(b),
+            "ratio_of_medians": statistics.median(b) / statistics.median(a), "per_rep": ratios,
+            "after_faster": faster, "n": len(ratios), "sign_p_two_sided": p}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sides = {"before": args.before, "after": args.after}
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for rep in range(args.repeats):
+        order = ("before", "after") if rep % 2 == 0 else ("after", "before")
+        for side in order:
+            t0 = time.perf_counter()
+            extra = shlex.split(args.after_args) if side == "after" else []
+            runs[side].append(run_once(sides[side], args.bench, args.bench_args + extra))
+            print(f"repetition {rep + 1}/{args.repeats} {side}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    before = [metrics(args.bench, r) for r in runs["before"]]
+    after = [metrics(args.bench, r) for r in runs["after"]]
+    names = [k for k in before[0] if all(k in m for m in before + after)]
+    table = {k: paired([m[k] for m in before], [m[k] for m in after]) for k in names}
+    lines = ["| metric | before (median) | after (median) | after / before | after faster in | sign p |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for k, t in table.items():
+        lines.append(f"| {k} | {t['before_median']:.3g} | {t['after_median']:.3g} | {t['ratio_of_medians']:.3f}× | "
+                     f"{t['after_faster']}/{t['n']} | {t['sign_p_two_sided']:.2g} |")
+    report = {"command": "python benchmarks/compare_commits.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "before": str(args.before), "after": str(args.after),
+              "commits": {s: _commit(p) for s, p in sides.items()}, "bench": args.bench,
+              "bench_args": args.bench_args, "after_args": args.after_args, "repeats": args.repeats, "metrics": table,
+              "runs": runs, "markdown": "\n".join(lines)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(report["markdown"])
+    return 0
+
+
+def _commit(root: Path) -> str | None:
+    proc = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
