@@ -118,6 +118,9 @@ class DSparkConfig(PretrainedConfig):
         ce_weight, tv_weight, conf_weight (`float`): loss weights of eq. 14 (0.1, 0.9, 1.0).
         loss_decay (`float`, optional): decay of the position weights w_k = exp(−(k−1)/decay); `None` = γ.
         initializer_range (`float`): std of the normal init of new weights.
+        source_format (`str`, optional): the format this drafter was converted from ("deepspec", "dflash",
+            "specforge", "speculators"; :mod:`modeling_dspark.formats`), `None` for a native dspark checkpoint.
+            `DSparkDraftModel.bind_target` refuses a SpecForge drafter for a Gemma target.
         bos_token_id, eos_token_id, pad_token_id (`int | list[int]`, optional): the target's special tokens
             (`from_target_config` and `DSparkDraftModel.bind_target` copy them; the drafter shares the target's
             tokenizer). `pipeline(..., assistant_model=drafter)` compares them with the target's.
@@ -169,6 +172,7 @@ class DSparkConfig(PretrainedConfig):
         conf_weight: float = 1.0,
         loss_decay: float | None = None,
         initializer_range: float = 0.02,
+        source_format: str | None = None,
         **kwargs,
     ):
         kwargs.pop("num_hidden_layers", None)
@@ -212,6 +216,7 @@ class DSparkConfig(PretrainedConfig):
         self.conf_weight = conf_weight
         self.loss_decay = loss_decay
         self.initializer_range = initializer_range
+        self.source_format = source_format
         for name in SPECIAL_TOKEN_FIELDS:  # the target's: the drafter shares its tokenizer (read by pipeline())
             kwargs.setdefault(name, None)
         super().__init__(**kwargs)

@@ -240,6 +240,13 @@ def _rename_in(state: dict, where: str) -> dict:
     return out
 
 
+def specforge_gemma_problem(model_type: str) -> str:
+    """Why a SpecForge drafter cannot draft for a Gemma target (checked at conversion and at `bind_target`)."""
+    return (f"SpecForge drafters for Gemma targets ({model_type!r}) are not supported: SpecForge embeds the block "
+            "through the target's scaled embedding layer and never soft-caps the draft logits, which dspark does "
+            "not reproduce for Gemma")
+
+
 def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -> tuple[DSparkConfig, dict]:
     """Convert a ``fmt`` checkpoint (its ``config.json`` dict and state dict) to DSpark's config and state dict.
 
@@ -292,11 +299,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
         if fmt == "specforge":
             tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
             if getattr(tc, "model_type", None) in GEMMA_FAMILIES:
-                raise ValueError(
-                    f"{where}: SpecForge drafters for Gemma targets ({tc.model_type!r}) are not supported: SpecForge "
-                    "embeds the block through the target's scaled embedding layer and never soft-caps the draft "
-                    "logits, which dspark does not reproduce for Gemma"
-                )
+                raise ValueError(f"{where}: {specforge_gemma_problem(tc.model_type)}")
             confidence = dc.get("enable_confidence_head",
                                 dc.get("use_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
             heads = _heads(dc.get("markov_rank", 0), dc.get("markov_head_type", "vanilla"), confidence,
@@ -376,7 +379,7 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
         fields["target_name_or_path"] = fields.get("target_name_or_path") or getattr(tc, "_name_or_path", "")
     elif "target_num_hidden_layers" not in fields:
         raise ValueError(f"{where}: the number of target layers is not in the config; pass target_config")
-    dspark_config = DSparkConfig(**fields)
+    dspark_config = DSparkConfig(**fields, source_format=fmt)
     return dspark_config, _state_to_dspark(fmt, config, state, dspark_config, where)
 
 

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import ModelOutput
 
 from .common import block_positions, softcap
-from .configuration_dspark import SPECIAL_TOKEN_FIELDS, DSparkConfig, check_target_family
+from .configuration_dspark import GEMMA_FAMILIES, SPECIAL_TOKEN_FIELDS, DSparkConfig, check_target_family
 from .heads import ConfidenceHead, GatedMarkovHead, MarkovHead, RNNHead
 
 
@@ -229,11 +229,16 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         Raises:
             ValueError: naming both values, if hidden size, vocabulary size or number of layers (so the layer ids)
-                differ from what this drafter was built for, or the target's family is not supported.
+                differ from what this drafter was built for, the target's family is not supported, or the drafter
+                is a SpecForge conversion and the target a Gemma model.
         """
         tc = target.config.get_text_config()
         c = self.config
         check_target_family(tc.model_type)
+        if c.source_format == "specforge" and tc.model_type in GEMMA_FAMILIES:
+            from .formats import specforge_gemma_problem
+
+            raise ValueError(specforge_gemma_problem(tc.model_type))
         checks = [
             ("hidden size", c.hidden_size, tc.hidden_size),
             ("vocab size", c.vocab_size, tc.vocab_size),

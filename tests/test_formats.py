@@ -397,7 +397,7 @@ def test_dflash_refuses_what_it_cannot_reproduce(dflash_config, message):
 def test_specforge_for_gemma_targets_is_refused():
     """SpecForge embeds through a Gemma target's √H-scaled embedding layer and never soft-caps: refused; for other
     targets the DFlash-only keys input_embedding_scale / final_logit_softcapping are not read."""
-    from transformers import Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = _dflash_config(mask_token_id=MASK, projector_type="dspark", markov_rank=R, input_embedding_scale=8.0,
                          final_logit_softcapping=30.0)
@@ -407,6 +407,11 @@ def test_specforge_for_gemma_targets_is_refused():
         formats.convert_to_dspark("specforge", cfg, {}, gemma)
     config, _ = formats.convert_to_dspark("specforge", cfg, {}, tiny_target("qwen3").config)
     assert (config.embedding_scale, config.final_logit_softcapping) == (1.0, None)
+    # converted without a target, the drafter remembers its format and refuses a Gemma target when bound
+    config, _ = formats.convert_to_dspark("specforge", cfg, {})
+    assert config.source_format == "specforge"
+    with pytest.raises(ValueError, match="SpecForge drafters for Gemma targets"):
+        md.DSparkDraftModel(config).bind_target(Gemma3ForCausalLM(gemma).eval())
 
 
 @pytest.mark.parametrize("key", ["sts_temperatures", "sts_biases"])
