@@ -48,6 +48,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft over the N most frequent response tokens of the data (default: full vocabulary)")
     g.add_argument("--target-layer-ids", default=None, metavar="L1,L2,...",
                    help="comma-separated target layers for the context features (default: spread over the depth)")
+    g.add_argument("--mask-token-id", type=int, default=None, metavar="ID",
+                   help="token whose embedding E[ID] fills the mask slots, as DeepSpec, DFlash and speculators "
+                        "drafters do; needed for `dspark export` (default: a learned mask embedding)")
     g.add_argument("--no-confidence-head", action="store_true",
                    help="drop the confidence head (plain DFlash: combine with --sequential-head none; default: kept)")
     g.add_argument("--init-from-target", nargs="?", const="last", default=None, metavar="LAYER_IDS",
@@ -159,7 +162,8 @@ def run(args) -> int:
         block_size=args.block_size, sequential_head=args.sequential_head, markov_rank=args.markov_rank,
         num_draft_layers=args.num_draft_layers, use_confidence_head=not args.no_confidence_head,
         ce_weight=args.ce_weight, tv_weight=args.tv_weight, conf_weight=args.conf_weight,
-        loss_decay=args.loss_decay, draft_vocab_size=args.draft_vocab_size, **extra,
+        loss_decay=args.loss_decay, draft_vocab_size=args.draft_vocab_size, mask_token_id=args.mask_token_id,
+        **extra,
     )
     if not cfg.target_name_or_path or args.target is None:
         cfg.target_name_or_path = str(args.target or DEFAULT_TARGET)

@@ -211,6 +211,10 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
 
     load_data(tmp_path / "a").save_to_disk(str(tmp_path / "plain"))
     plain = ["--data", str(tmp_path / "plain")] + common[common.index("--output-dir"):common.index("--feature-cache")]
-    assert train_cmd.main(plain + ["--output-dir", str(tmp_path / "run2"), "--max-steps", "1", "--cpu"]) == 0
+    assert train_cmd.main(plain + ["--output-dir", str(tmp_path / "run2"), "--max-steps", "1", "--cpu",
+                                   "--mask-token-id", "3"]) == 0
     man = json.loads((tmp_path / "run2" / "training_manifest.json").read_text())
     assert man["global_step"] == 1 and man["data_manifest"] is None and man["feature_cache"] is None
+    # --mask-token-id: mask slots read E[3], no learned mask embedding (what the export formats need)
+    drafter = md.DSparkDraftModel.from_pretrained(tmp_path / "run2")
+    assert drafter.config.mask_token_id == 3 and drafter.mask_embedding is None
