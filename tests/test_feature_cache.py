@@ -218,3 +218,8 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
     # --mask-token-id: mask slots read E[3], no learned mask embedding (what the export formats need)
     drafter = md.DSparkDraftModel.from_pretrained(tmp_path / "run2")
     assert drafter.config.mask_token_id == 3 and drafter.mask_embedding is None
+    from dspark_cli.main import main as cli_main
+
+    assert cli_main(["export", str(tmp_path / "run2"), str(tmp_path / "spec"), "--format", "speculators",
+                     "--target", str(tdir)]) == 0
+    assert md.DSparkDraftModel.from_pretrained(tmp_path / "spec").config.source_format == "speculators"
