@@ -8,8 +8,8 @@ repetition, so the machine's drift hits all alike. Reports per R the median thro
 ratios gate / no gate and each / none, in how many repetitions the first was faster, and the one-sided sign test's
 p-value (:func:`dspark_cli.bench_cmd.sign_test_p`).
 
-    python benchmarks/ablate_cost_model.py --dtype float32 --requests 1 2 4 --repeats 5 --max-new-tokens 24 \
-        --out benchmarks/results/ablation-cost-model-fp32.json
+    python benchmarks/ablate_cost_model.py --dtype float32 --requests 1 2 4 --repeats 10 --max-new-tokens 16 \
+        --limit 8 --min-requests 4 --threads 2 --out benchmarks/results/ablation-cost-model-fp32-r10.json
 """
 
 from __future__ import annotations
