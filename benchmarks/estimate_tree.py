@@ -31,10 +31,11 @@ only in rounds where its expected rate beats the chooser's choice).
 SPS(B) curves: (a) this machine's cached profile (``generation.profiling``, ``$DSPARK_PROFILE_DIR``), (b) the AMX
 Xeon bf16 R = 1 curve of ``benchmarks/results/serve/serve.json`` (B = 1, 2, 3, 5, 9; step time extrapolated
 linearly from B = 5..9 to B = 17), (b') the same with the steeper per-token slope of its R = 2 row (a
-sensitivity check). The drafter's time is a fraction of a plain step: measured here for (a), 5.8 / 37.4 ms
-(docs/benchmarks.md) for (b); a full 8-token block costs what it costs here relative to the scheduler's early-stopped
-block. Speeds exclude the prefill (decode rounds only); a tree verify is priced as a chain of the same B tokens
-(no mask or cache-compaction overhead).
+sensitivity check). The drafter's time per round is a fixed fraction of a plain step, from quiet runs in
+docs/benchmarks.md: 10.7 / 52.5 ms on the EPYC in fp32 (`generate-avx2.json`), 5.8 / 37.4 ms on the Xeon in bf16;
+the same for the scheduler's early-stopped block and a full block (a full block costs somewhat more: its sequential
+head runs all γ slots). The ratio measured in this run is reported beside it. Speeds exclude the prefill (decode
+rounds only); a tree verify is priced as a chain of the same B tokens (no mask or cache-compaction overhead).
 
     DSPARK_PROFILE_DIR=/tmp/dspark-prof python benchmarks/estimate_tree.py --per-domain 3 --max-new-tokens 96 \
         --threads 2
@@ -77,6 +78,8 @@ SINGLE_CHAIN = ("lookup", "draft_full", "draft_prefix", "chooser", "chooser_skip
 TREES = ("tree_full", "tree_cut", "tree_priced")
 XEON_DRAFT_RATIO = 5.8 / 37.4
 """The Xeon's drafting time per round over its plain bf16 step (docs/benchmarks.md, 5.8 ms vs 37.4 ms)."""
+EPYC_DRAFT_RATIO = 10.7 / 52.5
+"""The EPYC's drafting time per round over its plain fp32 step (docs/benchmarks.md, `generate-avx2.json`)."""
 
 
 def parse_args(argv=None):
@@ -91,6 +94,9 @@ def parse_args(argv=None):
                    help="JSON whose sps_profile holds the Xeon bf16 SPS(B) curve (default: the committed serve run)")
     p.add_argument("--xeon-draft-ratio", type=float, default=XEON_DRAFT_RATIO,
                    help="drafting time per round / plain step on the Xeon (default: 5.8 / 37.4)")
+    p.add_argument("--epyc-draft-ratio", type=float, default=EPYC_DRAFT_RATIO,
+                   help="drafting time per round / plain step for this machine's curve (default: 10.7 / 52.5, a "
+                        "quiet EPYC fp32 run; 0 = the ratio measured in this run)")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "tree-estimate.json"))
     return p.parse_args(argv)
 
@@ -411,8 +417,8 @@ def markdown(result: dict) -> str:
              f"the recorded ones in {result['checks']['lookup_equal']}/{result['checks']['lookup_rounds']} rounds, "
              f"offline drafts in {result['checks']['draft_equal']}/{result['checks']['draft_rounds']}.", ""]
     for name, c in result["curves"].items():
-        lines.append(f"- `{name}`: {c['description']}; t_draft {c['t_draft_ms']['prefix']:.1f} ms (scheduler's "
-                     f"block) / {c['t_draft_ms']['full']:.1f} ms (full block); 1/SPS(1) = {c['step_ms'][1]:.1f} ms, "
+        lines.append(f"- `{name}`: {c['description']}; t_draft {c['t_draft_ms']['prefix']:.1f} ms per round; "
+                     f"1/SPS(1) = {c['step_ms'][1]:.1f} ms, "
                      f"1/SPS(9) = {c['step_ms'][9]:.1f} ms, 1/SPS(17) = {c['step_ms'][17]:.1f} ms.")
     lines += ["", "Estimated speed-up over plain decoding (decode rounds only):", "",
               "| SPS(B) curve | strategy | math | code | chat | macro | τ | mean B |",
@@ -434,7 +440,9 @@ def markdown(result: dict) -> str:
                          f"{k} {v:.2f}×" for k, v in s["trees_vs_oracle"].items()) + ".")
     meas = result["measured_here"]
     est = result["curves"]["epyc_fp32"]["summary"]
-    lines.append(f"- measured here in the same run (prefill included): plain step {meas['plain_step_ms']:.1f} ms, "
+    load = (m.get("load_average_at_start") or [float("nan")])[0]
+    lines.append(f"- measured here in the same run (load average {load:.1f} at the start; prefill included): "
+                 f"plain step {meas['plain_step_ms']:.1f} ms, "
                  f"drafting {meas['draft_ms_scheduler_block']:.1f} ms per round (full block "
                  f"{meas['draft_ms_full_block_offline']:.1f} ms); the recorded assisted run "
                  + ", ".join(f"{d} {v:.2f}×" for d, v in meas["recorded_vs_plain"].items())
@@ -453,15 +461,16 @@ def main(argv=None) -> int:
         sys.exit(f"--serve-json not found: {args.serve_json}")
     if args.per_domain < 1 or args.max_new_tokens < 2:
         sys.exit("--per-domain must be >= 1 and --max-new-tokens >= 2")
-    if not 0.0 <= args.xeon_draft_ratio < 10.0:
-        sys.exit(f"--xeon-draft-ratio must be in [0, 10); got {args.xeon_draft_ratio}")
+    for name in ("xeon_draft_ratio", "epyc_draft_ratio"):
+        if not 0.0 <= getattr(args, name) < 10.0:
+            sys.exit(f"--{name.replace('_', '-')} must be in [0, 10); got {getattr(args, name)}")
     import torch
     from transformers.utils import logging as hf_logging
 
     from benchmarks.bench_generate import machine_info, usable_cores, write_result
     from benchmarks.bench_proposers import DOMAINS, load_domain_prompts
     from dspark_cli.generate_cmd import load_models
-    from generation.profiling import ensure_profile
+    from generation.profiling import DEFAULT_CONTEXTS, ensure_profile
     from modeling_dspark.target import DEFAULT_TARGET, apply_chat_template
 
     hf_logging.disable_progress_bar()
@@ -470,7 +479,8 @@ def main(argv=None) -> int:
     target, tok, drafter = load_models(args.target, args.drafter, "float32")
     gamma = drafter.config.block_size
     max_batch = 1 + 2 * gamma
-    epyc = ensure_profile(target, requests=(1,), tokens=tuple(range(1, max_batch + 1)), threads=threads).curve(1)
+    profile = ensure_profile(target, requests=(1,), tokens=tuple(range(1, max_batch + 1)), threads=threads)
+    epyc = profile.curve(1, DEFAULT_CONTEXTS[0])  # the quick profile's context; it reaches B = 2γ + 1
     if epyc.max_batch < max_batch:
         sys.exit(f"this machine's SPS profile ends at B = {epyc.max_batch}; the tree needs B = {max_batch}")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -509,13 +519,12 @@ def main(argv=None) -> int:
                                 for rec in records if len(rec["reference"]) > 1)
     draft_ms = statistics.median(steady)
     full_ms = statistics.median(x for rec in records for x in rec["offline"]["draft_full_ms"])
-    ratio_here = {"prefix": draft_ms / step_ms, "full": full_ms / step_ms}
-    full_over_prefix = full_ms / draft_ms
-    curves = {"epyc_fp32": {"curve": epyc, "ratio": ratio_here,
+    epyc_ratio = args.epyc_draft_ratio or draft_ms / step_ms
+    curves = {"epyc_fp32": {"curve": epyc, "ratio": {"prefix": epyc_ratio, "full": epyc_ratio},
                             "description": f"this machine's profile ({epyc.description})"}}
     for name, x in xeon_curves(args.serve_json, max_batch).items():
         curves[name] = {"curve": x["curve"],
-                        "ratio": {"prefix": args.xeon_draft_ratio, "full": args.xeon_draft_ratio * full_over_prefix},
+                        "ratio": {"prefix": args.xeon_draft_ratio, "full": args.xeon_draft_ratio},
                         "description": f"AMX Xeon bf16, R = 1, measured B = {sorted(x['measured'])}, step time "
                                        f"extrapolated beyond at {x['extrapolation_ms_per_token']:.3f} ms per token"}
 
@@ -551,10 +560,12 @@ def main(argv=None) -> int:
         "settings": {"per_domain": args.per_domain, "offset": args.offset, "max_new_tokens": args.max_new_tokens,
                      "dtype": "float32", "greedy": True, "block_size": gamma, "policy": "scheduler",
                      "draft_gate": False, "drafter_forced": True, "prefill_counted": False,
-                     "xeon_draft_ratio": args.xeon_draft_ratio, "strategies": STRATEGIES,
+                     "xeon_draft_ratio": args.xeon_draft_ratio, "epyc_draft_ratio": epyc_ratio,
+                     "strategies": STRATEGIES,
                      "prompt_ids": {dom: [p["id"] for p in ps] for dom, ps in prompts.items()}},
         "checks": dict(checks),
-        "measured_here": {"plain_step_ms": step_ms, "draft_ms_scheduler_block": draft_ms,
+        "measured_here": {"plain_step_ms": step_ms, "draft_over_step": draft_ms / step_ms,
+                          "draft_ms_scheduler_block": draft_ms,
                           "draft_ms_full_block_offline": full_ms,
                           "recorded_vs_plain": measured,
                           "recorded_vs_plain_macro": sum(measured.values()) / len(measured)},
