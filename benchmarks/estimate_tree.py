@@ -37,7 +37,7 @@ the same for the scheduler's early-stopped block and a full block (a full block 
 head runs all γ slots). The ratio measured in this run is reported beside it. Speeds exclude the prefill (decode
 rounds only); a tree verify is priced as a chain of the same B tokens (no mask or cache-compaction overhead).
 
-    DSPARK_PROFILE_DIR=/tmp/dspark-prof python benchmarks/estimate_tree.py --per-domain 2 --max-new-tokens 96 \
+    python benchmarks/estimate_tree.py --per-domain 2 --max-new-tokens 96 \
         --threads 2
     python benchmarks/estimate_tree.py --per-domain 1 --max-new-tokens 24 --threads 2 --out /tmp/tree.json
 
