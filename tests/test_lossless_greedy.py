@@ -131,12 +131,17 @@ def test_eos_inside_accepted_block(smollm, random_drafter, scripted):
     ],
 )
 def test_logits_processors_greedy_identical(smollm, prompt_ids, random_drafter, scripted, kwargs):
+    """The random drafter (its drafts almost always rejected), then the oracle script (its drafts accepted), on every
+    prompt: the script replaces the drafting round for the rest of the test, so the drafter runs on all prompts
+    first."""
     target, _ = smollm
-    for ids in prompt_ids[:3] + prompt_ids[-1:]:
-        ref = target.generate(ids, max_new_tokens=40, do_sample=False, **kwargs)
+    prompts = prompt_ids[:3] + prompt_ids[-1:]
+    refs = [target.generate(ids, max_new_tokens=40, do_sample=False, **kwargs) for ids in prompts]
+    for ids, ref in zip(prompts, refs):
         with dspark_options(block_size=8):
             out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=40, do_sample=False, **kwargs)
         assert torch.equal(out, ref), kwargs
+    for ids, ref in zip(prompts, refs):
         scripted(ref, "oracle", target.config.vocab_size)
         with dspark_options(block_size=8):
             out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=40, do_sample=False, **kwargs)
