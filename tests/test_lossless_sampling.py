@@ -1,11 +1,12 @@
 """Sampling losslessness: with the drafter, the distribution of the first new tokens equals the target's.
 
-On a tiny random Llama (V = 16) the exact joint distribution of the first three new tokens (x1 from the prefill, x2 and x3 drafted in one block) under the processed
-target distribution (temperature, top-k / top-p) is enumerated. N samples from `generate(assistant_model=drafter)`
-must match it cell by cell within 4.5 standard errors plus 2/N (bound from the sample count N; with ≈ 600 cells
-the union-bound false-alarm rate is < 1 %, and the seed is fixed). As a control for the enumeration itself, plain
-`generate()` sampling is checked against the exact table of every processing used here with the same bound: N
-independent samples drawn in one batched call of N copies of the prompt (the drafter's path is batch size 1).
+On a tiny random Llama (V = 16) the exact joint distribution of the first three new tokens (x1 from the prefill,
+x2 and x3 drafted in one block) under the processed target distribution (temperature, top-k / top-p) is
+enumerated. N samples from `generate(assistant_model=drafter)` must match it cell by cell within 4.5 standard
+errors plus 2/N (bound from the sample count N; with ≈ 600 cells the union-bound false-alarm rate is < 1 %, and
+the seed is fixed). As a control for the enumeration itself, plain `generate()` sampling is checked against the
+exact table of every processing used here with the same bound: N independent samples drawn in one batched call of
+N copies of the prompt (the drafter's path is batch size 1).
 """
 
 from __future__ import annotations
