@@ -36,6 +36,28 @@ def pytest_xdist_auto_num_workers(config):
         cpus = os.cpu_count() or 1
     return max(1, min(cpus, 8))
 
+
+# The modules with the longest tests (30 s to 90 s each on a 2-core CPU), longest first. pytest-xdist's worksteal
+# hands each of the W workers a contiguous share of the collection (len(pending) // workers left, in turn), and an
+# idle worker takes tests from the END of another's queue. These modules' tests are dealt round-robin to the front of
+# every share, so every worker starts with long tests and short ones end the run; the other tests keep their order.
+SLOW_MODULES = ("test_lossless_sampling.py", "test_lookup_generate.py", "test_lossless_greedy.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    workers = max(1, int(_WORKERS)) if _WORKERS.isdigit() else 1
+    slow = sorted((item for item in items if item.path.name in SLOW_MODULES),
+                  key=lambda item: SLOW_MODULES.index(item.path.name))  # stable: the longest tests' module first
+    rest = [item for item in items if item.path.name not in SLOW_MODULES]
+    order = []
+    for w in range(workers):
+        share = slow[w::workers]
+        take = max(0, (len(items) - len(order)) // (workers - w) - len(share))
+        order += share + rest[:take]
+        rest = rest[take:]
+    items[:] = order + rest
+
+
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a Python function that returns the square of a number.",

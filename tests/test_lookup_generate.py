@@ -32,14 +32,20 @@ COPY_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("policy", [None, "none", "scheduler"])
-def test_greedy_identical_with_lookup(smollm, random_drafter, policy):
+@pytest.fixture(scope="module")
+def copy_references(smollm):
+    """[(prompt ids, plain greedy `generate()` output of 48 new tokens)] for the copy prompts."""
     target, tok = smollm
+    ids = [torch.tensor([apply_chat_template(tok, prompt)]) for prompt in COPY_PROMPTS]
+    return [(x, target.generate(x, max_new_tokens=48, do_sample=False)) for x in ids]
+
+
+@pytest.mark.parametrize("policy", [None, "none", "scheduler"])
+def test_greedy_identical_with_lookup(smollm, random_drafter, copy_references, policy):
+    target, _ = smollm
     sps = {b: 1.0 / (1.0 + 0.05 * b) for b in range(1, 40)} if policy == "scheduler" else None
     lookup_accepted = 0
-    for prompt in COPY_PROMPTS:
-        ids = torch.tensor([apply_chat_template(tok, prompt)])
-        ref = target.generate(ids, max_new_tokens=48, do_sample=False)
+    for prompt, (ids, ref) in zip(COPY_PROMPTS, copy_references):
         with dspark_options(policy=policy, sps=sps, block_size=4), collect_stats() as runs:
             out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=48, do_sample=False)
         assert torch.equal(out, ref), f"policy {policy}: outputs differ on {prompt[:30]!r}"
@@ -82,7 +88,7 @@ def test_plain_sampling_matches_enumeration_on_this_prompt(tiny, all_tokens_prom
     """Control for the enumeration with this module's prompt."""
     target, _ = tiny
     exact = tls.exact_joint(target, 0.9, 8, None)
-    emp, _ = tls._sample_counts(target, None, seed=7, temperature=0.9, top_k=8)
+    emp = tls._plain_counts(target, seed=7, temperature=0.9, top_k=8, top_p=1.0)
     tls._assert_matches(emp, exact, "plain generate")
 
 

@@ -1,10 +1,12 @@
 """Sampling losslessness: with the drafter, the distribution of the first new tokens equals the target's.
 
-On a tiny random Llama (V = 16) the exact joint distribution of the first three new tokens (x1 from the prefill, x2 and x3 drafted in one block) under the processed
-target distribution (temperature, top-k / top-p) is enumerated. N samples from `generate(assistant_model=drafter)`
-must match it cell by cell within 4.5 standard errors plus 2/N (bound from the sample count N; with ≈ 600 cells
-the union-bound false-alarm rate is < 1 %, and the seed is fixed). Plain `generate()` sampling is checked against
-the same exact table as a control for the enumeration itself.
+On a tiny random Llama (V = 16) the exact joint distribution of the first three new tokens (x1 from the prefill,
+x2 and x3 drafted in one block) under the processed target distribution (temperature, top-k / top-p) is
+enumerated. N samples from `generate(assistant_model=drafter)` must match it cell by cell within 4.5 standard
+errors plus 2/N (bound from the sample count N; with ≈ 600 cells the union-bound false-alarm rate is < 1 %, and
+the seed is fixed). As a control for the enumeration itself, plain `generate()` sampling is checked against the
+exact table of every processing used here with the same bound: N independent samples drawn in one batched call of
+N copies of the prompt (the drafter's path is batch size 1).
 """
 
 from __future__ import annotations
@@ -51,18 +53,31 @@ def exact_joint(target, temperature, top_k, top_p) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+def _frequencies(new_tokens: torch.LongTensor, v: int) -> torch.Tensor:
+    """Empirical joint of the first three new tokens: ``[n, ≥ 3]`` ids → ``[V, V, V]`` float64 frequencies."""
+    x = new_tokens[:, :3]
+    cells = (x[:, 0] * v + x[:, 1]) * v + x[:, 2]
+    return (torch.bincount(cells, minlength=v**3).double() / len(cells)).view(v, v, v)
+
+
 def _sample_counts(target, drafter, seed, policy=None, sps=None, draft_gate=True, **gen):
-    v = target.config.vocab_size
-    counts = torch.zeros(v, v, v, dtype=torch.float64)
+    """N calls of `generate(assistant_model=drafter)` (batch size 1) → (joint frequencies, their statistics)."""
     torch.manual_seed(seed)
+    firsts = []
     with dspark_options(block_size=4, policy=policy, sps=sps, draft_gate=draft_gate), collect_stats() as runs:
         for _ in range(N):
             out = target.generate(
                 PROMPT, max_new_tokens=4, do_sample=True, assistant_model=drafter, pad_token_id=0, **gen
             )
-            x = out[0, PROMPT.shape[1] :].tolist()
-            counts[x[0], x[1], x[2]] += 1
-    return counts / N, runs
+            firsts.append(out[0, PROMPT.shape[1] : PROMPT.shape[1] + 3])
+    return _frequencies(torch.stack(firsts), target.config.vocab_size), runs
+
+
+def _plain_counts(target, seed, **gen):
+    """N samples of plain `generate()`: one call on N copies of the prompt, whose rows are sampled independently."""
+    torch.manual_seed(seed)
+    out = target.generate(PROMPT.repeat(N, 1), max_new_tokens=4, do_sample=True, pad_token_id=0, **gen)
+    return _frequencies(out[:, PROMPT.shape[1] :], target.config.vocab_size)
 
 
 def _assert_matches(emp, exact, label):
@@ -101,14 +116,24 @@ def tiny():
     torch.set_num_threads(threads)
 
 
+# the logits processing of every test here (temperature, top-k, top-p)
+GENS = [{"temperature": 0.7, "top_k": 6}, {"temperature": 1.5, "top_p": 0.9}, {"temperature": 1.0},
+        {"temperature": 0.9, "top_k": 8}]
+
+
+def _generate_kwargs(gen):
+    """`generate()` sampling options of ``gen``, the processors it leaves out turned off."""
+    return {"top_k": gen.get("top_k", 0), "top_p": gen.get("top_p", 1.0), "temperature": gen["temperature"]}
+
+
 @pytest.mark.parametrize(
     "gen,drafter_name,policy",
     [
-        ({"temperature": 0.7, "top_k": 6}, "markov", None),
-        ({"temperature": 1.5, "top_p": 0.9}, "markov+draft_vocab", None),
-        ({"temperature": 1.0}, "rnn+draft_vocab", None),
+        (GENS[0], "markov", None),
+        (GENS[1], "markov+draft_vocab", None),
+        (GENS[2], "rnn+draft_vocab", None),
         # confidence-scheduled truncation (Algorithm 1, R = 1) under sampling: still the target's distribution
-        ({"temperature": 0.9, "top_k": 8}, "markov", "scheduler"),
+        (GENS[3], "markov", "scheduler"),
     ],
 )
 def test_sampling_distribution_equals_target(tiny, gen, drafter_name, policy):
@@ -117,8 +142,8 @@ def test_sampling_distribution_equals_target(tiny, gen, drafter_name, policy):
     sps = {1: 1.0, 2: 0.75, 3: 0.6, 4: 0.5, 5: 0.4} if policy == "scheduler" else None
     exact = exact_joint(target, gen.get("temperature", 1.0), gen.get("top_k"), gen.get("top_p"))
     assert math.isclose(exact.sum().item(), 1.0, rel_tol=1e-6)
-    kw = {"top_k": gen.get("top_k", 0), "top_p": gen.get("top_p", 1.0), "temperature": gen["temperature"]}
-    # the draft gate off: over 3000 calls it would learn to skip most drafting here (its own test is below)
+    kw = _generate_kwargs(gen)
+    # the draft gate off: over N calls it would learn to skip most drafting here (its own test is below)
     emp, runs = _sample_counts(target, drafter, seed=1234, policy=policy, sps=sps, draft_gate=False, **kw)
     # the drafter's rounds (rounds that verified the lookup chain count its tokens; tests/test_lookup_generate.py)
     rounds = [r for s in runs for r in s.rounds if r.source != "lookup"]
@@ -132,12 +157,13 @@ def test_sampling_distribution_equals_target(tiny, gen, drafter_name, policy):
     _assert_matches(emp, exact, f"dspark {gen}")
 
 
-def test_plain_sampling_matches_enumeration(tiny):
+@pytest.mark.parametrize("gen", GENS)
+def test_plain_sampling_matches_enumeration(tiny, gen):
     """Control: plain generate() samples match the same exact table (validates the enumeration)."""
     target, _ = tiny
-    exact = exact_joint(target, 0.7, 6, None)
-    emp, _ = _sample_counts(target, None, seed=99, temperature=0.7, top_k=6)
-    _assert_matches(emp, exact, "plain generate")
+    exact = exact_joint(target, gen["temperature"], gen.get("top_k"), gen.get("top_p"))
+    emp = _plain_counts(target, seed=99, **_generate_kwargs(gen))
+    _assert_matches(emp, exact, f"plain generate {gen}")
 
 
 def test_sampling_with_skipped_rounds_equals_target(tiny, monkeypatch):
@@ -157,7 +183,7 @@ def test_sampling_with_skipped_rounds_equals_target(tiny, monkeypatch):
     monkeypatch.setattr(CostModel, "plan", plan)
     target, drafters = tiny
     sps = {1: 1.0, 2: 0.75, 3: 0.6, 4: 0.5, 5: 0.4}
-    gen = {"temperature": 0.9, "top_k": 8}
+    gen = GENS[3]
     exact = exact_joint(target, gen["temperature"], gen["top_k"], None)
     emp, runs = _sample_counts(target, drafters["markov"], seed=4321, policy="scheduler", sps=sps, **gen)
     firsts = [s.rounds[0] for s in runs]
