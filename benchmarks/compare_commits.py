@@ -78,7 +78,7 @@ def metrics(bench: str, result: dict) -> dict[str, float]:
     if bench == "generate":
         found = {}
         for r in result["generate"]:
-            d = r["dtype"]
+            d = r["dtype"] if r.get("draft_gate") in (None, True) else f"{r['dtype']} gate off"
             found[f"{d} dspark tok/s"] = r["dspark_tokens_per_s"]
             found[f"{d} plain tok/s"] = r["plain_tokens_per_s"]
             found[f"{d} dspark / plain"] = r["speedup"]
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     for k, t in table.items():
         lines.append(f"| {k} | {t['before_median']:.3g} | {t['after_median']:.3g} | {t['ratio_of_medians']:.3f}× | "
                      f"{t['after_faster']}/{t['n']} | {t['sign_p_two_sided']:.2g} |")
-    report = {"command": "python benchmarks/compare_commits.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    report = {"command": "python benchmarks/compare_commits.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "before": str(args.before), "after": str(args.after),
               "commits": {s: _commit(p) for s, p in sides.items()}, "bench": args.bench,
               "bench_args": args.bench_args, "after_args": args.after_args, "repeats": args.repeats, "metrics": table,

@@ -459,8 +459,8 @@ def main(argv=None) -> int:
         sys.exit(f"drafter directory not found: {args.drafter}")
     if not Path(args.serve_json).is_file():
         sys.exit(f"--serve-json not found: {args.serve_json}")
-    if args.per_domain < 1 or args.max_new_tokens < 2:
-        sys.exit("--per-domain must be >= 1 and --max-new-tokens >= 2")
+    if args.per_domain < 1 or args.max_new_tokens < 8:
+        sys.exit("--per-domain must be >= 1 and --max-new-tokens >= 8 (drafting rounds time the drafter)")
     for name in ("xeon_draft_ratio", "epyc_draft_ratio"):
         if not 0.0 <= getattr(args, name) < 10.0:
             sys.exit(f"--{name.replace('_', '-')} must be in [0, 10); got {getattr(args, name)}")
@@ -517,6 +517,8 @@ def main(argv=None) -> int:
     steady = [r["t_draft_ms"] for rec in records for r in rec["rounds"] if 0 < r["ingested"] <= gamma + 1]
     step_ms = statistics.median((rec["seconds_plain"] - rec["seconds_prefill"]) * 1e3 / (len(rec["reference"]) - 1)
                                 for rec in records if len(rec["reference"]) > 1)
+    if not steady:
+        sys.exit("no steady drafting round was recorded to time the drafter: raise --max-new-tokens")
     draft_ms = statistics.median(steady)
     full_ms = statistics.median(x for rec in records for x in rec["offline"]["draft_full_ms"])
     epyc_ratio = args.epyc_draft_ratio or draft_ms / step_ms

@@ -10,9 +10,12 @@ to ``--out-dir`` with ``training_manifest.json``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from .common import (
+    CLIError,
     add_device_option,
     add_dtype_option,
     add_hidden_alias,
@@ -27,6 +30,29 @@ from .common import (
 
 def _ints(text: str | None):
     return None if text in (None, "", "last") else [int(x) for x in text.split(",")]
+
+
+# drafter fields a checkpoint's weights depend on: resuming with other values would load it partly (Trainer loads
+# non-strictly) and train a different drafter without an error
+RESUME_FIELDS = ("hidden_size", "vocab_size", "block_size", "num_draft_layers", "draft_layer_style", "mask_token_id",
+                 "sequential_head", "markov_rank", "use_confidence_head", "draft_vocab_size", "target_layer_ids")
+
+
+def _check_resume_config(checkpoint: str, cfg) -> None:
+    """Refuse to resume ``checkpoint`` with a drafter config whose :data:`RESUME_FIELDS` differ from its own.
+
+    Raises:
+        CLIError: the checkpoint has no config.json, or names every differing field with both values.
+    """
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        raise CLIError(f"--resume {checkpoint}: no config.json there (not a dspark train checkpoint)")
+    saved = json.loads(path.read_text())
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RESUME_FIELDS
+            if saved.get(k) != getattr(cfg, k)]
+    if diff:
+        raise CLIError(f"--resume {checkpoint}: the drafter options differ from the checkpoint's ("
+                       + "; ".join(diff) + "); pass the options it was trained with")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,11 +159,17 @@ def load_training_data(paths):
 
 
 def run(args) -> int:
+    try:
+        return _run(args)
+    except CLIError as err:
+        print(f"dspark train: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     require_out_dir(args, "dspark train")
-    import json
     import os
     import time
-    from pathlib import Path
 
     import torch
     import transformers
@@ -167,6 +199,15 @@ def run(args) -> int:
     )
     if not cfg.target_name_or_path or args.target is None:
         cfg.target_name_or_path = str(args.target or DEFAULT_TARGET)
+    resume = None
+    if args.resume == "latest":
+        resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        if resume is None:
+            print(f"no checkpoint in {args.output_dir}: starting from scratch")
+    elif args.resume:
+        resume = args.resume
+    if resume is not None:
+        _check_resume_config(resume, cfg)
     drafter = DSparkDraftModel(cfg)
     init_layers = None
     if args.init_from_target is not None:
@@ -208,13 +249,6 @@ def run(args) -> int:
                                          cache=cache)
     trainer = DSparkTrainer(model=drafter, target=target, args=targs, train_dataset=data, data_collator=collator)
 
-    resume = None
-    if args.resume == "latest":
-        resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-        if resume is None:
-            print(f"no checkpoint in {args.output_dir}: starting from scratch")
-    elif args.resume:
-        resume = args.resume
     t0 = time.time()
     result = trainer.train(resume_from_checkpoint=resume)
     wall = time.time() - t0

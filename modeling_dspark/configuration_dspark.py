@@ -15,6 +15,8 @@ DEFAULT_MARKOV_RANK = 64  # r of W_1 / W_2 (eq. 5)
 # decoding in transformers is tested token for token against plain greedy generate() (tests/test_families.py)
 SUPPORTED_TARGET_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text")
 GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
+# formats a drafter can be converted from (modeling_dspark.formats); None = a native dspark checkpoint
+SOURCE_FORMATS = (None, "deepspec", "dflash", "specforge", "speculators")
 # why a family is refused, where there is a reason more specific than "untested"
 _UNSUPPORTED_REASONS = {
     "gpt2": "GPT-2 has learned absolute position embeddings and no RMSNorm / RoPE / intermediate_size",
@@ -128,8 +130,8 @@ class DSparkConfig(PretrainedConfig):
     Raises:
         ValueError: unknown `sequential_head` or `draft_layer_style`, unsupported `target_model_type`, bad
             `target_layer_ids`, `block_size` < 1, a negative `mask_token_id` or one outside the vocabulary, a
-            non-positive `embedding_scale` or `final_logit_softcapping`, or a wrong number of STS temperatures
-            (finite, > 0) or offsets (finite).
+            non-positive `embedding_scale` or `final_logit_softcapping`, a wrong number of STS temperatures
+            (finite, > 0) or offsets (finite), or a `source_format` not in `SOURCE_FORMATS`.
     """
 
     model_type = "dspark"
@@ -253,6 +255,8 @@ class DSparkConfig(PretrainedConfig):
                 f"mask_token_id={self.mask_token_id!r} must be None (learned mask embedding) or a token id in "
                 f"[0, {self.vocab_size})"
             )
+        if self.source_format not in SOURCE_FORMATS:
+            raise ValueError(f"source_format={self.source_format!r} must be one of {SOURCE_FORMATS}")
         if not (math.isfinite(self.embedding_scale) and self.embedding_scale > 0):
             raise ValueError(f"embedding_scale must be a finite number > 0, got {self.embedding_scale}")
         cap = self.final_logit_softcapping

@@ -447,6 +447,8 @@ def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
     if need_target and not bound and export_needs_target(c, fmt):
         if c.own_embeddings:
             why = "it drops the drafter's own embedding / LM-head copies for the target's, which must be equal"
+        elif c.source_format == "specforge":
+            why = "a SpecForge conversion is written only for a target family it supports (checked when bound)"
         elif fmt == "deepspec":
             why = "DeepSpec checkpoints hold the target's embedding and LM head"
         else:
@@ -475,9 +477,12 @@ def export_needs_target(config: DSparkConfig, fmt: str) -> bool:
     """Whether writing a drafter with ``config`` as ``fmt`` needs its target bound: a DeepSpec file holds the
     target's embedding and LM head, a reduced-vocabulary speculators file the LM head's rows, and a drafter with its
     own copies written as speculators or DFlash must have copies equal to the target's (those formats use the
-    target's)."""
+    target's). A SpecForge conversion always does: binding checks its target family (SpecForge drafters for Gemma
+    targets are refused), which the written file no longer records."""
     if config.own_embeddings:
         return fmt != "deepspec"
+    if config.source_format == "specforge":
+        return True
     return fmt == "deepspec" or (fmt == "speculators" and bool(config.draft_vocab_size))
 
 

@@ -41,6 +41,8 @@ def pytest_xdist_auto_num_workers(config):
 # hands each of the W workers a contiguous share of the collection (len(pending) // workers left, in turn), and an
 # idle worker takes tests from the END of another's queue. These modules' tests are dealt round-robin to the front of
 # every share, so every worker starts with long tests and short ones end the run; the other tests keep their order.
+# Every worker then builds the slow modules' module-scoped fixtures (a few seconds each); under xdist's default
+# "load" scheduling the hook only changes the order.
 SLOW_MODULES = ("test_lossless_sampling.py", "test_lookup_generate.py", "test_lossless_greedy.py")
 
 

@@ -180,7 +180,7 @@ def test_a_cache_of_another_target_is_refused(tmp_path, target, data, cache_dir)
         build_feature_cache(data, other, LAYERS, cache_dir, progress=False)
 
 
-def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
+def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread, capsys):
     """`dspark train` on a saved tiny target with two data directories and --feature-cache: the cache covers both,
     the run saves a drafter + manifest, and --resume continues to the new max-steps from the checkpoint."""
     from dspark_cli import train_cmd
@@ -202,6 +202,9 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread):
     assert train_cmd.main(common + ["--max-steps", "4", "--resume"]) == 0
     man = json.loads((out / "training_manifest.json").read_text())
     assert man["global_step"] == 4 and man["resumed_from"].endswith("checkpoint-2")
+    # resuming with drafter options the checkpoint was not trained with is refused, naming them
+    assert train_cmd.main(common + ["--max-steps", "6", "--resume", "--mask-token-id", "3"]) == 2
+    assert "mask_token_id: checkpoint None, now 3" in capsys.readouterr().err
     import modeling_dspark as md
 
     drafter = md.DSparkDraftModel.from_pretrained(out)

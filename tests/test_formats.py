@@ -412,6 +412,11 @@ def test_specforge_for_gemma_targets_is_refused():
     assert config.source_format == "specforge"
     with pytest.raises(ValueError, match="SpecForge drafters for Gemma targets"):
         md.DSparkDraftModel(config).bind_target(Gemma3ForCausalLM(gemma).eval())
+    # exporting it needs the target bound (the written file no longer says it came from SpecForge)
+    with pytest.raises(ValueError, match="SpecForge conversion"):
+        formats.check_exportable(md.DSparkDraftModel(config), "speculators")
+    with pytest.raises(ValueError, match="source_format"):
+        md.DSparkConfig(source_format="SpecForge")
 
 
 @pytest.mark.parametrize("key", ["sts_temperatures", "sts_biases"])
