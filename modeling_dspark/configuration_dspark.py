@@ -23,9 +23,17 @@ _UNSUPPORTED_REASONS = {
 }
 
 
-def check_target_family(model_type: str) -> None:
-    """Raise `ValueError` naming ``model_type`` and the reason when dspark cannot draft for that target family."""
+def check_target_family(model_type: str, source_format: str | None = None) -> None:
+    """Raise `ValueError` naming ``model_type`` and the reason when dspark cannot draft for that target family, or
+    a drafter converted from ``source_format`` cannot (a SpecForge drafter for a Gemma target: SpecForge embeds the
+    block through the target's √H-scaled embedding layer and never soft-caps the draft logits)."""
     if model_type in SUPPORTED_TARGET_FAMILIES:
+        if source_format == "specforge" and model_type in GEMMA_FAMILIES:
+            raise ValueError(
+                f"SpecForge drafters for Gemma targets ({model_type!r}) are not supported: SpecForge embeds the block "
+                "through the target's scaled embedding layer and never soft-caps the draft logits, which dspark does "
+                "not reproduce for Gemma"
+            )
         return
     reason = _UNSUPPORTED_REASONS.get(
         model_type, "its hidden states, embeddings and assisted decoding are not tested with dspark"
@@ -242,7 +250,7 @@ class DSparkConfig(PretrainedConfig):
             raise ValueError(f"sequential_head={self.sequential_head!r} is not one of {SEQUENTIAL_HEADS}")
         if self.draft_layer_style not in DRAFT_LAYER_STYLES:
             raise ValueError(f"draft_layer_style={self.draft_layer_style!r} is not one of {DRAFT_LAYER_STYLES}")
-        check_target_family(self.target_model_type)
+        check_target_family(self.target_model_type, self.source_format)
         if self.block_size < 1:
             raise ValueError(f"block_size (γ) must be >= 1, got {self.block_size}")
         if self.num_draft_layers < 1:

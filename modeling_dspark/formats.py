@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from .configuration_dspark import DEFAULT_MARKOV_RANK, GEMMA_FAMILIES, DSparkConfig
+from .configuration_dspark import DEFAULT_MARKOV_RANK, DSparkConfig
 
 FORMATS = ("dspark", "deepspec", "dflash", "specforge", "speculators")
 EXPORT_FORMATS = ("deepspec", "speculators", "dflash")
@@ -240,13 +240,6 @@ def _rename_in(state: dict, where: str) -> dict:
     return out
 
 
-def specforge_gemma_problem(model_type: str) -> str:
-    """Why a SpecForge drafter cannot draft for a Gemma target (checked at conversion and at `bind_target`)."""
-    return (f"SpecForge drafters for Gemma targets ({model_type!r}) are not supported: SpecForge embeds the block "
-            "through the target's scaled embedding layer and never soft-caps the draft logits, which dspark does "
-            "not reproduce for Gemma")
-
-
 def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -> tuple[DSparkConfig, dict]:
     """Convert a ``fmt`` checkpoint (its ``config.json`` dict and state dict) to DSpark's config and state dict.
 
@@ -297,9 +290,6 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
         n_layers = fields["num_draft_layers"]
         layer_ids = dc.get("target_layer_ids") or _dflash_layer_ids(int(config["num_target_layers"]), n_layers)
         if fmt == "specforge":
-            tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-            if getattr(tc, "model_type", None) in GEMMA_FAMILIES:
-                raise ValueError(f"{where}: {specforge_gemma_problem(tc.model_type)}")
             confidence = dc.get("enable_confidence_head",
                                 dc.get("use_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
             heads = _heads(dc.get("markov_rank", 0), dc.get("markov_head_type", "vanilla"), confidence,

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import ModelOutput
 
 from .common import block_positions, softcap
-from .configuration_dspark import GEMMA_FAMILIES, SPECIAL_TOKEN_FIELDS, DSparkConfig, check_target_family
+from .configuration_dspark import SPECIAL_TOKEN_FIELDS, DSparkConfig, check_target_family
 from .heads import ConfidenceHead, GatedMarkovHead, MarkovHead, RNNHead
 
 
@@ -234,11 +234,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """
         tc = target.config.get_text_config()
         c = self.config
-        check_target_family(tc.model_type)
-        if c.source_format == "specforge" and tc.model_type in GEMMA_FAMILIES:
-            from .formats import specforge_gemma_problem
-
-            raise ValueError(specforge_gemma_problem(tc.model_type))
+        check_target_family(tc.model_type, c.source_format)
         checks = [
             ("hidden size", c.hidden_size, tc.hidden_size),
             ("vocab size", c.vocab_size, tc.vocab_size),
