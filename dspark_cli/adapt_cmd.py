@@ -30,6 +30,7 @@ from .common import (
     add_threads_option,
     require_out_dir,
     resolve_dtype,
+    resolve_resume,
     set_threads,
 )
 
@@ -133,14 +134,12 @@ def split_eval(data, n: int, seed: int, eval_data=None):
 def run(args) -> int:
     require_out_dir(args, "dspark adapt")
     import json
-    import os
     import time
     from pathlib import Path
 
     import torch
     import transformers
     from transformers import TrainingArguments
-    from transformers.trainer_utils import get_last_checkpoint
 
     from modeling_dspark import DSparkDraftModel
     from training.data import load_data
@@ -204,13 +203,7 @@ def run(args) -> int:
         remove_unused_columns=False, use_cpu=use_cpu, max_grad_norm=1.0,
     )
     trainer = DSparkTrainer(model=model, target=target, args=targs, train_dataset=train_rows, data_collator=collator)
-    resume = None
-    if args.resume == "latest":
-        resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-        if resume is None:
-            print(f"no checkpoint in {args.output_dir}: starting from scratch")
-    elif args.resume:
-        resume = args.resume
+    resume = resolve_resume(args.resume, args.output_dir)
     t0 = time.time()
     result = trainer.train(resume_from_checkpoint=resume)
     wall = time.time() - t0

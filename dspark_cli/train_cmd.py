@@ -24,6 +24,7 @@ from .common import (
     add_threads_option,
     require_out_dir,
     resolve_dtype,
+    resolve_resume,
     set_threads,
 )
 
@@ -168,13 +169,11 @@ def run(args) -> int:
 
 def _run(args) -> int:
     require_out_dir(args, "dspark train")
-    import os
     import time
 
     import torch
     import transformers
     from transformers import TrainingArguments
-    from transformers.trainer_utils import get_last_checkpoint
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
     from modeling_dspark.target import DEFAULT_TARGET, load_target
@@ -199,13 +198,7 @@ def _run(args) -> int:
     )
     if not cfg.target_name_or_path or args.target is None:
         cfg.target_name_or_path = str(args.target or DEFAULT_TARGET)
-    resume = None
-    if args.resume == "latest":
-        resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-        if resume is None:
-            print(f"no checkpoint in {args.output_dir}: starting from scratch")
-    elif args.resume:
-        resume = args.resume
+    resume = resolve_resume(args.resume, args.output_dir)
     if resume is not None:
         _check_resume_config(resume, cfg)
     drafter = DSparkDraftModel(cfg)
