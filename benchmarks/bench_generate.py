@@ -296,6 +296,17 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def result_header(benchmark: str, argv: list[str] | None, threads: int) -> dict:
+    """The keys every benchmark JSON starts with: its name, the UTC date, the command line (``argv``, else
+    ``sys.argv``) and :func:`machine_info`."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "machine": machine_info(threads),
+    }
+
+
 def write_result(result: dict, table: str, out: str | os.PathLike) -> Path:
     """Record the load average at the end, store ``table`` as ``result["markdown"]``, write ``result`` as JSON to
     ``out`` (parents created) and print the table; returns the path."""
@@ -336,10 +347,7 @@ def main(argv=None) -> int:
     from modeling_dspark.target import DEFAULT_TARGET, default_target_path
 
     result = {
-        "benchmark": "generate",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        "machine": machine_info(threads),
+        **result_header("generate", argv, threads),
         "target": args.target or DEFAULT_TARGET,
         "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup_calls_per_path": 1,
                      "block_size": args.block_size, "dtypes": dtypes, "policy": args.policy,

@@ -20,7 +20,6 @@ Writes JSON to ``--out`` (default ``benchmarks/results/proposers.json``) and pri
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import os
 import sys
@@ -235,7 +234,7 @@ def main(argv=None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.bench_generate import machine_info, usable_cores, write_result
+    from benchmarks.bench_generate import result_header, usable_cores, write_result
     from generation import dspark_options
     from modeling_dspark.target import DEFAULT_TARGET
 
@@ -251,10 +250,7 @@ def main(argv=None) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     prompts = load_domain_prompts(args.per_domain, args.offset)
     result = {
-        "benchmark": "proposers",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        "machine": machine_info(threads),
+        **result_header("proposers", argv, threads),
         "bandwidth_limit": measure_bandwidth(threads),
         "target": args.target or DEFAULT_TARGET,
         "drafter": args.drafter,

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import statistics
@@ -467,7 +466,7 @@ def main(argv=None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.bench_generate import machine_info, usable_cores, write_result
+    from benchmarks.bench_generate import result_header, usable_cores, write_result
     from benchmarks.bench_proposers import DOMAINS, load_domain_prompts
     from dspark_cli.generate_cmd import load_models
     from generation.profiling import DEFAULT_CONTEXTS, ensure_profile
@@ -553,10 +552,7 @@ def main(argv=None) -> int:
     measured = {dom: sum(r["seconds_plain"] for r in records if r["domain"] == dom)
                 / sum(r["seconds_assisted"] for r in records if r["domain"] == dom) for dom in domains}
     result = {
-        "benchmark": "tree-estimate",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        "machine": machine_info(threads),
+        **result_header("tree-estimate", argv, threads),
         "target": args.target or DEFAULT_TARGET,
         "drafter": args.drafter,
         "settings": {"per_domain": args.per_domain, "offset": args.offset, "max_new_tokens": args.max_new_tokens,
