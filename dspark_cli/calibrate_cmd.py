@@ -56,6 +56,7 @@ from .common import (
     add_progress_option,
     add_threads_option,
     read_prompts_jsonl,
+    reports_cli_errors,
     resolve_device,
     resolve_dtype,
     set_threads,
@@ -449,14 +450,6 @@ def write_temperatures(drafter_path: str | os.PathLike, temperatures: Sequence[f
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-def run(args) -> int:
-    try:
-        return _run(args)
-    except CLIError as err:
-        print(f"dspark calibrate: error: {err}", file=sys.stderr)
-        return 2
-
-
 def load_pairs(files: Sequence[str | os.PathLike]) -> dict:
     """Concatenate the pairs of several ``pairs.npz`` files (earlier ``dspark calibrate`` runs).
 
@@ -543,7 +536,8 @@ def _check_args(args) -> None:
             raise CLIError(f"--pairs file not found: {f!r}")
 
 
-def _run(args) -> int:
+@reports_cli_errors("dspark calibrate")
+def run(args) -> int:
     _check_args(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import numpy as np

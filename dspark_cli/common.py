@@ -7,6 +7,7 @@ Every subcommand spells the same thing the same way: ``--dtype auto|float32|bflo
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -19,7 +20,25 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 class CLIError(Exception):
-    """A usage or input error: printed on stderr, exit code 2."""
+    """A usage or input error: printed on stderr, exit code 2 (:func:`reports_cli_errors`)."""
+
+
+def reports_cli_errors(prog: str):
+    """Decorator for a subcommand's ``run(args)``: a :class:`CLIError` raised inside is printed on stderr as
+    ``PROG: error: MESSAGE`` and the command returns exit code 2; any other exception propagates."""
+
+    def decorate(run):
+        @functools.wraps(run)
+        def checked(args) -> int:
+            try:
+                return run(args)
+            except CLIError as err:
+                print(f"{prog}: error: {err}", file=sys.stderr)
+                return 2
+
+        return checked
+
+    return decorate
 
 
 # ---------------------------------------------------------------------------------------------- shared options

@@ -46,6 +46,7 @@ from .common import (  # noqa: F401
     add_progress_option,
     add_threads_option,
     load_drafter,
+    reports_cli_errors,
     resolve_device,
     resolve_dtype,
     set_threads,
@@ -436,14 +437,6 @@ def plot(report: dict, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-def run(args) -> int:
-    try:
-        return _run(args)
-    except CLIError as err:
-        print(f"dspark eval: error: {err}", file=sys.stderr)
-        return 2
-
-
 def _load(args, drafter_spec: str, dtype, device):
     from modeling_dspark.target import load_target
 
@@ -454,7 +447,8 @@ def _load(args, drafter_spec: str, dtype, device):
     return target, tok, load_drafter(drafter_spec, target, dtype)
 
 
-def _run(args) -> int:
+@reports_cli_errors("dspark eval")
+def run(args) -> int:
     sets, modes = _check_args(args)
     drafter_spec = _resolve_drafter(args.drafter, args.target is not None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

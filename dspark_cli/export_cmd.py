@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .common import CLIError
+from .common import CLIError, reports_cli_errors
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,12 +78,9 @@ def _export(args) -> Path:
         raise CLIError(str(err)) from None
 
 
+@reports_cli_errors("dspark export")
 def run(args) -> int:
-    try:
-        out = _export(args)
-    except CLIError as err:
-        print(f"dspark export: error: {err}", file=sys.stderr)
-        return 2
+    out = _export(args)
     print(f"wrote {args.format} drafter to {out}")
     return 0
 

@@ -34,6 +34,7 @@ from .common import (
     add_threads_option,
     load_drafter,
     read_prompts_jsonl,
+    reports_cli_errors,
     resolve_device,
     resolve_dtype,
     set_threads,
@@ -251,15 +252,8 @@ def _stats_line(rec: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
+@reports_cli_errors("dspark generate")
 def run(args) -> int:
-    try:
-        return _run(args)
-    except CLIError as err:
-        print(f"dspark generate: error: {err}", file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
     _check_args(args)
     prompts = _read_prompts(args)
     drafter_spec = _resolve_drafter(args)

@@ -22,6 +22,7 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    reports_cli_errors,
     require_out_dir,
     resolve_dtype,
     resolve_resume,
@@ -159,15 +160,8 @@ def load_training_data(paths):
     return prepare_dataset(concatenate_datasets([d.select_columns(keep) for d in parts]))
 
 
+@reports_cli_errors("dspark train")
 def run(args) -> int:
-    try:
-        return _run(args)
-    except CLIError as err:
-        print(f"dspark train: error: {err}", file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
     require_out_dir(args, "dspark train")
     import time
 
