@@ -20,7 +20,9 @@ Per held-out prompt (math: GSM8K, code: HumanEval, chat: MT-Bench / AlpacaEval f
 Each strategy is then simulated as its own walk along the reference: from position t a round verifies B tokens,
 commits 1 + (accepted length, the longest common prefix of its chain with the reference at t) and costs
 1/SPS(B) + t_draft when the drafter ran (greedy commits the reference whatever the chain, so acceptance depends on
-the strategy only through the position). Strategies: plain; lookup only (the whole proposal); drafter only (full
+the strategy only through the position). Strategies: plain; lookup only (the whole proposal); transformers' prompt
+lookup (``prompt_lookup_num_tokens=10``, n-grams of length ≤ 2, the whole proposal every round; the most recent match
+is copied where transformers copies the earliest); drafter only (full
 block, and the scheduler's prefix); the chooser (the library's rule, drafter forced as recorded, and the library's
 rule that may skip the drafter); the recorded run itself; an oracle chooser (per round the best of: anchor only,
 the lookup proposal or the chooser's prefix of it, the scheduler's draft prefix, knowing what is accepted); and the
@@ -62,6 +64,7 @@ sys.path.insert(0, str(REPO_ROOT))
 STRATEGIES = {
     "plain": "plain decoding (B = 1)",
     "lookup": "lookup only (whole proposal)",
+    "prompt_lookup": "prompt lookup as transformers' defaults (K = 10, n ≤ 2)",
     "draft_full": "drafter only (full block)",
     "draft_prefix": "drafter only (scheduler's prefix)",
     "recorded": "chooser, recorded run (drafter forced)",
@@ -72,7 +75,9 @@ STRATEGIES = {
     "tree_cut": "tree: chooser's prefixes of both",
     "tree_priced": "tree of the prefixes when it prices higher, else chooser",
 }
-SINGLE_CHAIN = ("lookup", "draft_full", "draft_prefix", "chooser", "chooser_skip")
+PROMPT_LOOKUP = (10, 2)
+"""transformers' prompt lookup defaults as the issue measured it: (prompt_lookup_num_tokens, max_matching_ngram_size)."""
+SINGLE_CHAIN = ("lookup", "prompt_lookup", "draft_full", "draft_prefix", "chooser", "chooser_skip")
 """Realizable one-chain strategies (the recorded run is `chooser` priced for this machine's curve)."""
 TREES = ("tree_full", "tree_cut", "tree_priced")
 XEON_DRAFT_RATIO = 5.8 / 37.4
@@ -272,7 +277,7 @@ def simulate(strategy: str, d: dict, sps, t_draft: dict, gamma: int) -> dict:
     ``t_draft``: the drafter's time per round in seconds, ``{"prefix": …, "full": …}`` (the scheduler's
     early-stopped block, and all γ slots).
     """
-    from generation.lookup import LookupChain
+    from generation.lookup import LookupChain, NGramLookup
     from generation.policies import parse_policy, verify_lengths
     from generation.scheduler import best_prefix, effective_sps, survival_row
 
@@ -281,20 +286,24 @@ def simulate(strategy: str, d: dict, sps, t_draft: dict, gamma: int) -> dict:
     td = t_draft["full"] if strategy in ("draft_full", "tree_full") else t_draft["prefix"]
     eff = effective_sps(sps, t_draft["prefix"])
     seq, p, ref, n = d["prompt"] + d["ref"], len(d["prompt"]), d["ref"], len(d["ref"])
+    pld = NGramLookup(max_ngram=PROMPT_LOOKUP[1], num_tokens=PROMPT_LOOKUP[0])
     t, seconds, rounds, batch, picks = 1, 0.0, 0, 0, Counter()
     while t < n:
         room = d["max_new"] - t - 1
         lt, dt, dc = d["lookup"][t], d["draft"][t], d["confidences"][t]
+        if strategy == "prompt_lookup":
+            pld.update(seq[: p + t])
+            lt = pld.propose(room).tokens if room > 0 else []
         al, ad = lcp(lt, ref[t:]), lcp(dt, ref[t:])
         budget = len(dt)
         ell_d = verify_lengths(sched, [dc], [budget], eff)[0] if budget else 0
         runs = budget > 0 and any(verify_lengths(sched, [[1.0] * budget], [budget], eff))
         if room > 0:
             prop = chain.propose(seq[: p + t], min(room, gamma))
-            if prop.tokens != lt:
+            if prop.tokens != lt and strategy != "prompt_lookup":
                 raise RuntimeError(f"lookup proposal at t={t} differs from the offline one")
         accepted, b, drafted, source, verified_draft = 0, 1, False, "none", []
-        if strategy == "lookup" and lt:
+        if strategy in ("lookup", "prompt_lookup") and lt:
             accepted, b, source = al, 1 + len(lt), "lookup"
         elif strategy == "draft_full" and budget:
             accepted, b, drafted, source, verified_draft = ad, 1 + budget, True, "draft", dt
@@ -405,6 +414,10 @@ def summarise(walks: list[dict], domains: list[str]) -> dict:
     out["trees_vs_best_single_chain"] = {s: out["macro"][s]["vs_plain"] / out["macro"][best]["vs_plain"]
                                          for s in TREES}
     out["trees_vs_oracle"] = {s: out["macro"][s]["vs_plain"] / out["macro"]["oracle"]["vs_plain"] for s in TREES}
+    out["chooser_vs_prompt_lookup"] = {dom: out["domains"][dom]["chooser_skip"]["vs_plain"]
+                                       / out["domains"][dom]["prompt_lookup"]["vs_plain"] for dom in domains}
+    out["chooser_vs_prompt_lookup"]["macro"] = out["macro"]["chooser_skip"]["vs_plain"] \
+        / out["macro"]["prompt_lookup"]["vs_plain"]
     return out
 
 
@@ -436,7 +449,9 @@ def markdown(result: dict) -> str:
                      f"({s['macro'][s['best_single_chain']]['vs_plain']:.2f}×); trees vs it: " + ", ".join(
                          f"{k} {v:.2f}×" for k, v in s["trees_vs_best_single_chain"].items())
                      + "; vs the oracle chooser: " + ", ".join(
-                         f"{k} {v:.2f}×" for k, v in s["trees_vs_oracle"].items()) + ".")
+                         f"{k} {v:.2f}×" for k, v in s["trees_vs_oracle"].items())
+                     + "; the chooser (may skip) over prompt lookup: " + ", ".join(
+                         f"{k} {v:.2f}×" for k, v in s["chooser_vs_prompt_lookup"].items()) + ".")
     meas = result["measured_here"]
     est = result["curves"]["epyc_fp32"]["summary"]
     load = (m.get("load_average_at_start") or [float("nan")])[0]
