@@ -2,7 +2,8 @@
 
 Serves the held-out prompts of `dspark bench serve` (its loading, prompt pool and serving loop,
 :mod:`dspark_cli.bench_cmd`) with three engines, one each for the whole run (steady state): ``none`` (no
-speculation), ``scheduler`` with the draft gate, ``scheduler`` without it. Repetitions are paired and interleaved:
+speculation), ``scheduler`` with the draft gate, ``scheduler`` without it, all three without the lookup proposer
+(the gate prices the drafter alone). Repetitions are paired and interleaved:
 within a repetition, at each R the three engines serve the same requests back to back, in an order rotated every
 repetition, so the machine's drift hits all alike. Reports per R the median throughput of each, the per-repetition
 ratios gate / no gate and each / none, in how many repetitions the first was faster, and the one-sided sign test's
@@ -76,9 +77,9 @@ def main(argv=None) -> int:
     sps = profiling.ensure_profile(target, contexts=[context], requests=levels, tokens=tokens,
                                    progress=lambda s: print("  " + s, file=sys.stderr))
     engines = {
-        "none": DSparkEngine(target, None, "none"),
-        "scheduler+gate": DSparkEngine(target, drafter, "scheduler", sps=sps, draft_gate=True),
-        "scheduler": DSparkEngine(target, drafter, "scheduler", sps=sps, draft_gate=False),
+        "none": DSparkEngine(target, None, "none", lookup=False),
+        "scheduler+gate": DSparkEngine(target, drafter, "scheduler", sps=sps, draft_gate=True, lookup=False),
+        "scheduler": DSparkEngine(target, drafter, "scheduler", sps=sps, draft_gate=False, lookup=False),
     }
     reps: dict[tuple[int, str], list[dict]] = {}
     for rep in range(-args.warmup_repeats, args.repeats):

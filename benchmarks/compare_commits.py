@@ -10,7 +10,8 @@ Benchmarks:
 
 - ``generate``: ``benchmarks/bench_generate.py`` (plain and DSpark ``generate()`` in the same process); metrics per
   dtype: DSpark tokens/s, plain tokens/s, and their ratio (the speed-up measured inside one process).
-- ``serve``: ``python -m dspark_cli bench serve``; metrics per (R, policy): median total tokens/s.
+- ``serve``: ``python -m dspark_cli bench serve``; metrics per (R, policy): median total tokens/s, and each policy's
+  tokens/s over ``none`` (plain decoding) in the same process where ``none`` is among the policies.
 
 Arguments after ``--`` go to the benchmark unchanged, so both checkouts must accept them. Make a checkout of an old
 commit with ``git worktree add ../dspark-old COMMIT``; both use the Python running this script, and the SPS(B)
@@ -84,7 +85,12 @@ def metrics(bench: str, result: dict) -> dict[str, float]:
             found[f"{d} dspark / plain"] = r["speedup"]
             found[f"{d} tau"] = r["tau"]
         return found
-    return {f"R={r['R']} {r['policy']} tok/s": r["throughput_tok_s"] for r in result["results"]}
+    found = {f"R={r['R']} {r['policy']} tok/s": r["throughput_tok_s"] for r in result["results"]}
+    for r in result["results"]:  # each policy over plain decoding in the same process, where `none` ran
+        plain = found.get(f"R={r['R']} none tok/s")
+        if plain and r["policy"] != "none":
+            found[f"R={r['R']} {r['policy']} / none"] = r["throughput_tok_s"] / plain
+    return found
 
 
 def paired(a: list[float], b: list[float]) -> dict:
@@ -100,6 +106,20 @@ def paired(a: list[float], b: list[float]) -> dict:
             "after_faster": faster, "n": len(ratios), "sign_p_two_sided": p}
 
 
+def compare(bench: str, runs: dict[str, list[dict]]) -> tuple[dict, str]:
+    """Per metric found in every run of both sides: :func:`paired` over the repetitions; and a markdown table."""
+    before = [metrics(bench, r) for r in runs["before"]]
+    after = [metrics(bench, r) for r in runs["after"]]
+    names = [k for k in before[0] if all(k in m for m in before + after)]
+    table = {k: paired([m[k] for m in before], [m[k] for m in after]) for k in names}
+    lines = ["| metric | before (median) | after (median) | after / before | after faster in | sign p |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for k, t in table.items():
+        lines.append(f"| {k} | {t['before_median']:.3g} | {t['after_median']:.3g} | {t['ratio_of_medians']:.3f}× | "
+                     f"{t['after_faster']}/{t['n']} | {t['sign_p_two_sided']:.2g} |")
+    return table, "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     sides = {"before": args.before, "after": args.after}
@@ -111,20 +131,12 @@ def main(argv=None) -> int:
             extra = shlex.split(args.after_args) if side == "after" else []
             runs[side].append(run_once(sides[side], args.bench, args.bench_args + extra))
             print(f"repetition {rep + 1}/{args.repeats} {side}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    before = [metrics(args.bench, r) for r in runs["before"]]
-    after = [metrics(args.bench, r) for r in runs["after"]]
-    names = [k for k in before[0] if all(k in m for m in before + after)]
-    table = {k: paired([m[k] for m in before], [m[k] for m in after]) for k in names}
-    lines = ["| metric | before (median) | after (median) | after / before | after faster in | sign p |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for k, t in table.items():
-        lines.append(f"| {k} | {t['before_median']:.3g} | {t['after_median']:.3g} | {t['ratio_of_medians']:.3f}× | "
-                     f"{t['after_faster']}/{t['n']} | {t['sign_p_two_sided']:.2g} |")
+    table, markdown = compare(args.bench, runs)
     report = {"command": "python benchmarks/compare_commits.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "before": str(args.before), "after": str(args.after),
               "commits": {s: _commit(p) for s, p in sides.items()}, "bench": args.bench,
               "bench_args": args.bench_args, "after_args": args.after_args, "repeats": args.repeats, "metrics": table,
-              "runs": runs, "markdown": "\n".join(lines)}
+              "runs": runs, "markdown": markdown}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(report["markdown"])
@@ -132,7 +144,9 @@ def main(argv=None) -> int:
 
 
 def _commit(root: Path) -> str | None:
-    proc = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    """The checkout's commit, with ``-dirty`` where its tracked files differ from it."""
+    proc = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
+                          capture_output=True, text=True)
     return proc.stdout.strip() or None
 
 

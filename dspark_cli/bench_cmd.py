@@ -11,7 +11,8 @@ the queue is empty and fewer than R requests run; a closed batch ends in a drain
 finish at different times, so the last rounds run below R) and per-user speed (mean over requests of tokens /
 seconds from admission to finish). Policies: no speculation; static verify length 1 (the MTP-1 analogue); static
 full block; DeepSpec-style confidence threshold; the DSpark scheduler (Algorithm 1 over all running requests); the
-two-round-lag budget variant. The scheduler's SPS(B) table
+two-round-lag budget variant. Every policy but no speculation (plain decoding) runs the n-gram lookup proposer
+beside the drafter, as the engine does by default (``--no-lookup``: without it). The scheduler's SPS(B) table
 is profiled on first use for this target / dtype / thread count and cached (see ``dspark profile``).
 
 Steady state: each policy has ONE engine for the whole benchmark (its ``max_batch_size`` set to R per cell), as a
@@ -54,6 +55,7 @@ from .common import (
     add_progress_option,
     add_threads_option,
     load_drafter,
+    reports_cli_errors,
     resolve_device,
     resolve_dtype,
     set_threads,
@@ -134,6 +136,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--no-draft-gate", action="store_true",
                    help="scheduler / lagged engines without the cost model's draft gate, for an ablation (default: "
                         "gate on)")
+    s.add_argument("--no-lookup", action="store_true",
+                   help="engines without the n-gram lookup proposer beside the drafter (default: on in every policy "
+                        "but none, which stays plain decoding)")
     s.add_argument("--draft-cost", default="auto", metavar="auto|none|MS",
                    help="the drafting time scheduler / lagged price: measured (auto), not priced (none, as the "
                         "paper's Algorithm 1) or a fixed number of milliseconds (default: auto)")
@@ -203,12 +208,15 @@ def _draft_cost_ms(text: str):
     return ms
 
 
-def _engine(target, drafter, policy, block_size, sps, draft_gate: bool = True, draft_cost_ms="auto"):
-    """One serving engine per policy, kept for the whole benchmark (steady state, see the module doc)."""
+def _engine(target, drafter, policy, block_size, sps, draft_gate: bool = True, draft_cost_ms="auto",
+            lookup: bool = True):
+    """One serving engine per policy, kept for the whole benchmark (steady state, see the module doc); ``none`` is
+    plain decoding (no drafter, no lookup)."""
     from generation.engine import DSparkEngine
 
-    return DSparkEngine(target, drafter if policy != "none" else None, policy, block_size=block_size, sps=sps,
-                        draft_gate=draft_gate, draft_cost_ms=draft_cost_ms)
+    plain = policy == "none"
+    return DSparkEngine(target, None if plain else drafter, policy, block_size=block_size, sps=sps,
+                        draft_gate=draft_gate, draft_cost_ms=draft_cost_ms, lookup=lookup and not plain)
 
 
 def _committed(engine) -> int:
@@ -254,6 +262,7 @@ def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
         "skipped_draft_rounds": summ["skipped_draft_rounds"],
         "gated_request_rounds": summ["gated_request_rounds"],
         "probe_rounds": summ["probe_rounds"],
+        "lookup_request_rounds": summ["lookup_request_rounds"],
     }, [o.output_ids for o in outs]
 
 
@@ -406,14 +415,11 @@ def run(args) -> int:
     if getattr(args, "bench_command", None) != "serve":
         print("dspark bench: error: choose a benchmark: `dspark bench serve`", file=sys.stderr)
         return 2
-    try:
-        return _run(args)
-    except CLIError as err:
-        print(f"dspark bench serve: error: {err}", file=sys.stderr)
-        return 2
+    return _serve_command(args)
 
 
-def _run(args) -> int:
+@reports_cli_errors("dspark bench serve")
+def _serve_command(args) -> int:
     from generation.policies import parse_policy
 
     if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
@@ -456,8 +462,8 @@ def _run(args) -> int:
             progress=lambda s: log("  " + s, file=sys.stderr),
         )
 
-    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_draft_gate, draft_cost)
-               for pol in args.policies}
+    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_draft_gate, draft_cost,
+                            not args.no_lookup) for pol in args.policies}
     # interleaved: repetition by repetition; within one, each R's policies back to back in a rotated order; the
     # first --warmup-repeats repetitions are not timed (new shapes' first forwards, the gate's learned state)
     reps: dict[tuple[int, str], list[dict]] = {}
@@ -498,7 +504,7 @@ def _run(args) -> int:
             "engines": "one per policy for the whole run (steady state)",
             "order": "interleaved: repeat > R > policies (rotated per repeat)",
             "requests": levels, "policies": args.policies, "sps_context": context,
-            "draft_gate": not args.no_draft_gate, "draft_cost": args.draft_cost,
+            "draft_gate": not args.no_draft_gate, "draft_cost": args.draft_cost, "lookup": not args.no_lookup,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "processor": profiling.device_model(target.device),
         },

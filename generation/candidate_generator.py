@@ -40,7 +40,7 @@ from modeling_dspark.target import context_features, hidden_state_indices
 
 from .cost_model import CostModel
 from .drafting import DraftContext, Sampler, draft_round
-from .lookup import LookupChain
+from .lookup import LookupChain, MeasuredPrices
 from .packed_target import RequestKV
 from .policies import LaggedBudget, Policy, parse_policy
 from .stats import GenerationStats, RoundStats, register
@@ -151,9 +151,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats()
         register(self.stats)
         self._round: tuple[float, RoundStats, int] | None = None  # (end of drafting, its record, ingested)
-        self.lookup = LookupChain(num_positions=max(16, gamma)) if lookup else None
-        self._verify_s: float | None = None  # moving averages pricing the lookup without a cost model (seconds)
-        self._draft_s: float | None = None
+        self.lookup = LookupChain(num_tokens=gamma, num_positions=max(16, gamma)) if lookup else None
+        self.measured = MeasuredPrices()  # prices the lookup chooser without a cost model
 
     def _take_features(self, input_ids: torch.LongTensor, model_outputs) -> None:
         """Queue the target features of the newly committed positions [num_context, L − 1) for the drafter."""
@@ -165,12 +164,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def _prices(self, length: int):
         """SPS(B) of the verify alone and the drafter's time t_draft (s) for the lookup chooser: the cost model's
-        where the policy is priced, else a flat SPS at the measured mean verify time (B tokens cost one forward, as
-        on memory-bound hardware) and the measured mean drafting time."""
+        where the policy is priced, else :class:`~generation.lookup.MeasuredPrices`."""
         if self.cost is not None:
             return self.cost.curve(1, length), self.cost.draft_seconds(1)
-        verify = self._verify_s or 1.0
-        return (lambda batch_tokens: 1.0 / verify), (self._draft_s or 0.0)
+        return self.measured.sps(), self.measured.draft_seconds()
 
     def _stop_cut(self, input_ids: torch.LongTensor, tokens: list[int]) -> int:
         """How many leading draft tokens can be accepted without completing a stop string (module doc)."""
@@ -212,7 +209,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             if self.cost is not None:
                 budgets, reason = self.cost.plan(budgets, [self.skipped], length)
         verify_sps, draft_s = self._prices(length) if proposal is not None else (None, 0.0)
-        if budgets[0] > 0 and proposal is not None and proposal.tokens:
+        if budgets[0] > 0 and proposal is not None and proposal.tokens and reason != "probe":  # a probe drafts
             if self.lookup.before_drafting(budgets[0], verify_sps, draft_s).source == "lookup":
                 budgets = [0]  # the lookup beats drafting: no drafter forward this round (the gate's reason kept)
         if budgets[0] == 0:  # no drafter forward: the lookup's prefix or one plain step; features wait
@@ -275,14 +272,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         record.accepted = int(num_matches)
         record.committed = int(num_matches) + 1
         record.t_verify_ms = (time.perf_counter() - t1) * 1e3
-        self._verify_s = _average(self._verify_s, record.t_verify_ms / 1e3)
+        self.measured.observe_verify(record.t_verify_ms / 1e3)
         if 0 < ingested <= self.block_size + 1:  # a steady drafting round (no catch-up)
-            self._draft_s = _average(self._draft_s, record.t_draft_ms / 1e3)
+            self.measured.observe_draft(record.t_draft_ms / 1e3)
         if self.cost is not None and ingested > 0 and record.source != "lookup":  # the drafter's chain was verified
             self.cost.observe(1, [(record.accepted, record.verified)], record.t_draft_ms / 1e3, [ingested],
                               self.block_size)
 
-
-def _average(mean: float | None, value: float, weight: float = 0.3) -> float:
-    """Exponential moving average (the first value starts it)."""
-    return value if mean is None else (1.0 - weight) * mean + weight * value

@@ -4,14 +4,22 @@ transformers' assisted decoding is batch size 1. This engine serves R concurrent
 One round (:meth:`DSparkEngine._round`) reads top to bottom:
 
 1. **decide**: each request's budget (block size, length left); with ``scheduler`` / ``lagged`` the cost model's
-   draft gate may skip drafting some requests (:class:`~generation.cost_model.CostModel`);
+   draft gate may skip drafting some requests (:class:`~generation.cost_model.CostModel`); with the lookup
+   proposer on, a request whose n-gram lookup continuation is expected to beat drafting skips drafting too;
 2. **draft**: one drafting round for all requests (:func:`generation.drafting.draft_round`), which also chooses
    the verify lengths ℓ_r by the policy (Algorithm 1 over all R requests for ``scheduler``; docs/method.md §4);
+   then each request with a lookup proposal verifies whichever chain, draft or lookup prefix, has the larger
+   expected committed tokens per second (:class:`~generation.lookup.LookupChain`, as in `generate()`);
 3. **verify**: ONE packed target forward over B = Σ_r (1 + ℓ_r) tokens
    (:class:`~generation.packed_target.PackedTarget`);
-4. **accept**: per request the longest prefix of drafts equal to the target's argmax, plus the target's own next
+4. **accept**: per request the longest prefix of its chain equal to the target's argmax, plus the target's own next
    token (:func:`accept_greedy`); rejected tokens are cropped from its K/V cache;
-5. **observe**: the cost model folds in the round (drafting time, realized yield).
+5. **observe**: the cost model folds in the round (drafting time, realized yield of the drafts verified), and each
+   request's lookup judges its proposal against the committed tokens.
+
+A request's chain is priced as if the others verified their anchor only: SPS_r(B) = SPS_R(R − 1 + B) of the round's
+curve, and t_draft(n) / n of the n requests drafting (for R = 1 exactly `generate()`'s prices). Any chain is
+lossless under greedy acceptance, so these choices can change speed only.
 
 Waiting requests join at the next :meth:`DSparkEngine.step` (their prompts prefilled in one packed forward) while
 at most ``max_batch_size`` run; requests finish independently (EOS or ``max_new_tokens``).
@@ -35,8 +43,10 @@ from modeling_dspark.target import context_features
 
 from .cost_model import CostModel
 from .drafting import DraftContext, DraftResult, draft_round
+from .lookup import LookupChain, MeasuredPrices
 from .packed_target import PackedTarget, RequestKV
 from .policies import LaggedBudget, Policy, parse_policy
+from .scheduler import shifted_sps
 from .stats import GenerationStats, RoundStats
 
 __all__ = ["DSparkEngine", "EngineRound", "EngineStats", "RequestOutput", "accept_greedy", "generate_batch"]
@@ -97,13 +107,14 @@ class EngineRound:
     Attributes:
         requests: R, requests verified this round.
         batch_tokens: B = Σ_r (1 + ℓ_r), tokens in the verify forward.
-        lengths: ℓ_r per request.
-        drafted: draft tokens sampled per request (≥ ℓ_r).
-        accepted: accepted draft tokens per request.
+        lengths: ℓ_r per request: the tokens of the chain verified (``sources``), beside the anchor.
+        drafted: draft tokens sampled per request (≥ ℓ_r where the draft chain was verified).
+        accepted: accepted chain tokens per request.
         committed: tokens appended per request.
         t_draft_ms, t_verify_ms: decide + draft time, and verify forward + acceptance time (ms).
         gated: per request, True when the draft gate skipped a request that could have drafted.
         gate: the gate's reason (:meth:`generation.cost_model.CostModel.plan`; ``""`` without a gate).
+        sources: per request the chain verified: ``"draft"``, ``"lookup"`` or ``""`` (the anchor only).
     """
 
     requests: int
@@ -116,6 +127,7 @@ class EngineRound:
     t_verify_ms: float
     gated: list[bool] = field(default_factory=list)
     gate: str = ""
+    sources: list[str] = field(default_factory=list)
 
     @property
     def drafted_any(self) -> bool:
@@ -149,6 +161,7 @@ class EngineStats:
             "skipped_draft_rounds": sum(not r.drafted_any for r in self.rounds),
             "gated_request_rounds": sum(sum(r.gated) for r in self.rounds),
             "probe_rounds": sum(r.gate == "probe" for r in self.rounds),
+            "lookup_request_rounds": sum(s == "lookup" for r in self.rounds for s in r.sources),
             "prefill_tokens": self.prefill_tokens,
             "prefill_ms": self.prefill_ms,
             "step_time_s": self.step_time_s,
@@ -164,9 +177,10 @@ class _Request:
     max_new: int
     kv: RequestKV | None
     draft: DraftContext | None = None  # the drafter's context (None without a drafter)
+    lookup: LookupChain | None = None  # the n-gram lookup proposer (None when off)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    skipped: int = 0  # consecutive rounds the draft gate skipped this request
+    skipped: int = 0  # consecutive rounds this request could have drafted but did not (draft gate or lookup)
     stats: GenerationStats = field(default_factory=GenerationStats)
     t_added: float = field(default_factory=time.perf_counter)
     t_admitted: float = 0.0
@@ -217,10 +231,14 @@ class DSparkEngine:
         draft_cost_ms: the drafting time as ``scheduler`` / ``lagged`` price it: ``"auto"`` (measured), a number of
             milliseconds, or None (not priced, as the paper's Algorithm 1) (:class:`~generation.cost_model.CostModel`).
         draft_gate: ``scheduler`` / ``lagged`` only: skip drafting where past rounds say it does not pay.
+        lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
+            proposer (``lookup=False`` and ``policy="none"``: plain decoding). It proposes up to γ' tokens (10
+            without a drafter); without an SPS profile its chain is priced by
+            :class:`~generation.lookup.MeasuredPrices`.
 
     Raises:
         ValueError: a bad policy, a policy that needs a drafter / confidence head without one, block_size out of
-            range, a drafter that does not match the target, a bad draft_cost_ms / draft_gate.
+            range, a drafter that does not match the target, a bad draft_cost_ms / draft_gate / lookup.
     """
 
     def __init__(
@@ -236,8 +254,11 @@ class DSparkEngine:
         lag_default_budget: int | None = None,
         draft_cost_ms: str | float | None = "auto",
         draft_gate: bool = True,
+        lookup: bool = True,
     ):
         self.policy = parse_policy(policy)
+        if not isinstance(lookup, bool):
+            raise ValueError(f"lookup must be True or False; got {lookup!r}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if self.policy.drafts and drafter is None:
@@ -271,6 +292,8 @@ class DSparkEngine:
         else:
             self.eos = frozenset(int(e) for e in eos_token_id)
         self.layer_ids = list(drafter.config.target_layer_ids) if self.drafter is not None else []
+        self.lookup_tokens = (gamma or LookupChain().matcher.num_tokens) if lookup else 0
+        self.measured = MeasuredPrices()  # prices the lookup chooser without a cost model
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._finished: dict[int, RequestOutput] = {}
@@ -310,8 +333,11 @@ class DSparkEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         rid = self._next_id
         self._next_id += 1
-        capacity = len(prompt) + int(max_new_tokens) + self.block_size + 2
-        self._waiting.append(_Request(rid, prompt, int(max_new_tokens), self.packed.new_cache(capacity)))
+        capacity = len(prompt) + int(max_new_tokens) + max(self.block_size, self.lookup_tokens) + 2
+        lookup = LookupChain(num_tokens=self.lookup_tokens, num_positions=max(16, self.lookup_tokens)) \
+            if self.lookup_tokens else None
+        self._waiting.append(_Request(rid, prompt, int(max_new_tokens), self.packed.new_cache(capacity),
+                                      lookup=lookup))
         return rid
 
     @property
@@ -364,37 +390,74 @@ class DSparkEngine:
     def _round(self, reqs: list[_Request]) -> None:
         """One speculative round over the running requests: decide → draft → verify → accept → observe."""
         t0 = time.perf_counter()
+        num = len(reqs)
         context_len = statistics.fmean(r.kv.length for r in reqs)
         budgets = [max(0, min(self.block_size, r.remaining - 1)) for r in reqs]  # decide
         wanted, gate = list(budgets), ""
         if self.cost is not None:
             budgets, gate = self.cost.plan(budgets, [r.skipped for r in reqs], context_len)
+        gated = [w > 0 and b == 0 for w, b in zip(wanted, budgets)] if self.cost is not None else []
+        proposals = [r.lookup.propose(r.prompt + r.output, min(self.lookup_tokens, r.remaining - 1)).tokens
+                     if r.lookup is not None else [] for r in reqs]
+        prices = self._lookup_prices(num, context_len, sum(b > 0 for b in budgets)) if any(proposals) else None
+        for i, r in enumerate(reqs):  # a gate's probe drafts whatever the lookup offers: it keeps the yields current
+            if budgets[i] > 0 and proposals[i] and gate != "probe" \
+                    and r.lookup.before_drafting(budgets[i], *prices).source == "lookup":
+                budgets[i] = 0  # the lookup beats drafting: this request skips the drafter; its features wait
         draft = self._draft(reqs, budgets, context_len)  # draft
+        chains, sources = [], []
+        for i, r in enumerate(reqs):
+            chain, source = draft.tokens[i][: draft.lengths[i]], "draft"
+            if proposals[i]:
+                choice = r.lookup.after_drafting(draft.confidences[i], draft.lengths[i], budgets[i], *prices,
+                                                 greedy=True) if budgets[i] > 0 else r.lookup.without_drafter(prices[0])
+                if choice.source == "lookup":
+                    chain, source = proposals[i][: choice.length], "lookup"
+            if r.lookup is not None:  # the verified drafts train the drafter's predicted survival
+                r.lookup.verifying(source if chain else "none", chain)
+            chains.append(chain)
+            sources.append(source if chain else "")
         t1 = time.perf_counter()
-        segments = [(r.kv, [r.output[-1]] + draft.tokens[i][: draft.lengths[i]]) for i, r in enumerate(reqs)]
+        segments = [(r.kv, [r.output[-1]] + chains[i]) for i, r in enumerate(reqs)]
         starts = [r.kv.length for r in reqs]
         logits, hidden = self.packed.forward(segments, output_hidden_states=self.drafter is not None)  # verify
         predicted = logits.argmax(dim=-1).tolist()
         feats = context_features(hidden, self.layer_ids, 0, None) if self.drafter is not None else None  # [1, B, m·H]
         accepted, committed, off = [], [], 0
         for i, r in enumerate(reqs):  # accept
-            ell = draft.lengths[i]
-            n = accept_greedy(draft.tokens[i][:ell], predicted[off : off + ell + 1])
-            committed.append(r.commit(draft.tokens[i][:n] + [predicted[off + n]], self.eos))
-            r.kv.crop(starts[i] + 1 + n)  # anchor + accepted drafts are now context; the rest is dropped
+            ell = len(chains[i])
+            n = accept_greedy(chains[i], predicted[off : off + ell + 1])
+            committed.append(r.commit(chains[i][:n] + [predicted[off + n]], self.eos))
+            r.kv.crop(starts[i] + 1 + n)  # anchor + accepted tokens are now context; the rest is dropped
             if r.draft is not None and r.finish_reason is None:  # a view would pin the whole round's features
                 r.draft.pending.append(feats[:, off : off + 1 + n].clone())
+            if r.lookup is not None:
+                r.lookup.observe(r.prompt + r.output)
             accepted.append(n)
             off += ell + 1
         t2 = time.perf_counter()
         drafting = [i for i, n in enumerate(draft.ingested) if n > 0]  # the drafter ran for these
         if self.cost is not None:  # observe
-            self.cost.observe(len(reqs), [(accepted[i], draft.lengths[i]) for i in drafting], t1 - t0,
-                              [draft.ingested[i] for i in drafting], self.block_size)
-        gated = [w > 0 and b == 0 for w, b in zip(wanted, budgets)] if self.cost is not None else []
+            # a request that drafted but verified the lookup chain gives no yield; the round's drafting time is then
+            # not timed, since CostModel.observe files it under the number of yields
+            timed = all(sources[i] != "lookup" for i in drafting)
+            self.cost.observe(num, [(accepted[i], draft.lengths[i]) for i in drafting if sources[i] != "lookup"],
+                              t1 - t0 if timed else 0.0, [draft.ingested[i] for i in drafting], self.block_size)
+        self.measured.observe_verify(t2 - t1)
+        if drafting and max(draft.ingested[i] for i in drafting) <= self.block_size + 1:  # a steady drafting round
+            self.measured.observe_draft((t1 - t0) / len(drafting))
         for i, r in enumerate(reqs):
-            r.skipped = r.skipped + 1 if gated and gated[i] else 0
-        self._record(reqs, draft, accepted, committed, off, gated, gate, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+            r.skipped = r.skipped + 1 if wanted[i] > 0 and budgets[i] == 0 else 0
+        self._record(reqs, draft, chains, sources, accepted, committed, off, gated, gate, (t1 - t0) * 1e3,
+                     (t2 - t1) * 1e3)
+
+    def _lookup_prices(self, num: int, context_len: float, rows: int):
+        """``(SPS_r, t_draft)`` for one request's chain choice (module doc): the round's curve shifted to
+        SPS_R(R − 1 + B) and the drafting time per drafting request; :class:`MeasuredPrices` without a cost model."""
+        if self.cost is None:
+            return self.measured.sps(), self.measured.draft_seconds()
+        rows = max(rows, 1)
+        return shifted_sps(self.cost.curve(num, context_len), num - 1), self.cost.draft_seconds(rows) / rows
 
     def _draft(self, reqs: list[_Request], budgets: list[int], context_len: float) -> DraftResult:
         """The drafting round of the module doc (step 2), with the cost model's SPS_eff(B) and the lagged budget."""
@@ -443,19 +506,20 @@ class DSparkEngine:
         self._running = keep
         return out
 
-    def _record(self, reqs, draft: DraftResult, accepted, committed, batch_tokens, gated, gate, draft_ms, verify_ms):
+    def _record(self, reqs, draft: DraftResult, chains, sources, accepted, committed, batch_tokens, gated, gate,
+                draft_ms, verify_ms):
         for i, r in enumerate(reqs):
-            ell = draft.lengths[i]
+            ell, lookup = len(chains[i]), sources[i] == "lookup"
             r.stats.rounds.append(RoundStats(
                 drafted=len(draft.tokens[i]), verified=ell, accepted=accepted[i], committed=committed[i],
-                confidences=list(draft.confidences[i][:ell]) if self.policy.needs_confidence else [],
-                draft_tokens=list(draft.tokens[i]), t_draft_ms=draft_ms / len(reqs), t_verify_ms=verify_ms,
-                gate=gate, ingested=draft.ingested[i],
+                confidences=list(draft.confidences[i][:ell]) if self.policy.needs_confidence and not lookup else [],
+                draft_tokens=list(chains[i]) if lookup else list(draft.tokens[i]), t_draft_ms=draft_ms / len(reqs),
+                t_verify_ms=verify_ms, gate=gate, ingested=draft.ingested[i], source=sources[i],
             ))
         self.stats.rounds.append(EngineRound(
-            requests=len(reqs), batch_tokens=batch_tokens, lengths=list(draft.lengths),
+            requests=len(reqs), batch_tokens=batch_tokens, lengths=[len(c) for c in chains],
             drafted=[len(t) for t in draft.tokens], accepted=accepted, committed=committed,
-            t_draft_ms=draft_ms, t_verify_ms=verify_ms, gated=gated, gate=gate,
+            t_draft_ms=draft_ms, t_verify_ms=verify_ms, gated=gated, gate=gate, sources=sources,
         ))
 
 

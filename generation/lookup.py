@@ -14,8 +14,10 @@ it from the rounds seen so far.
 * :class:`AcceptanceEstimator` — decayed counts, per key (the lookup's match length n, or the drafter) and per
   continuation position k, of how often token k of a proposal was reached and accepted; the conditional rate
   c_k is shrunk towards the key's pooled rate and that towards a prior, and a_k = Π_{j≤k} c_j (eq. 9).
-* :class:`LookupChain` — one sequence's lookup state inside `generate()`'s round: propose, choose the chain to
-  verify (:func:`generation.scheduler.choose_chain`), judge the proposals against the committed tokens.
+* :class:`LookupChain` — one sequence's lookup state inside a round (`generate()`, and each request of the batched
+  engine): propose, choose the chain to verify (:func:`generation.scheduler.choose_chain`), judge the proposals
+  against the committed tokens.
+* :class:`MeasuredPrices` — what the chooser prices a round with where no SPS(B) profile is used.
 
 A lookup proposal is a point mass (its tokens are a function of the committed text), so verifying it is lossless:
 greedy accepts a token while it equals the target's argmax; sampling accepts token k with probability p_t^k(x_k)
@@ -35,7 +37,7 @@ import torch
 
 from .scheduler import ChainChoice, choose_chain
 
-__all__ = ["LookupProposal", "NGramLookup", "AcceptanceEstimator", "DRAFT", "LookupChain"]
+__all__ = ["LookupProposal", "NGramLookup", "AcceptanceEstimator", "DRAFT", "LookupChain", "MeasuredPrices"]
 
 DRAFT = "draft"
 """The :class:`AcceptanceEstimator` key of the drafter's chain (the lookup's keys are its match lengths n ≥ 1)."""
@@ -236,7 +238,8 @@ class AcceptanceEstimator:
 
 # --------------------------------------------------------------------------------------------- one sequence's state
 class LookupChain:
-    """The lookup proposer beside the drafter for one generated sequence (`generate()`, R = 1).
+    """The lookup proposer beside the drafter for one generated sequence (a `generate()` call, or one request of
+    :class:`generation.engine.DSparkEngine`).
 
     One round, as :class:`generation.candidate_generator.DSparkCandidateGenerator` runs it:
 
@@ -338,3 +341,39 @@ class LookupChain:
         if self._draft_tokens:
             self.acceptance.observe(DRAFT, self._draft_tokens, committed)
         self.proposal, self.survival, self._draft_tokens = LookupProposal([], 0), [], []
+
+
+# ------------------------------------------------------------------------------------------ prices without a profile
+class MeasuredPrices:
+    """The chooser's prices where the verify policy has no SPS(B) profile (``full``, ``fixed``, ``threshold``,
+    ``none``): SPS(B) flat at the measured mean verify time (B tokens cost one forward, as on memory-bound hardware)
+    and the measured mean drafting time per drafting request. Both are exponential moving averages (weight
+    :attr:`WEIGHT` on the newest round); before any measurement the verify costs 1 s and drafting 0 s.
+    """
+
+    WEIGHT = 0.3
+
+    def __init__(self):
+        self.verify_s: float | None = None
+        self.draft_s: float | None = None
+
+    @staticmethod
+    def _average(mean: float | None, value: float) -> float:
+        return value if mean is None else (1.0 - MeasuredPrices.WEIGHT) * mean + MeasuredPrices.WEIGHT * value
+
+    def observe_verify(self, seconds: float) -> None:
+        """Fold in one verify forward's time (seconds)."""
+        self.verify_s = self._average(self.verify_s, float(seconds))
+
+    def observe_draft(self, seconds: float) -> None:
+        """Fold in one steady drafting round's time per drafting request (seconds; no catch-up ingestion)."""
+        self.draft_s = self._average(self.draft_s, float(seconds))
+
+    def sps(self):
+        """SPS(B) in verify forwards per second, the same for every B."""
+        verify = self.verify_s or 1.0
+        return lambda batch_tokens: 1.0 / verify
+
+    def draft_seconds(self) -> float:
+        """t_draft in seconds per drafting request (0 before any measurement)."""
+        return self.draft_s or 0.0

@@ -49,6 +49,7 @@ __all__ = [
     "fill_budget",
     "DraftCostLike",
     "effective_sps",
+    "shifted_sps",
     "DraftGateResult",
     "yield_gate",
     "ChainChoice",
@@ -396,6 +397,19 @@ def _draft_seconds(draft_cost: DraftCostLike, rows: int) -> float:
     if not math.isfinite(value) or value < 0.0:
         raise ValueError(f"draft cost for {rows} rows = {raw!r} must be a finite time >= 0 seconds")
     return value
+
+
+def shifted_sps(sps: SPSLike, shift: int) -> Callable[[int], float]:
+    """SPS'(B) = SPS(B + shift): one request's view of a round in which ``shift`` ≥ 0 other tokens are verified too.
+
+    Raises:
+        ValueError: ``shift`` not an int ≥ 0; when called, :class:`MissingSPSEntry` where a table lacks B + shift,
+            or ValueError for a bad SPS value.
+    """
+    if isinstance(shift, bool) or not isinstance(shift, int) or shift < 0:
+        raise ValueError(f"shift must be an int >= 0; got {shift!r}")
+    lookup = _as_lookup(sps)
+    return lookup if shift == 0 else (lambda batch_tokens: lookup(batch_tokens + shift))
 
 
 def effective_sps(sps: SPSLike, draft_s: float) -> Callable[[int], float]:

@@ -14,6 +14,7 @@ from generation.drafting import DraftResult
 from generation.engine import DSparkEngine, generate_batch
 from generation.packed_target import PackedTarget
 from generation.policies import parse_policy, verify_lengths
+from generation.scheduler import shifted_sps
 
 from .conftest import make_drafter
 
@@ -82,12 +83,12 @@ def test_tiny_rows_identical_every_policy(tiny, policy, max_batch):
 class ScriptedEngine(DSparkEngine):
     """Drafts the reference continuation, corrupted at a per-request position: request r's k-th round gets its
     first `pattern[(r + k) % len(pattern)]` drafts right, then a wrong token. Verify lengths come from the real
-    policy code with synthetic confidences."""
+    policy code with synthetic confidences. The lookup proposer is off: every verified chain is the scripted draft."""
 
     pattern = [0, 3, 6, 1, 2, 5, 4]
 
     def __init__(self, *a, references, **kw):
-        super().__init__(*a, **kw)
+        super().__init__(*a, **dict(kw, lookup=False))
         self.references = references  # request id -> full greedy continuation
         self.expected_accepts: dict[int, list[int]] = {}
 
@@ -292,7 +293,7 @@ def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
         with dspark_options(policy="threshold:0.0", lookup=False), collect_stats() as runs:
             target.generate(torch.tensor([p]), assistant_model=drafter, max_new_tokens=n, do_sample=False)
         expected.append(runs[-1].rounds)
-    engine = DSparkEngine(target, drafter, "threshold:0.0", max_batch_size=4)
+    engine = DSparkEngine(target, drafter, "threshold:0.0", max_batch_size=4, lookup=False)
     outs = _run_with_join(engine, prompts, max_new, join_after=2)
     for o, exp in zip(outs, expected):
         got = [r for r in o.stats.rounds if r.drafted]  # generate() records no round when nothing can be drafted
@@ -312,7 +313,7 @@ def test_scheduler_skips_drafting_when_no_token_can_pay(tiny):
     hook = drafter.register_forward_hook(lambda *a: calls.append(1))
     steep = {b: 100.0 / b**2 for b in range(1, 400)}
     try:
-        engine = DSparkEngine(target, drafter, "scheduler", sps=steep, draft_cost_ms=1.0)
+        engine = DSparkEngine(target, drafter, "scheduler", sps=steep, draft_cost_ms=1.0, lookup=False)
         for p, n in zip(prompts, max_new):
             engine.add_request(p, n)
         assert [o.output_ids for o in engine.run()] == refs
@@ -341,6 +342,8 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert [(r["R"], r["policy"]) for r in report["results"]] == [(1, "none"), (1, "fixed:1"), (2, "none"),
                                                                     (2, "fixed:1")]
     assert all(r["tokens"] == 6 and r["throughput_tok_s"] > 0 for r in report["results"])
+    assert report["config"]["lookup"] is True  # the default; `none` stays plain decoding
+    assert all(r["lookup_request_rounds"] == 0 for r in report["results"] if r["policy"] == "none")
     # the loaded phase ends when the queue is empty and fewer than R requests run: at R = 1 only after the last one
     assert all(r["steady_tokens"] == 6 for r in report["results"] if r["R"] == 1)
     assert all(0 < r["steady_tokens"] <= r["tokens"] and r["steady_tok_s"] > 0 for r in report["results"])
@@ -428,7 +431,7 @@ def test_gate_skips_useless_drafter(tiny, policy):
     calls = []
     hook = drafter.register_forward_hook(lambda *a: calls.append(1))
     try:
-        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0)
+        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, lookup=False)
         for p, n in zip(prompts, max_new):
             engine.add_request(p, n)
         outs = engine.run()
@@ -440,7 +443,8 @@ def test_gate_skips_useless_drafter(tiny, policy):
     assert len(calls) == summ["draft_rounds"] <= 0.35 * rounds
     assert summ["skipped_draft_rounds"] >= 0.65 * rounds and summ["probe_rounds"] >= 1
     assert all(sum(d > 0 for d in r.drafted) <= 1 for r in engine.stats.rounds if r.gate == "probe")
-    ungated = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, draft_gate=False)
+    ungated = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, draft_gate=False,
+                           lookup=False)
     for p, n in zip(prompts, max_new):
         ungated.add_request(p, n)
     assert [o.output_ids for o in ungated.run()] == refs
@@ -516,10 +520,11 @@ def test_draft_gate_option_errors(tiny):
 
 class ForcedSkipEngine(DSparkEngine):
     """Request 1 is kept from drafting in every other round (its drafter context then catches up on several
-    pending pieces); records the draft tokens of every request at each output length."""
+    pending pieces); records the draft tokens of every request at each output length. The lookup proposer is off:
+    every other request drafts every round."""
 
     def __init__(self, *a, skip=True, **kw):
-        super().__init__(*a, **kw)
+        super().__init__(*a, **dict(kw, lookup=False))
         self.skip, self.drafts = skip, {}
 
     def _draft(self, reqs, budgets, context_len):
@@ -554,7 +559,7 @@ def test_catch_up_rounds_are_not_timed(tiny):
     """The first drafting round after a prefill longer than γ + 1 ingests the whole prompt: its drafting time is not
     a steady-state sample of t_draft."""
     target, drafter, prompts, _, _ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS)
+    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, lookup=False)
     long_prompt = max(prompts, key=len)
     assert len(long_prompt) > engine.block_size + 1
     engine.add_request(long_prompt, 20)
@@ -577,3 +582,37 @@ def test_probe_back_off():
     assert reasons == ["gated", "probe", "gated", "gated", "probe", "gated", "gated", "gated"]
     assert cost.plan([4, 4], [0, 3]) == ([0, 0], "gated")  # R = 2 reads the R = 1 yields
     assert cost.plan([4, 4], [0, 3]) == ([0, 4], "probe")  # the request skipped longest probes
+
+
+# ---------------------------------------------------------------------------------------------- lookup proposer
+def _serve_all(engine, prompts, max_new):
+    for p, n in zip(prompts, max_new):
+        engine.add_request(p, n)
+    return engine.run()
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "scheduler"])
+def test_lookup_chains_verified_and_exact(tiny, long_refs, policy):
+    """With the lookup proposer on (the default), requests verify lookup continuations, some of them accepted, in
+    rounds shared with drafting requests; every output equals plain greedy decoding. With it off, no lookup round
+    (``none``: plain decoding). The chooser's prices are fixed here (they are measured times otherwise)."""
+    target, drafter, prompts, _, _ = tiny
+    max_new, refs = long_refs
+    for lookup in (True, False):
+        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, lookup=lookup, draft_cost_ms=5.0)
+        engine._lookup_prices = lambda num, context_len, rows: (shifted_sps(SPS, num - 1), 0.005)
+        assert [o.output_ids for o in _serve_all(engine, prompts, max_new)] == refs
+        lookup_rounds = [(i, r) for r in engine.stats.rounds for i, s in enumerate(r.sources) if s == "lookup"]
+        assert engine.stats.summary()["lookup_request_rounds"] == len(lookup_rounds)
+        if not lookup:
+            assert not lookup_rounds and all(s in ("draft", "") for r in engine.stats.rounds for s in r.sources)
+            continue
+        assert sum(r.accepted[i] for i, r in lookup_rounds) > 0
+        if policy != "none":
+            assert any(r.requests > 1 and "draft" in r.sources and "lookup" in r.sources for r in engine.stats.rounds)
+
+
+def test_lookup_option_errors(tiny):
+    target, drafter, *_ = tiny
+    with pytest.raises(ValueError, match="lookup must be True or False"):
+        DSparkEngine(target, drafter, "full", lookup="yes")

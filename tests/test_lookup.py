@@ -261,3 +261,15 @@ def test_lookup_chain_choices():
     none = LookupChain(num_tokens=4)
     none.propose([1, 2, 3], max_tokens=4)
     assert none.proposal.tokens == [] and none.without_drafter(SPS).source == "none"
+
+
+def test_measured_prices_average_the_measured_times():
+    from generation.lookup import MeasuredPrices
+
+    prices = MeasuredPrices()
+    assert prices.sps()(1) == 1.0 and prices.draft_seconds() == 0.0  # nothing measured yet
+    prices.observe_verify(0.1)
+    prices.observe_verify(0.2)  # 0.7 · 0.1 + 0.3 · 0.2
+    prices.observe_draft(0.02)
+    assert prices.sps()(1) == pytest.approx(1 / 0.13) == prices.sps()(9)  # flat in B
+    assert prices.draft_seconds() == 0.02

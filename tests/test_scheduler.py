@@ -450,3 +450,15 @@ def test_yield_gate_errors():
     # a table that stops early: larger verify batches are not considered
     assert yield_gate([1.0, 1.0], [1.0, 6.0], YIELD_SPS, 0.0).draft == [True, False]
 
+
+def test_shifted_sps_reads_the_round_curve_further_on():
+    from generation.scheduler import MissingSPSEntry, shifted_sps
+
+    table = {1: 10.0, 2: 8.0, 3: 5.0}
+    view = shifted_sps(table, 1)  # one request's B tokens in a round where one other token is verified
+    assert (view(1), view(2)) == (8.0, 5.0)
+    with pytest.raises(MissingSPSEntry, match="B = 4"):
+        view(3)
+    assert shifted_sps(table, 0)(3) == 5.0 and shifted_sps(lambda b: 100.0 / b, 3)(2) == 20.0
+    with pytest.raises(ValueError, match="shift"):
+        shifted_sps(table, -1)
