@@ -171,7 +171,7 @@ def recording(log: list):
                         "stats": self.stats.rounds[-1]})
         return result
 
-    def before_drafting(self, budget, sps, draft_seconds):
+    def before_drafting(self, budget, sps, draft_seconds, gate=""):
         return ChainChoice("draft", budget, 0.0, 1.0)
 
     cg.DSparkCandidateGenerator.get_candidates, cg.draft_round = get_candidates, draft_round

@@ -209,8 +209,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             if self.cost is not None:
                 budgets, reason = self.cost.plan(budgets, [self.skipped], length)
         verify_sps, draft_s = self._prices(length) if proposal is not None else (None, 0.0)
-        if budgets[0] > 0 and proposal is not None and proposal.tokens and reason != "probe":  # a probe drafts
-            if self.lookup.before_drafting(budgets[0], verify_sps, draft_s).source == "lookup":
+        if budgets[0] > 0 and proposal is not None and proposal.tokens:
+            if self.lookup.before_drafting(budgets[0], verify_sps, draft_s, reason).source == "lookup":
                 budgets = [0]  # the lookup beats drafting: no drafter forward this round (the gate's reason kept)
         if budgets[0] == 0:  # no drafter forward: the lookup's prefix or one plain step; features wait
             if budget > 0:

@@ -400,9 +400,9 @@ class DSparkEngine:
         proposals = [r.lookup.propose(r.prompt + r.output, min(self.lookup_tokens, r.remaining - 1)).tokens
                      if r.lookup is not None else [] for r in reqs]
         prices = self._lookup_prices(num, context_len, sum(b > 0 for b in budgets)) if any(proposals) else None
-        for i, r in enumerate(reqs):  # a gate's probe drafts whatever the lookup offers: it keeps the yields current
-            if budgets[i] > 0 and proposals[i] and gate != "probe" \
-                    and r.lookup.before_drafting(budgets[i], *prices).source == "lookup":
+        for i, r in enumerate(reqs):
+            if budgets[i] > 0 and proposals[i] \
+                    and r.lookup.before_drafting(budgets[i], *prices, gate).source == "lookup":
                 budgets[i] = 0  # the lookup beats drafting: this request skips the drafter; its features wait
         draft = self._draft(reqs, budgets, context_len)  # draft
         chains, sources = [], []

@@ -290,10 +290,13 @@ class LookupChain:
             out.append(prod)
         return out
 
-    def before_drafting(self, budget: int, sps, draft_seconds: float) -> ChainChoice:
+    def before_drafting(self, budget: int, sps, draft_seconds: float, gate: str = "") -> ChainChoice:
         """Step 2: :func:`choose_chain` with the drafter's predicted survival (``budget`` slots) and its time
-        unspent; ``source == "lookup"`` means the drafter forward is skipped this round."""
-        return choose_chain(self.predicted_draft_survival(budget), self.survival, sps, draft_seconds=draft_seconds)
+        unspent; ``source == "lookup"`` means the drafter forward is skipped this round. ``gate`` is the draft
+        gate's reason (:meth:`generation.cost_model.CostModel.plan`): a ``"probe"`` round leaves the lookup out, so
+        the probe drafts and keeps the gate's yield estimates current."""
+        lookup = None if gate == "probe" else self.survival
+        return choose_chain(self.predicted_draft_survival(budget), lookup, sps, draft_seconds=draft_seconds)
 
     def after_drafting(self, confidences, draft_length: int, budget: int, sps, draft_seconds: float,
                        greedy: bool) -> ChainChoice:

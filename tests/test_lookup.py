@@ -251,6 +251,7 @@ def test_lookup_chain_choices():
         chain.acceptance.observe(2, [1, 2, 3, 4], [1, 2, 3, 4])
     chain.propose([1, 2, 3, 4, 5, 1, 2], max_tokens=10)
     assert chain.before_drafting(4, SPS, draft_seconds=0.05).source == "lookup"
+    assert chain.before_drafting(4, SPS, draft_seconds=0.05, gate="probe").source != "lookup"  # a probe drafts
     # under sampling a drafted chain whose first slot the policy refused (ℓ = 0) is not a candidate
     assert chain.after_drafting([0.99], 0, 4, lambda b: 10.0, 0.05, greedy=False).source == "lookup"
     # greedy: the realized survival of the drafted block (a_k = 1) against the lookup's (c_k ≈ 0.99)

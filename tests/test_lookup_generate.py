@@ -110,7 +110,7 @@ def test_sampling_drafter_and_lookup_equals_target(tiny, all_tokens_prompt, monk
     between the chains from c_1 (LookupChain.after_drafting); others skip the drafter for the lookup."""
     coin = random.Random(0)
 
-    def before_drafting(self, budget, sps, draft_seconds):
+    def before_drafting(self, budget, sps, draft_seconds, gate=""):
         return ChainChoice("lookup" if coin.random() < 0.4 else "draft", 1, 1.0, 1.0)
 
     monkeypatch.setattr(LookupChain, "before_drafting", before_drafting)
