@@ -151,7 +151,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats()
         register(self.stats)
         self._round: tuple[float, RoundStats, int] | None = None  # (end of drafting, its record, ingested)
-        self.lookup = LookupChain(num_tokens=gamma, num_positions=max(16, gamma)) if lookup else None
+        self.lookup = LookupChain(num_tokens=gamma) if lookup else None
         self.measured = MeasuredPrices()  # prices the lookup chooser without a cost model
 
     def _take_features(self, input_ids: torch.LongTensor, model_outputs) -> None:

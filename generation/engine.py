@@ -43,7 +43,7 @@ from modeling_dspark.target import context_features
 
 from .cost_model import CostModel
 from .drafting import DraftContext, DraftResult, draft_round
-from .lookup import LookupChain, MeasuredPrices
+from .lookup import NUM_TOKENS as LOOKUP_TOKENS, LookupChain, MeasuredPrices
 from .packed_target import PackedTarget, RequestKV
 from .policies import LaggedBudget, Policy, parse_policy
 from .scheduler import shifted_sps
@@ -292,7 +292,7 @@ class DSparkEngine:
         else:
             self.eos = frozenset(int(e) for e in eos_token_id)
         self.layer_ids = list(drafter.config.target_layer_ids) if self.drafter is not None else []
-        self.lookup_tokens = (gamma or LookupChain().matcher.num_tokens) if lookup else 0
+        self.lookup_tokens = (gamma or LOOKUP_TOKENS) if lookup else 0
         self.measured = MeasuredPrices()  # prices the lookup chooser without a cost model
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -334,8 +334,7 @@ class DSparkEngine:
         rid = self._next_id
         self._next_id += 1
         capacity = len(prompt) + int(max_new_tokens) + max(self.block_size, self.lookup_tokens) + 2
-        lookup = LookupChain(num_tokens=self.lookup_tokens, num_positions=max(16, self.lookup_tokens)) \
-            if self.lookup_tokens else None
+        lookup = LookupChain(num_tokens=self.lookup_tokens) if self.lookup_tokens else None
         self._waiting.append(_Request(rid, prompt, int(max_new_tokens), self.packed.new_cache(capacity),
                                       lookup=lookup))
         return rid

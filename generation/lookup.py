@@ -37,7 +37,12 @@ import torch
 
 from .scheduler import ChainChoice, choose_chain
 
-__all__ = ["LookupProposal", "NGramLookup", "AcceptanceEstimator", "DRAFT", "LookupChain", "MeasuredPrices"]
+__all__ = [
+    "NUM_TOKENS", "LookupProposal", "NGramLookup", "AcceptanceEstimator", "DRAFT", "LookupChain", "MeasuredPrices",
+]
+
+NUM_TOKENS = 10
+"""K, the most tokens the lookup proposes per round where no drafter sets it to γ'."""
 
 DRAFT = "draft"
 """The :class:`AcceptanceEstimator` key of the drafter's chain (the lookup's keys are its match lengths n ≥ 1)."""
@@ -95,7 +100,7 @@ class NGramLookup:
         ValueError: ``max_ngram`` or ``num_tokens`` not a positive int.
     """
 
-    def __init__(self, max_ngram: int = 3, num_tokens: int = 10):
+    def __init__(self, max_ngram: int = 3, num_tokens: int = NUM_TOKENS):
         for name, value in (("max_ngram", max_ngram), ("num_tokens", num_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")
@@ -261,7 +266,7 @@ class LookupChain:
         num_positions: positions estimated per chain (≥ K and ≥ the drafter's block size).
     """
 
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, num_positions: int = 16):
+    def __init__(self, num_tokens: int = NUM_TOKENS, max_ngram: int = 3, num_positions: int = 16):
         self.matcher = NGramLookup(max_ngram=max_ngram, num_tokens=num_tokens)
         self.acceptance = AcceptanceEstimator(max(num_positions, num_tokens))
         self.proposal = LookupProposal([], 0)
