@@ -36,12 +36,12 @@ def _check(target, drafter, prompt_ids, references, block_size, max_new):
 # Which (max_new, block size) cases run 64 tokens. After the prefill, 7 new tokens leave room for 5 drafts, so at 7
 # tokens blocks of 1, 2 and 4 can be verified full but blocks of 8 and 16 cannot. The oracle (every draft accepted)
 # runs 64 tokens at every block size, the adversarial script (every draft rejected, asserted) at 8 and 16, where
-# only 64 tokens verify full blocks, and at the extreme 1. The random drafter (on a 49k vocabulary almost never
-# accepted) adds the real drafting path, which the scripts replace (conftest.scripted): 64 tokens at block size 16
-# here and at 8 in test_other_heads_and_draft_vocab_greedy_identical. (Each 64-token case costs about 45 s of a
-# 2-core CPU.)
+# only 64 tokens verify full blocks (the 7-token cases reject full blocks of 1, 2 and 4). The random drafter (on a
+# 49k vocabulary almost never accepted) adds the real drafting path, which the scripts replace (conftest.scripted):
+# 64 tokens at block size 16 here and at 8 in test_other_heads_and_draft_vocab_greedy_identical. (Each 64-token
+# case costs about 45 s of a 2-core CPU.)
 RANDOM_CASES = [(n, b) for n in MAX_NEW for b in BLOCK_SIZES if n < 64 or b == 16]
-ADVERSARIAL_CASES = [(n, b) for n in MAX_NEW for b in BLOCK_SIZES if n < 64 or b in (1, 8, 16)]
+ADVERSARIAL_CASES = [(n, b) for n in MAX_NEW for b in BLOCK_SIZES if n < 64 or b in (8, 16)]
 
 
 @pytest.mark.parametrize(("max_new", "block_size"), RANDOM_CASES)
@@ -126,9 +126,8 @@ def test_eos_inside_accepted_block(smollm, random_drafter, scripted):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"repetition_penalty": 1.3},
-        {"no_repeat_ngram_size": 3},
-        {"min_new_tokens": 30},
+        # min_new_tokens 30 holds back the EOS that ends the first prompt's answer after 25 tokens under this penalty
+        {"repetition_penalty": 1.3, "min_new_tokens": 30},
         {"repetition_penalty": 1.2, "no_repeat_ngram_size": 2, "min_new_tokens": 10},
     ],
 )
