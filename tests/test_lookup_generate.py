@@ -6,7 +6,7 @@ lookup alone (policy ``none``).
 
 Sampling: on the tiny random Llama of tests/test_lossless_sampling.py, with a prompt that holds every token of the
 vocabulary (so every round has a lookup match), the joint distribution of the first three new tokens equals the
-target's exact one within the bound of that module (4.5 standard errors + 2/N per cell).
+target's exact one by the χ² checks of that module.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def test_lookup_off_never_verifies_a_lookup_chain(smollm, random_drafter):
 # every token but the pad id 0 (a 0 in the prompt would be masked out by generate()'s inferred attention mask, which
 # the exact enumeration does not apply)
 ALL_TOKENS_PROMPT = torch.tensor([[3, 7, 1, 12, 5, 2, 4, 6, 8, 9, 10, 11, 13, 14, 15, 3, 7]])
+GEN = {"temperature": 0.9, "top_k": 8, "top_p": 1.0}  # the processing of the sampling tests here
 
 
 @pytest.fixture
@@ -87,43 +88,64 @@ def _lookup_counts(runs):
 def test_plain_sampling_matches_enumeration_on_this_prompt(tiny, all_tokens_prompt):
     """Control for the enumeration with this module's prompt."""
     target, _ = tiny
-    exact = tls.exact_joint(target, 0.9, 8, None)
-    emp = tls._plain_counts(target, seed=7, temperature=0.9, top_k=8, top_p=1.0)
-    tls._assert_matches(emp, exact, "plain generate")
+    exact = tls.exact_joint(target, GEN["temperature"], GEN["top_k"], None)
+    counts = tls._plain_counts(target, seed=7, **GEN)
+    tls._assert_matches(counts, exact, "plain generate")
 
 
 def test_sampling_lookup_alone_equals_target(tiny, all_tokens_prompt):
     target, _ = tiny
-    gen = {"temperature": 0.9, "top_k": 8, "top_p": 1.0}
-    exact = tls.exact_joint(target, gen["temperature"], gen["top_k"], None)
+    exact = tls.exact_joint(target, GEN["temperature"], GEN["top_k"], None)
     assert math.isclose(exact.sum().item(), 1.0, rel_tol=1e-6)
-    emp, runs = tls._sample_counts(target, tiny[1]["markov"], seed=2024, policy="none", **gen)
+    counts, runs = tls._sample_counts(target, tiny[1]["markov"], seed=2024, policy="none", **GEN)
     rounds, lookup, accepted, rejected = _lookup_counts(runs)
     assert all(r.drafted == 0 for r in rounds)
     assert accepted > 50 and rejected > 50, (accepted, rejected)
-    tls._assert_matches(emp, exact, "lookup alone")
+    tls._assert_matches(counts, exact, "lookup alone")
 
 
-def test_sampling_drafter_and_lookup_equals_target(tiny, all_tokens_prompt, monkeypatch):
-    """Both chains under the scheduler. Before drafting, a coin flip independent of everything drawn stands in for
-    the lookup-versus-drafting decision, so that many rounds draft with a lookup proposal at hand and then choose
-    between the chains from c_1 (LookupChain.after_drafting); others skip the drafter for the lookup."""
-    coin = random.Random(0)
+def install_coin_decisions(setattr_) -> None:
+    """Replace the two decisions that are made from past rounds by coin flips independent of everything drawn (seeded):
+    the draft gate (`CostModel.plan`) skips about half of the rounds, and of the others the lookup-versus-drafting
+    decision before drafting (`LookupChain.before_drafting`) sends about 40 % to the lookup. ``setattr_`` installs
+    them (the test's ``monkeypatch.setattr``)."""
+    from generation.cost_model import CostModel
+
+    gate_coin, lookup_coin = random.Random(0), random.Random(1)
+
+    def plan(self, budgets, skipped, context_len=None):
+        return (list(budgets), "probe") if gate_coin.random() < 0.5 else ([0] * len(budgets), "gated")
 
     def before_drafting(self, budget, sps, draft_seconds, gate=""):
-        return ChainChoice("lookup" if coin.random() < 0.4 else "draft", 1, 1.0, 1.0)
+        return ChainChoice("lookup" if lookup_coin.random() < 0.4 else "draft", 1, 1.0, 1.0)
 
-    monkeypatch.setattr(LookupChain, "before_drafting", before_drafting)
+    setattr_(CostModel, "plan", plan)
+    setattr_(LookupChain, "before_drafting", before_drafting)
+
+
+def sample_drafter_lookup_and_skipped(target, drafter):
+    """N samples under the scheduler with the lookup on and the coins installed: (exact joint, counts, statistics)."""
+    exact = tls.exact_joint(target, GEN["temperature"], GEN["top_k"], None)
+    counts, runs = tls._sample_counts(target, drafter, seed=4242, policy="scheduler", sps=tls.SCHEDULER_SPS, **GEN)
+    return exact, counts, runs
+
+
+def test_sampling_drafter_lookup_and_skipped_rounds_equal_target(tiny, all_tokens_prompt, monkeypatch):
+    """Both chains under the scheduler, with rounds the draft gate skips (install_coin_decisions). A skipped round
+    verifies the lookup prefix (or, where the lookup does not pay, is one plain target step), and the drafter ingests
+    its features at its next drafting round; a round that drafts has a lookup proposal at hand and then chooses
+    between the chains from c_1 (LookupChain.after_drafting)."""
+    install_coin_decisions(monkeypatch.setattr)
     target, drafters = tiny
-    sps = {1: 1.0, 2: 0.75, 3: 0.6, 4: 0.5, 5: 0.4}
-    gen = {"temperature": 0.9, "top_k": 8, "top_p": 1.0}
-    exact = tls.exact_joint(target, gen["temperature"], gen["top_k"], None)
-    emp, runs = tls._sample_counts(target, drafters["markov"], seed=4242, policy="scheduler", sps=sps,
-                                   draft_gate=False, **gen)
+    exact, counts, runs = sample_drafter_lookup_and_skipped(target, drafters["markov"])
     rounds, lookup, accepted, rejected = _lookup_counts(runs)
+    firsts = [s.rounds[0] for s in runs]
+    assert sum(r.gate == "gated" for r in firsts) > 0.4 * tls.N and sum(r.gate == "probe" for r in firsts) > 0.4 * tls.N
     switched = sum(r.drafted > 0 for r in lookup)  # drafted, then the lookup chain was verified
+    before = sum(r.gate == "probe" and r.drafted == 0 for r in lookup)  # the lookup chosen before drafting
+    gated = sum(r.gate == "gated" for r in lookup)  # the draft gate skipped the drafter, the lookup verified
     drafted = [r for r in rounds if r.source == "draft"]
-    assert switched > 100 and len(lookup) - switched > 100 and len(drafted) > 100, (switched, len(lookup), len(drafted))
+    assert min(switched, before, gated, len(drafted)) > 100, (switched, before, gated, len(drafted))
     assert accepted > 50 and rejected > 50, (accepted, rejected)
     assert sum(r.accepted for r in drafted) > 50 and sum(r.verified - r.accepted for r in drafted) > 50
-    tls._assert_matches(emp, exact, "drafter + lookup")
+    tls._assert_matches(counts, exact, "drafter + lookup + skipped rounds")
