@@ -93,6 +93,22 @@ def detect_format(config: dict) -> str:
     )
 
 
+def read_json(file: str | os.PathLike) -> dict:
+    """The JSON object in ``file`` (a drafter's ``config.json`` or a sharded weights index).
+
+    Raises:
+        OSError: ``file`` is not valid JSON or not a JSON object (the message names the file and the position).
+    """
+    file = Path(file)
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise OSError(f"{str(file)!r} is not valid JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise OSError(f"{str(file)!r} holds a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of the ``*.safetensors`` file(s) in directory ``path`` (a sharded index is followed).
 
@@ -104,7 +120,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(read_json(index)["weight_map"].values()))
     else:
         files = sorted(f.name for f in path.glob("*.safetensors"))
     if not files:
@@ -139,7 +155,7 @@ def load_config_and_state(path: str | os.PathLike, target_config=None) -> tuple[
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise OSError(f"no config.json in drafter directory {str(path)!r}")
-    config = json.loads(cfg_file.read_text())
+    config = read_json(cfg_file)
     fmt = detect_format(config)
     state = read_state_dict(path)
     if fmt == "dspark":

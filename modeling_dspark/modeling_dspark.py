@@ -11,7 +11,6 @@ reference and frozen (never saved with the drafter, never duplicated in memory);
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -289,7 +288,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         Raises:
             FileNotFoundError: neither a local directory nor a Hub repository that could be fetched.
             OSError: the directory has no ``config.json`` (the drafter's settings: block size, target layers,
-                calibration) or no safetensors weights, the weights are corrupt, or tensors are missing/unexpected.
+                calibration) or an invalid one (the file is named), no safetensors weights, the weights are corrupt, or tensors are missing/unexpected.
             ValueError: the drafter does not match ``target``, or the target's family is not supported.
         """
         from .hub import resolve_pretrained_dir
@@ -309,7 +308,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 )
             from . import formats
 
-            if formats.detect_format(json.loads(config_file.read_text())) != "dspark":  # ValueError if unknown
+            if formats.detect_format(formats.read_json(config_file)) != "dspark":  # ValueError if unknown
                 kwargs.pop("config", None)  # None here
                 return cls._from_other_format(path, target, *args, **kwargs)
         if not any(f.endswith(".safetensors") for f in os.listdir(path)):

@@ -489,12 +489,18 @@ def test_export_refuses_a_non_empty_output(tmp_path):
         formats.export_drafter(drafter, tmp_path / "out", format="speculators")
 
 
-def test_load_refuses_missing_pieces(tmp_path):
+def test_load_refuses_missing_or_invalid_pieces(tmp_path):
     with pytest.raises(OSError, match="no config.json"):
         formats.load_config_and_state(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(_dflash_config(mask_token_id=MASK)))
     with pytest.raises(OSError, match="no safetensors"):
         formats.load_config_and_state(tmp_path)
+    for text, problem in (('{"model_type": ', "not valid JSON"), ("[1]", "JSON list, expected an object")):
+        (tmp_path / "config.json").write_text(text)
+        for load in (formats.load_config_and_state, md.DSparkDraftModel.from_pretrained):
+            with pytest.raises(OSError, match=problem) as err:
+                load(tmp_path)
+            assert str(tmp_path / "config.json") in str(err.value)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
