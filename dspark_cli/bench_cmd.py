@@ -54,6 +54,7 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    drafter_dir,
     load_drafter,
     reports_cli_errors,
     resolve_device,
@@ -100,8 +101,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     s.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
-    s.add_argument("--drafter", default=None, metavar="PATH|random",
-                   help=f"DSpark drafter directory (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
+    s.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
+                   help=f"DSpark drafter directory or Hugging Face Hub id (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
                         "else a random drafter, with a warning)")
     add_dtype_option(s, "bfloat16")
     add_device_option(s)
@@ -150,26 +151,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _load(args):
+    """``(target, tokenizer, drafter, drafter spec)``; a wrong ``--drafter`` is reported before the target loads."""
     import torch
 
     from modeling_dspark.target import load_target
 
+    spec = args.drafter
+    if spec is None:
+        spec = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
+    path = spec if spec == "random" else drafter_dir(spec)
     try:
         target, tok = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     except (FileNotFoundError, OSError) as err:
         raise CLIError(f"could not load target: {err}") from None
-    spec = args.drafter
-    if spec is None:
-        spec = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
     if spec == "random":
         print("dspark bench serve: WARNING: using a random (untrained) drafter: outputs are exact but few drafts are "
               "accepted, so speculation cannot pay off; pass --drafter PATH for meaningful numbers", file=sys.stderr)
-        drafter = load_drafter("random", target, target.dtype)
-    else:
-        if not (Path(spec) / "config.json").is_file():
-            raise CLIError(f"drafter {spec!r} is not a drafter directory (no config.json)")
-        drafter = load_drafter(spec, target, target.dtype)
-    return target, tok, drafter, spec
+    return target, tok, load_drafter(path, target, target.dtype), spec
 
 
 def _prompts(args, tok) -> list[dict]:

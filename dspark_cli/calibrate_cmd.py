@@ -55,6 +55,7 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    drafter_dir,
     read_prompts_jsonl,
     reports_cli_errors,
     resolve_device,
@@ -506,9 +507,7 @@ def _check_args(args) -> None:
     for name in ("limit", "max_new_tokens", "max_prompt_tokens", "n_bins"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    d = Path(args.drafter)
-    if not (d / "config.json").is_file():
-        raise CLIError(f"drafter {args.drafter!r} is not a drafter directory (no config.json)")
+    drafter_dir(args.drafter, hub=False)  # calibration writes into the drafter's directory
     if args.pairs is None:
         from training.prompts import TRAIN_SOURCES
 

@@ -177,6 +177,39 @@ def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -
     return run(parser.parse_args(argv))
 
 
+def drafter_dir(spec: str, hub: bool = True) -> str:
+    """The local directory of drafter ``spec``, checked to hold a readable ``config.json``, so that a wrong drafter is
+    reported before the target loads.
+
+    Args:
+        spec: a drafter directory, or (with ``hub``) a Hub repository id, fetched or read from the local Hugging Face
+            cache by :func:`modeling_dspark.hub.resolve_pretrained_dir`.
+        hub: accept Hub ids; False for commands that write into the drafter directory.
+
+    Raises:
+        CLIError: no such directory or repository, no ``config.json``, or one that is not a JSON object.
+    """
+    from modeling_dspark.formats import read_json
+    from modeling_dspark.hub import resolve_pretrained_dir
+
+    if hub:
+        try:
+            path = resolve_pretrained_dir(spec)
+        except OSError as err:
+            raise CLIError(str(err)) from None
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise CLIError(f"drafter directory not found: {spec!r}")
+    if not (path / "config.json").is_file():
+        raise CLIError(f"drafter {spec!r} is not a drafter directory (no config.json)")
+    try:
+        read_json(path / "config.json")
+    except OSError as err:
+        raise CLIError(f"drafter {spec!r}: {err}") from None
+    return str(path)
+
+
 def load_drafter(spec: str, target, dtype):
     """The drafter named by ``spec`` — ``"random"`` (untrained, fixed seed, block size 8) or a drafter directory —
     bound to ``target`` with ``target.generate(..., assistant_model=drafter)`` enabled.

@@ -45,6 +45,7 @@ from .common import (  # noqa: F401
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    drafter_dir,
     load_drafter,
     reports_cli_errors,
     resolve_device,
@@ -66,8 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "Writes eval.json, eval.md and tau_per_position.png."
         ),
     )
-    p.add_argument("--drafter", default=None, metavar="PATH|random",
-                   help=f"DSpark drafter directory or 'random' (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} "
+    p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
+                   help=f"DSpark drafter directory, Hugging Face Hub id or 'random' (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} "
                         "if present, else random)")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
@@ -105,9 +106,7 @@ def _resolve_drafter(spec: str | None, target_given: bool) -> str:
         return "random"
     if spec == "random":
         return spec
-    if not (Path(spec) / "config.json").is_file():
-        raise CLIError(f"drafter {spec!r} is not a drafter directory (no config.json)")
-    return spec
+    return drafter_dir(spec)
 
 
 def _check_args(args) -> tuple[list[str], list[str]]:
@@ -477,7 +476,7 @@ def run(args) -> int:
                     policy=args.policy, max_new_tokens=args.max_new_tokens, seed=args.seed, speed=speed,
                     pld=speed and not args.no_pld, pld_num_tokens=args.pld_num_tokens, progress=not args.no_progress)
     config = {
-        "drafter": drafter_spec, "target": str(args.target or "SmolLM2-135M-Instruct"), "sets": sets, "modes": modes,
+        "drafter": args.drafter if args.drafter is not None else drafter_spec, "target": str(args.target or "SmolLM2-135M-Instruct"), "sets": sets, "modes": modes,
         "limit": args.limit, "block_size": args.block_size or gamma, "policy": args.policy,
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "device": device, "seed": args.seed,
         "speed": speed, "prompt_lookup_num_tokens": args.pld_num_tokens if speed and not args.no_pld else None,

@@ -32,6 +32,7 @@ from .common import (
     add_device_option,
     add_dtype_option,
     add_threads_option,
+    drafter_dir,
     load_drafter,
     read_prompts_jsonl,
     reports_cli_errors,
@@ -151,15 +152,7 @@ def _resolve_drafter(args) -> str | None:
         )
     if args.drafter == "random":
         return "random"
-    from modeling_dspark.hub import resolve_pretrained_dir
-
-    try:
-        path = resolve_pretrained_dir(args.drafter)
-    except OSError as err:
-        raise CLIError(str(err)) from None
-    if not (path / "config.json").is_file():
-        raise CLIError(f"drafter {args.drafter!r} is not a drafter directory (no config.json)")
-    return str(path)
+    return drafter_dir(args.drafter)
 
 
 # ---------------------------------------------------------------------------------------------- models

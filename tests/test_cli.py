@@ -269,3 +269,17 @@ def test_threads_must_be_positive(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--prompt", "hi", "--threads", "0"])
     assert exc.value.code == 2 and "--threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval"], ["bench", "serve"], ["calibrate"]])
+def test_a_drafter_with_an_invalid_config_is_refused_before_the_target_loads(command, tmp_path, monkeypatch, capsys):
+    import modeling_dspark.target as target_mod
+
+    def load_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the drafter was checked")
+
+    monkeypatch.setattr(target_mod, "load_target", load_target)
+    (tmp_path / "config.json").write_text('{"block_size": 4,')
+    assert main([*command, "--drafter", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "config.json") in err and "not valid JSON" in err, err
