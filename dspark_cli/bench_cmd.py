@@ -104,7 +104,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help=f"DSpark drafter directory or Hugging Face Hub id (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
                         "else a random drafter, with a warning)")
-    add_dtype_option(s, "bfloat16")
+    add_dtype_option(s)
     add_device_option(s)
     s.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="R",
                    help="concurrency levels (default: 1 2 4 8 16)")

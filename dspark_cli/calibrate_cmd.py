@@ -104,7 +104,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "are concatenated (their prompt indices renumbered in order; default: collect new pairs)")
     p.add_argument("--n-bins", type=int, default=15, help="ECE bins (default: 15)")
     add_out_dir_option(p, "runs/calibrate", "where calibration.json, pairs.npz and the reliability plot are written")
-    add_dtype_option(p, "bfloat16")
+    add_dtype_option(p)
     add_device_option(p)
     add_threads_option(p)
     p.add_argument("--bias", action="store_true",

@@ -37,7 +37,7 @@ def _add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default: 256)")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate() call (default: 32)")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling / mixing seed (default: 0)")
-    add_dtype_option(p, "bfloat16")
+    add_dtype_option(p)
     add_device_option(p)
     p.add_argument("--shard-size", type=int, default=256,
                    help="prompts per stored shard, the unit of resumption (default: 256)")

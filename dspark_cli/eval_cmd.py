@@ -83,7 +83,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "profiles SPS(B) on first use (default: full)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per prompt (default: 128)")
     p.add_argument("--modes", default="greedy,sample", help="comma-separated: greedy, sample (default: both)")
-    add_dtype_option(p, "bfloat16")
+    add_dtype_option(p)
     add_device_option(p)
     add_threads_option(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + index; default: 0)")

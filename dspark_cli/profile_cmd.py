@@ -41,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
-    add_dtype_option(p, "float32")
+    add_dtype_option(p)
     add_device_option(p)
     add_threads_option(p)
     p.add_argument("--contexts", type=int, nargs="+", default=[256], metavar="N",

@@ -197,10 +197,17 @@ def test_bench_serve_does_not_default_to_the_current_directory():
     assert a.out is None and Path(a.out_dir).parts[0] == "runs"
 
 
-def test_generate_defaults_to_auto_dtype():
+def test_inference_commands_default_to_auto_dtype():
+    """Every command that runs the target for inference picks the machine's fast dtype; training stays in float32."""
     from dspark_cli.main import build_parser
 
-    assert build_parser().parse_args(["generate", "--prompt", "x"]).dtype == "auto"
+    p = build_parser()
+    for argv in (["generate", "--prompt", "x"], ["eval"], ["bench", "serve"], ["calibrate", "--drafter", "d"],
+                 ["data", "build", "--out-dir", "o"], ["profile"]):
+        assert p.parse_args(argv).dtype == "auto", argv
+    for argv in (["train", "--data", "d", "--out-dir", "o"], ["adapt", "--drafter", "d", "--data", "d",
+                                                             "--out-dir", "o"]):
+        assert p.parse_args(argv).dtype == "float32", argv
 
 
 @pytest.mark.parametrize(
