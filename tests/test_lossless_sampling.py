@@ -5,10 +5,10 @@ x2 and x3 drafted in one block) under the processed target distribution (tempera
 enumerated. N samples from `generate(assistant_model=drafter)` must fit it: for each of five marginals (x1, x2, x3,
 (x1, x2), (x2, x3)) no sample falls in a cell of probability 0, and Pearson's χ² goodness-of-fit test (cells pooled
 to an expected count ≥ 5) gives a p-value ≥ ALPHA. With ALPHA = 1e-4 a correct sampler fails a given check (five
-marginals) with a nominal probability (χ² approximation) < 5e-4, so < 1 % over this suite's 11 checks; the seeds are
-fixed (the scheduler's ℓ also depends on measured drafting times, so its sample can differ between runs, each draw
-as valid as another). As a control for the
-enumeration itself, plain `generate()` sampling is checked against the exact table of every processing used here
+marginals) with a nominal probability (χ² approximation) < 5e-4, so < 1 % over this suite's 11 checks. The seeds are
+fixed and the drafter's path runs on a steady fake clock (`steady_clock`): the scheduler and the lookup chooser price
+their choices with measured drafting and verify times, and with a real clock a seeded sample would differ between
+runs and a failure could not be replayed. As a control for the enumeration itself, plain `generate()` sampling is checked against the exact table of every processing used here
 the same way: N independent samples drawn in one batched call of N copies of the prompt (the drafter's path is
 batch size 1).
 
@@ -21,7 +21,11 @@ docs/benchmarks.md, "Power of the sampling tests").
 
 from __future__ import annotations
 
+import itertools
 import math
+import types
+from contextlib import contextmanager
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -30,7 +34,7 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import modeling_dspark as md
-from generation import collect_stats, dspark_options
+from generation import candidate_generator, collect_stats, dspark_options
 
 from .conftest import tiny_target
 
@@ -75,11 +79,24 @@ def _counts(new_tokens: torch.LongTensor, v: int) -> torch.Tensor:
     return torch.bincount(cells, minlength=v**3).double().view(v, v, v)
 
 
+@contextmanager
+def steady_clock(step_s: float = 1e-3):
+    """Every ``time.perf_counter()`` read by the candidate generator advances a fake clock by ``step_s`` seconds, so
+    the times it measures (t_draft, t_verify), and with them the scheduler's and the lookup chooser's choices, are
+    the same in every run: a seeded sample replays exactly."""
+    ticks = itertools.count()
+    clock = types.SimpleNamespace(perf_counter=lambda: next(ticks) * step_s)
+    with mock.patch.object(candidate_generator, "time", clock):
+        yield
+
+
 def _sample_counts(target, drafter, seed, policy=None, sps=None, draft_gate=True, **gen):
-    """N calls of `generate(assistant_model=drafter)` (batch size 1) → (joint counts, their statistics)."""
+    """N calls of `generate(assistant_model=drafter)` (batch size 1) on a steady clock → (joint counts, their
+    statistics)."""
     torch.manual_seed(seed)
     firsts = []
-    with dspark_options(block_size=4, policy=policy, sps=sps, draft_gate=draft_gate), collect_stats() as runs:
+    with (dspark_options(block_size=4, policy=policy, sps=sps, draft_gate=draft_gate), collect_stats() as runs,
+          steady_clock()):
         for _ in range(N):
             out = target.generate(
                 PROMPT, max_new_tokens=4, do_sample=True, assistant_model=drafter, pad_token_id=0, **gen
