@@ -549,7 +549,9 @@ def convert_from_dspark(drafter, fmt: str) -> tuple[dict, dict]:
         embed = drafter.embed_tokens if c.own_embeddings else drafter.target_embeddings
         head = drafter.lm_head if c.own_embeddings else drafter.target_lm_head
         out["embed_tokens.weight"] = embed.weight.detach().cpu().contiguous()
-        out["lm_head.weight"] = head.weight.detach().cpu().contiguous()
+        # a copy: with tied word embeddings (SmolLM2, Gemma) the head is the table, and safetensors refuses to
+        # write two names for one storage
+        out["lm_head.weight"] = head.weight.detach().cpu().clone()
         config = {
             **layer,
             "architectures": ["Qwen3DSparkModel"],
@@ -632,10 +634,16 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     ``--speculative-dspark-confidence-sts-path``.
     A reduced draft vocabulary travels as ``d2t`` / ``t2d`` (speculators).
 
+    The files are written into a temporary directory beside ``out_dir`` and renamed to it at the end, so a failed
+    export leaves nothing behind.
+
     Raises:
         ValueError: the format cannot hold this drafter (every reason listed; nothing written), or ``out_dir``
             exists and is not an empty directory.
     """
+    import shutil
+    import tempfile
+
     from safetensors.torch import save_file
 
     out = check_output_dir(out_dir)
@@ -643,12 +651,19 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config key {key}={value} is not finite")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    c = drafter.config
-    if format == "deepspec" and c.use_confidence_head and any(t != 1.0 for t in c.sts_temperatures) \
-            and not any(c.sts_biases):
-        # SGLang's --speculative-dspark-confidence-sts-path file (temperatures only: it has no offsets)
-        (out / SGLANG_STS_FILE).write_text(json.dumps({"temperatures": list(c.sts_temperatures)}) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        c = drafter.config
+        if format == "deepspec" and c.use_confidence_head and any(t != 1.0 for t in c.sts_temperatures) \
+                and not any(c.sts_biases):
+            # SGLang's --speculative-dspark-confidence-sts-path file (temperatures only: it has no offsets)
+            (tmp / SGLANG_STS_FILE).write_text(json.dumps({"temperatures": list(c.sts_temperatures)}) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; an export is an ordinary directory
+        os.replace(tmp, out)  # an empty out_dir is replaced
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out

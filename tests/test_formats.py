@@ -481,6 +481,32 @@ def test_deepspec_export_needs_the_target(tmp_path):
         formats.export_drafter(drafter, tmp_path / "out", format="deepspec")
 
 
+def test_deepspec_export_of_a_tied_target_and_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
+    """A target with tied word embeddings (SmolLM2, Gemma): its table and head are one tensor, written under both
+    DeepSpec names; the export loads back and drafts the same. An export that fails half-way leaves no directory."""
+    target = tiny_target("llama")
+    target.config.tie_word_embeddings = True
+    target.lm_head.weight = target.model.embed_tokens.weight
+    drafter = new_drafter(target)
+    (tmp_path / "ds").mkdir()  # an empty directory is written into
+    formats.export_drafter(drafter, tmp_path / "ds", format="deepspec")
+    saved = load_file(str(tmp_path / "ds" / "model.safetensors"))
+    assert torch.equal(saved["lm_head.weight"], saved["embed_tokens.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temporary directory left
+    back = md.DSparkDraftModel.from_pretrained(tmp_path / "ds", target=target).eval()
+    _, rounds_a = dspark_rounds(target, drafter, prompt(seed=3))
+    _, rounds_b = dspark_rounds(target, back, prompt(seed=3))
+    assert [(p.tolist(), t, c) for p, t, c in rounds_a] == [(p.tolist(), t, c) for p, t, c in rounds_b]
+
+    def save_file(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", save_file)
+    with pytest.raises(OSError, match="disk full"):
+        formats.export_drafter(drafter, tmp_path / "failed", format="deepspec")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
 def test_export_refuses_a_non_empty_output(tmp_path):
     drafter = new_drafter(tiny_target("qwen3"))
     (tmp_path / "out").mkdir()
