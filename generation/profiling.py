@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import platform
@@ -38,6 +39,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -545,6 +548,9 @@ def ensure_profile(
             if force or not have or max(have) < r * top:
                 missing_ctx.setdefault(c, []).append(r)
     for c, rs in missing_ctx.items():
+        # a first use can take minutes on a CPU: say so, once, instead of a silent wait
+        logger.warning(f"measuring SPS(B) of {name} ({dtype}, {threads} threads, context {c}, R {rs}) once; it is "
+                       f"cached in {path or default_profile_path()} (`dspark profile` measures it ahead)")
         result = profile_target(
             target, contexts=[c], requests=rs, tokens=tokens, threads=threads, warmup=warmup, repeats=repeats,
             progress=progress,

@@ -145,13 +145,15 @@ def _count_profile_calls(monkeypatch) -> list:
     return calls
 
 
-def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch):
+def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch, caplog):
     calls = _count_profile_calls(monkeypatch)
     prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
     assert len(calls) == 1 and isinstance(prof, SPSProfile)
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "dspark profile" in caplog.text  # not silent
     assert sorted(prof.tables[4][1]) == [1, 2, 3]
+    caplog.clear()
     again = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
-    assert len(calls) == 1 and again.tables == prof.tables
+    assert len(calls) == 1 and again.tables == prof.tables and not caplog.records
     profiling.ensure_profile(tiny, contexts=[4], requests=[1, 2], tokens=[1, 2, 3], threads=1)  # only R=2 is new
     assert len(calls) == 2 and calls[-1]["requests"] == [2]
     profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1, force=True)
