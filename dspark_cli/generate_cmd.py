@@ -76,10 +76,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "scheduler when the drafter has a confidence head and a table is cached, else full)")
     samp = p.add_argument_group("sampling")
     samp.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
-    samp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default: 1.0)")
-    samp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1.0 = off)")
-    samp.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (default: 0 = off)")
-    samp.add_argument("--seed", type=int, default=0, help="set before every sampled generate() call (default: 0)")
+    # None = not given: with --do-sample they default to SAMPLING_DEFAULTS; without it, giving one is an error
+    samp.add_argument("--temperature", type=float, default=None,
+                      help="sampling temperature, > 0; needs --do-sample (default: 1.0)")
+    samp.add_argument("--top-p", type=float, default=None,
+                      help="nucleus sampling mass in (0, 1]; needs --do-sample (default: 1.0 = off)")
+    samp.add_argument("--top-k", type=int, default=None,
+                      help="sample from the K most likely tokens; needs --do-sample (default: 0 = off)")
+    samp.add_argument("--seed", type=int, default=None,
+                      help="set before every sampled generate() call; needs --do-sample (default: 0)")
     add_dtype_option(p, "auto")
     add_device_option(p)
     add_threads_option(p)
@@ -106,7 +111,26 @@ def _read_prompts(args) -> list[str]:
     return [r["prompt"] for r in read_prompts_jsonl(path)]
 
 
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+
+
+def _given(args, names) -> list[str]:
+    """The flags among ``names`` (argparse dests) that the user gave."""
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) not in (None, False)]
+
+
 def _check_args(args) -> None:
+    """Refuse bad values and options that would be ignored; fill the sampling defaults."""
+    ignored = _given(args, SAMPLING_DEFAULTS) if not args.do_sample else []
+    if ignored:
+        raise CLIError(f"{', '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} only with --do-sample "
+                       "(greedy by default)")
+    for name, default in SAMPLING_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    ignored = _given(args, ("drafter", "policy", "block_size", "no_lookup", "compare")) if args.no_draft else []
+    if ignored:
+        raise CLIError(f"{', '.join(ignored)} {'needs' if len(ignored) == 1 else 'need'} a drafter: drop --no-draft")
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.block_size is not None and args.block_size < 1:
@@ -120,8 +144,6 @@ def _check_args(args) -> None:
             raise CLIError(f"--top-k must be >= 0, got {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
-    if args.compare and args.no_draft:
-        raise CLIError("--compare needs a drafter (drop --no-draft)")
     if args.target is not None and not Path(args.target).is_dir():
         from modeling_dspark.target import DEFAULT_TARGET
 

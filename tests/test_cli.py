@@ -82,6 +82,11 @@ def test_sampling_seeded_reproducible(capsys):
         (["--prompt", "hi", "--drafter", "/nonexistent/drafter"], "drafter directory not found"),
         (["--prompt", "hi", "--block-size", "0"], "--block-size"),
         ([], "no prompt"),
+        # options that would be ignored
+        (["--prompt", "hi", "--temperature", "0.7", "--top-k", "5"], "--temperature, --top-k apply only with --do-sample"),
+        (["--prompt", "hi", "--seed", "3"], "--seed applies only with --do-sample"),
+        (["--prompt", "hi", "--no-draft", "--policy", "full", "--drafter", "random"], "--drafter, --policy need a drafter"),
+        (["--prompt", "hi", "--no-draft", "--compare"], "--compare needs a drafter"),
     ],
 )
 def test_errors_before_loading(extra, message, capsys):
