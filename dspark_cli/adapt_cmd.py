@@ -21,13 +21,24 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .checks import (
+    check_min,
+    check_out_dir,
+    check_target,
+    load_data_dir,
+    load_target_checked,
+    silence_progress,
+)
 from .common import (
+    CLIError,
     add_device_option,
     add_dtype_option,
     add_hidden_alias,
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    drafter_dir,
+    reports_cli_errors,
     require_out_dir,
     resolve_dtype,
     resolve_resume,
@@ -38,10 +49,12 @@ DEFAULT_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, metavar="PATH", help="directory of the trained drafter to adapt (required)")
+    p.add_argument("--drafter", required=True, metavar="PATH|HUB_ID",
+                   help="directory (or Hub repository id) of the trained drafter to adapt (required)")
     p.add_argument("--data", required=True, metavar="DIR",
                    help="new-domain data: a directory written by `dspark data build` (required)")
-    add_out_dir_option(p, None, "checkpoints, the adapter, the manifest (and merged/)")
+    add_out_dir_option(p, None, "checkpoints, the adapter, the manifest (and merged/); a new run needs a new or "
+                                "empty OUT_DIR, a non-empty one is refused unless --resume is given")
     add_hidden_alias(p, "--output-dir", "out_dir")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local target directory (default: the drafter's target if it is a local directory, "
@@ -69,8 +82,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_hidden_alias(t, "--bf16", "dtype", const="bfloat16")
     t.add_argument("--seed", type=int, default=0, help="LoRA initialisation and data-order seed (default: 0)")
     t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir "
-                        "(default: start fresh)")
+                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir (needed "
+                        "to train into a non-empty --out-dir; default: start fresh in a new or empty --out-dir)")
     t.add_argument("--save-steps", type=int, default=100, help="checkpoint every N steps (default: 100)")
     t.add_argument("--save-total-limit", type=int, default=2, help="checkpoints kept (default: 2)")
     t.add_argument("--logging-steps", type=int, default=10, help="log the losses every N steps (default: 10)")
@@ -99,15 +112,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _resolve_target(args, drafter_dir: str):
-    """``--target``, else the drafter's ``target_name_or_path`` when that is a local directory, else the default."""
+def _resolve_target(args, cfg):
+    """``--target``, else the drafter config ``cfg``'s ``target_name_or_path`` when that is a local directory, else
+    the default."""
     import os
-
-    from modeling_dspark import DSparkConfig
 
     if args.target:
         return args.target
-    name = DSparkConfig.from_pretrained(drafter_dir).target_name_or_path
+    name = cfg.target_name_or_path
     return name if name and os.path.isdir(name) else None
 
 
@@ -115,6 +127,9 @@ def split_eval(data, n: int, seed: int, eval_data=None):
     """(train rows, held-out eval rows): ``n`` rows of ``eval_data`` if given, else ``n`` rows held out of ``data``.
 
     The held-out rows are chosen by a seeded permutation and removed from the training set.
+
+    Raises:
+        CLIError: ``n`` rows held out of ``data`` would leave none to train on.
     """
     import numpy as np
 
@@ -124,15 +139,50 @@ def split_eval(data, n: int, seed: int, eval_data=None):
         order = np.random.default_rng(seed).permutation(len(eval_data))[:n]
         return data, eval_data.select(sorted(order.tolist()))
     if n >= len(data):
-        raise SystemExit(f"--eval-prompts {n} leaves no training rows (data has {len(data)} rows)")
+        raise CLIError(f"--eval-prompts {n} leaves no training rows (--data has {len(data)} rows)")
     order = np.random.default_rng(seed).permutation(len(data))
     held = sorted(order[:n].tolist())
     keep = sorted(order[n:].tolist())
     return data.select(keep), data.select(held)
 
 
+def _check_args(args):
+    """The options that need no model, checked before any is loaded; returns the drafter's local directory and its
+    config.
+
+    Raises:
+        CLIError: a value out of its range, no --target-modules, a missing --target, a non-empty --out-dir without
+            --resume, a missing or unreadable drafter, an --eval-block-size above the drafter's block size.
+    """
+    from modeling_dspark import DSparkConfig
+
+    check_min(args, {"lora_r": 1, "lora_dropout": 0, "max_steps": 1, "warmup_steps": 0, "batch_size": 1,
+                     "grad_accum": 1, "anchors_per_seq": 1, "max_length": 2, "seed": 0, "save_steps": 1,
+                     "save_total_limit": 1, "logging_steps": 1, "num_workers": 0, "eval_prompts": 0,
+                     "eval_max_new_tokens": 1, "eval_block_size": 1})
+    check_min(args, {"lora_alpha": 0, "lr": 0}, strict=True)
+    if args.lora_dropout >= 1:
+        raise CLIError(f"--lora-dropout must be < 1, got {args.lora_dropout}")
+    if not [m for m in args.target_modules.split(",") if m.strip()]:
+        raise CLIError("--target-modules is empty: name at least one module to adapt")
+    check_target(args.target)
+    check_out_dir(args.out_dir, args.resume)
+    base_dir = drafter_dir(args.drafter)
+    try:
+        base_cfg = DSparkConfig.from_pretrained(base_dir)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"could not read drafter {args.drafter!r}: {err}") from None
+    if args.eval_block_size is not None and args.eval_block_size > base_cfg.block_size:
+        raise CLIError(f"--eval-block-size must be in [1, {base_cfg.block_size}] for this drafter, "
+                       f"got {args.eval_block_size}")
+    return base_dir, base_cfg
+
+
+@reports_cli_errors("dspark adapt")
 def run(args) -> int:
     require_out_dir(args, "dspark adapt")
+    base_dir, base_cfg = _check_args(args)
+    silence_progress(args.no_progress)
     import json
     import time
     from pathlib import Path
@@ -142,7 +192,6 @@ def run(args) -> int:
     from transformers import TrainingArguments
 
     from modeling_dspark import DSparkDraftModel
-    from training.data import load_data
     from training.peft_adapt import (
         add_lora,
         greedy_tau,
@@ -150,25 +199,27 @@ def run(args) -> int:
         trainable_parameter_summary,
         write_adapter_info,
     )
-    from modeling_dspark.target import load_target
     from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset
 
     set_threads(args.threads)
+    data = prepare_dataset(load_data_dir(args.data))
+    eval_src = prepare_dataset(load_data_dir(args.eval_data, "--eval-data")) if args.eval_data else None
+    train_rows, eval_rows = split_eval(data, args.eval_prompts, args.seed, eval_src)
     args.output_dir = args.out_dir
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     use_cpu = device.startswith("cpu")
     args.bf16 = resolve_dtype(args.dtype, device, announce="dspark adapt") == "bfloat16"
     transformers.set_seed(args.seed)
-    target, tok = load_target(_resolve_target(args, args.drafter),
-                              dtype=torch.bfloat16 if args.bf16 else torch.float32, device=device)
-    drafter = DSparkDraftModel.from_pretrained(args.drafter, target=target)
+    target, tok = load_target_checked(_resolve_target(args, base_cfg),
+                                      dtype=torch.bfloat16 if args.bf16 else torch.float32, device=device)
+    try:
+        drafter = DSparkDraftModel.from_pretrained(base_dir, target=target)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"could not load drafter {args.drafter!r} for this target: {err}") from None
     saved_dtype = drafter.dtype
     drafter.to(torch.float32)  # LoRA weights and optimizer state in fp32; bf16 via autocast (--bf16)
     gamma = drafter.config.block_size
 
-    data = prepare_dataset(load_data(args.data))
-    eval_src = prepare_dataset(load_data(args.eval_data)) if args.eval_data else None
-    train_rows, eval_rows = split_eval(data, args.eval_prompts, args.seed, eval_src)
     prompts = [] if eval_rows is None else [r["input_ids"][: r["prompt_len"]] for r in eval_rows]
 
     def tau(model):

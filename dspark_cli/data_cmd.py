@@ -8,13 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .checks import check_min, check_target, load_target_checked, silence_progress
 from .common import (
+    CLIError,
     add_device_option,
     add_dtype_option,
     add_hidden_alias,
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    reports_cli_errors,
     require_out_dir,
     resolve_device,
     resolve_dtype,
@@ -58,14 +61,32 @@ def _add_build_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_sources(sources: str, per_source: str) -> dict[str, int]:
-    """``("a,b", "100")`` → {a: 100, b: 100}; ``(…, "a=10,b=20")`` → {a: 10, b: 20}."""
-    if "=" in per_source:
-        out = {}
-        for item in per_source.split(","):
-            name, n = item.split("=")
-            out[name.strip()] = int(n)
-        return out
-    return {s.strip(): int(per_source) for s in sources.split(",") if s.strip()}
+    """``("a,b", "100")`` → {a: 100, b: 100}; ``(…, "a=10,b=20")`` → {a: 10, b: 20}.
+
+    Raises:
+        CLIError: a malformed ``per_source``, no source, a source not in ``training.prompts.TRAIN_SOURCES``, or a
+            count < 1.
+    """
+    from training.prompts import TRAIN_SOURCES
+
+    flag = "--per-source" if "=" in per_source else "--sources"
+    try:
+        if "=" in per_source:
+            out = {}
+            for item in per_source.split(","):
+                name, n = item.split("=")
+                out[name.strip()] = int(n)
+        else:
+            out = {s.strip(): int(per_source) for s in sources.split(",") if s.strip()}
+    except ValueError:
+        raise CLIError(f"--per-source must be a number or 'source=N,source=N,...', got {per_source!r}") from None
+    unknown = [s for s in out if s not in TRAIN_SOURCES]
+    if not out or unknown:
+        raise CLIError(f"{flag}: unknown training source(s) {unknown or list(out)}; choose from "
+                       f"{', '.join(TRAIN_SOURCES)}")
+    if any(n < 1 for n in out.values()):
+        raise CLIError(f"--per-source must be >= 1 for every source, got {per_source!r}")
+    return out
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,30 +99,61 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _check_args(args) -> dict[str, int]:
+    """The options checked before the target is loaded; returns ``{source: number of prompts}``.
+
+    Raises:
+        CLIError: a value out of its range, an unknown source, a missing --target, an --exclude-data directory
+            without plan.json, an --out-dir that is a file.
+    """
+    from pathlib import Path
+
+    sources = parse_sources(args.sources, args.per_source)
+    check_min(args, {"max_new_tokens": 1, "batch_size": 1, "seed": 0, "shard_size": 1, "max_prompt_tokens": 1,
+                     "overlap_threshold": 0})
+    if args.overlap_threshold > 1:
+        raise CLIError(f"--overlap-threshold must be in [0, 1], got {args.overlap_threshold}")
+    for d in args.exclude_data:
+        if not (Path(d) / "plan.json").is_file():
+            raise CLIError(f"--exclude-data {d}: no plan.json there (not a `dspark data build` directory)")
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise CLIError(f"--out-dir {args.out_dir} is a file, not a directory")
+    check_target(args.target)
+    return sources
+
+
+@reports_cli_errors("dspark data build")
 def run(args) -> int:
     require_out_dir(args, "dspark data build")
+    if getattr(args, "data_command", "build") != "build":
+        raise CLIError(f"unknown data command {args.data_command!r}")
+    sources = _check_args(args)
+    silence_progress(args.no_progress)
     import json
 
     import torch
 
     set_threads(args.threads)
 
-    from training.data import build_dataset
-    from modeling_dspark.target import load_target
+    from training.data import DataBuildError, build_dataset
 
-    if getattr(args, "data_command", "build") != "build":
-        raise SystemExit(f"unknown data command {args.data_command!r}")
     device = resolve_device(args.device)
     dtype = getattr(torch, resolve_dtype(args.dtype, device, announce="dspark data build"))
-    target, tok = load_target(args.target, dtype=dtype, device=device)
-    manifest = build_dataset(
-        target, tok, args.out_dir,
-        sources=parse_sources(args.sources, args.per_source),
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-        overlap_threshold=args.overlap_threshold or None, max_prompt_tokens=args.max_prompt_tokens,
-        shard_size=args.shard_size, progress=not args.no_progress, exclude=args.exclude_data,
-        max_shards=0 if args.plan_only else None,
-    )
+    target, tok = load_target_checked(args.target, dtype=dtype, device=device)
+    try:
+        manifest = build_dataset(
+            target, tok, args.out_dir,
+            sources=sources,
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+            overlap_threshold=args.overlap_threshold or None, max_prompt_tokens=args.max_prompt_tokens,
+            shard_size=args.shard_size, progress=not args.no_progress, exclude=args.exclude_data,
+            max_shards=0 if args.plan_only else None,
+        )
+    except DataBuildError as err:
+        raise CLIError(str(err)) from None
+    if manifest["num_prompts"] == 0:
+        raise CLIError(f"no prompt is left after the filters ({manifest['prompts']}): raise --per-source or "
+                       "--max-prompt-tokens")
     summary = {k: manifest[k] for k in ("prompts", "eval_overlap_dropped_total", "num_prompts", "generation")}
     print(json.dumps(summary, indent=2))
     return 0

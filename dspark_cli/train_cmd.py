@@ -14,6 +14,15 @@ import json
 import sys
 from pathlib import Path
 
+from .checks import (
+    check_min,
+    check_out_dir,
+    check_target,
+    load_data_dir,
+    load_target_checked,
+    parse_ints,
+    silence_progress,
+)
 from .common import (
     CLIError,
     add_device_option,
@@ -28,10 +37,6 @@ from .common import (
     resolve_resume,
     set_threads,
 )
-
-
-def _ints(text: str | None):
-    return None if text in (None, "", "last") else [int(x) for x in text.split(",")]
 
 
 # drafter fields a checkpoint's weights depend on: resuming with other values would load it partly (Trainer loads
@@ -61,7 +66,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="one or more directories written by `dspark data build` (or save_to_disk dirs), "
                         "concatenated in the order given (required)")
-    add_out_dir_option(p, None, "checkpoints (OUT_DIR/checkpoint-N) and the final drafter")
+    add_out_dir_option(p, None, "checkpoints (OUT_DIR/checkpoint-N) and the final drafter; a new run needs a new or "
+                                "empty OUT_DIR, a non-empty one is refused unless --resume is given")
     add_hidden_alias(p, "--output-dir", "out_dir")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
@@ -106,8 +112,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_hidden_alias(t, "--bf16", "dtype", const="bfloat16")
     t.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed (default: 0)")
     t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir "
-                        "(default: start fresh)")
+                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir (needed "
+                        "to train into a non-empty --out-dir; default: start fresh in a new or empty --out-dir)")
     t.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default: 500)")
     t.add_argument("--save-total-limit", type=int, default=3, help="checkpoints kept (default: 3)")
     t.add_argument("--logging-steps", type=int, default=10, help="log the losses every N steps (default: 10)")
@@ -147,22 +153,51 @@ def _machine() -> dict:
 
 def load_training_data(paths):
     """The rows ``dspark train`` trains on: the data directories concatenated in order, through ``prepare_dataset``
-    (stable ``idx`` per row — what a feature cache is keyed by)."""
-    from training.data import load_data
+    (stable ``idx`` per row — what a feature cache is keyed by).
+
+    Raises:
+        CLIError: a directory that is missing or holds no data (:func:`dspark_cli.checks.load_data_dir`).
+    """
     from training.trainer import prepare_dataset
 
     if len(paths) == 1:
-        return prepare_dataset(load_data(paths[0]))
+        return prepare_dataset(load_data_dir(paths[0]))
     from datasets import concatenate_datasets
 
-    parts = [load_data(d) for d in paths]
+    parts = [load_data_dir(d) for d in paths]
     keep = [c for c in parts[0].column_names if all(c in d.column_names for d in parts)]
     return prepare_dataset(concatenate_datasets([d.select_columns(keep) for d in parts]))
+
+
+def _check_args(args) -> tuple[list[int] | None, list[int] | None]:
+    """The option values that need no model, checked before any is loaded; returns the parsed
+    ``(--target-layer-ids, --init-from-target)`` layer ids (None: the default).
+
+    Raises:
+        CLIError: a value out of its range, unparsable layer ids, a missing --target, a non-empty --out-dir without
+            --resume.
+    """
+    check_min(args, {"block_size": 1, "markov_rank": 1, "num_draft_layers": 1, "draft_vocab_size": 1,
+                     "mask_token_id": 0, "anchors_per_seq": 1, "max_length": 2, "max_steps": 1, "warmup_steps": 0,
+                     "batch_size": 1, "grad_accum": 1, "seed": 0, "save_steps": 1, "save_total_limit": 1,
+                     "logging_steps": 1, "num_workers": 0, "ce_weight": 0, "tv_weight": 0, "conf_weight": 0,
+                     "weight_decay": 0})
+    check_min(args, {"lr": 0, "loss_decay": 0}, strict=True)
+    if args.ce_weight + args.tv_weight + args.conf_weight == 0:
+        raise CLIError("--ce-weight, --tv-weight and --conf-weight are all 0: the loss would be 0")
+    layer_ids = parse_ints("--target-layer-ids", args.target_layer_ids) if args.target_layer_ids else None
+    init_layers = (None if args.init_from_target in (None, "", "last")
+                   else parse_ints("--init-from-target", args.init_from_target))
+    check_target(args.target)
+    check_out_dir(args.out_dir, args.resume)
+    return layer_ids, init_layers
 
 
 @reports_cli_errors("dspark train")
 def run(args) -> int:
     require_out_dir(args, "dspark train")
+    layer_ids, init_layers = _check_args(args)
+    silence_progress(args.no_progress)
     import time
 
     import torch
@@ -170,39 +205,41 @@ def run(args) -> int:
     from transformers import TrainingArguments
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
-    from modeling_dspark.target import DEFAULT_TARGET, load_target
+    from modeling_dspark.target import DEFAULT_TARGET
     from training.trainer import DSparkCollator, DSparkTrainer, init_from_target
 
     set_threads(args.threads)
+    data = load_training_data(args.data)
     args.output_dir = args.out_dir
     args.cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
     args.bf16 = resolve_dtype(args.dtype, "cpu" if args.cpu else "cuda", announce="dspark train") == "bfloat16"
     transformers.set_seed(args.seed)
-    target, tok = load_target(args.target, dtype=torch.bfloat16 if args.bf16 else torch.float32)
-    extra = {}
-    if args.target_layer_ids:
-        extra["target_layer_ids"] = _ints(args.target_layer_ids)
-    cfg = DSparkConfig.from_target_config(
-        target.config,
-        block_size=args.block_size, sequential_head=args.sequential_head, markov_rank=args.markov_rank,
-        num_draft_layers=args.num_draft_layers, use_confidence_head=not args.no_confidence_head,
-        ce_weight=args.ce_weight, tv_weight=args.tv_weight, conf_weight=args.conf_weight,
-        loss_decay=args.loss_decay, draft_vocab_size=args.draft_vocab_size, mask_token_id=args.mask_token_id,
-        **extra,
-    )
+    target, tok = load_target_checked(args.target, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    extra = {} if layer_ids is None else {"target_layer_ids": layer_ids}
+    try:
+        cfg = DSparkConfig.from_target_config(
+            target.config,
+            block_size=args.block_size, sequential_head=args.sequential_head, markov_rank=args.markov_rank,
+            num_draft_layers=args.num_draft_layers, use_confidence_head=not args.no_confidence_head,
+            ce_weight=args.ce_weight, tv_weight=args.tv_weight, conf_weight=args.conf_weight,
+            loss_decay=args.loss_decay, draft_vocab_size=args.draft_vocab_size, mask_token_id=args.mask_token_id,
+            **extra,
+        )
+    except ValueError as err:  # e.g. --mask-token-id or --target-layer-ids outside this target's range
+        raise CLIError(f"the drafter options do not fit this target: {err}") from None
     if not cfg.target_name_or_path or args.target is None:
         cfg.target_name_or_path = str(args.target or DEFAULT_TARGET)
     resume = resolve_resume(args.resume, args.output_dir)
     if resume is not None:
         _check_resume_config(resume, cfg)
     drafter = DSparkDraftModel(cfg)
-    init_layers = None
     if args.init_from_target is not None:
-        init_layers = _ints(args.init_from_target)
-        copied = init_from_target(drafter, target, init_layers)
+        try:
+            copied = init_from_target(drafter, target, init_layers)
+        except ValueError as err:
+            raise CLIError(f"--init-from-target: {err}") from None
         print(f"initialised {len(copied)} drafter tensors from target layers {init_layers or 'last'}")
 
-    data = load_training_data(args.data)
     if args.draft_vocab_size:
         from training.trainer import select_draft_vocab
 
@@ -229,7 +266,8 @@ def run(args) -> int:
             if targs.process_index == 0:
                 target.to(targs.device)
                 build_feature_cache(data, target, cfg.target_layer_ids, args.feature_cache,
-                                    batch_size=args.batch_size, max_length=args.max_length)
+                                    batch_size=args.batch_size, max_length=args.max_length,
+                                    progress=not args.no_progress)
         cache_wall = round(time.time() - t_cache, 1)
         cache = FeatureCache(args.feature_cache, cfg.target_layer_ids, target.config.hidden_size, target=target)
         collator = CachedFeatureCollator(args.block_size, args.anchors_per_seq, pad, args.seed, args.max_length,

