@@ -258,11 +258,16 @@ def _stats_line(rec: dict) -> str:
     parts = [f"{rec['num_new_tokens']} tokens in {rec['seconds']:.2f} s ({rec['tokens_per_s']:.1f} tok/s)"]
     if rec["drafter"] != "none":
         skipped = f" ({rec['skipped_draft_rounds']} without drafting)" if rec.get("skipped_draft_rounds") else ""
-        parts.append(f"{rec['rounds']} rounds{skipped}, tau={rec['tau']:.2f}, "
-                     f"draft {rec['t_draft_ms']:.1f} ms / verify {rec['t_verify_ms']:.1f} ms per round")
+        if rec["rounds"]:
+            parts.append(f"{rec['rounds']} rounds{skipped}, tau={rec['tau']:.2f}, "
+                         f"draft {rec['t_draft_ms']:.1f} ms / verify {rec['t_verify_ms']:.1f} ms per round")
+        else:  # the prefill's token alone (max_new_tokens 1) or a stop at the first token: nothing speculated
+            parts.append("no speculative round")
     if "speedup" in rec:
-        parts.append(f"baseline {rec['baseline_tokens_per_s']:.1f} tok/s, speedup {rec['speedup']:.2f}x, "
-                     f"outputs {'identical' if rec['identical'] else 'DIFFER'}")
+        # under sampling the two runs draw differently (the same distribution), so differing outputs are expected
+        same = "identical" if rec["identical"] else ("differ (sampled)" if rec["do_sample"] else "DIFFER")
+        parts.append(f"baseline {rec['baseline_tokens_per_s']:.1f} tok/s, speedup {rec['speedup']:.2f}x (one run), "
+                     f"outputs {same}")
     return "[dspark] " + " | ".join(parts)
 
 
@@ -320,7 +325,7 @@ def run(args) -> int:
         except ValueError as err:  # e.g. block size / policy rejected by the candidate generator
             raise CLIError(str(err)) from None
         rec = _record(i, prompt, tok, new_ids, secs, stats, drafter_spec)
-        rec["dtype"] = dtype
+        rec["dtype"], rec["do_sample"] = dtype, bool(args.do_sample)
         if args.compare:
             base_ids, base_secs, _ = timed_generate(target, ids, None, gen_kwargs, seed)
             rec["baseline_tokens_per_s"] = len(base_ids) / base_secs if base_secs > 0 else None

@@ -295,3 +295,14 @@ def test_a_drafter_with_an_invalid_config_is_refused_before_the_target_loads(com
     assert main([*command, "--drafter", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "config.json") in err and "not valid JSON" in err, err
+
+
+def test_stats_line_says_what_it_measured():
+    from dspark_cli.generate_cmd import _stats_line
+
+    rec = {"num_new_tokens": 1, "seconds": 0.5, "tokens_per_s": 2.0, "drafter": "d", "rounds": 0, "tau": 0.0,
+           "skipped_draft_rounds": 0, "t_draft_ms": 0.0, "t_verify_ms": 0.0}
+    assert "no speculative round" in _stats_line(rec) and "tau" not in _stats_line(rec)
+    rec.update(rounds=3, tau=2.0, baseline_tokens_per_s=1.0, speedup=2.0, identical=False, do_sample=True)
+    assert "tau=2.00" in _stats_line(rec) and "outputs differ (sampled)" in _stats_line(rec)
+    assert "outputs DIFFER" in _stats_line(dict(rec, do_sample=False))
