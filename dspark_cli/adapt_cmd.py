@@ -21,14 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checks import (
-    check_min,
-    check_out_dir,
-    check_target,
-    load_data_dir,
-    load_target_checked,
-    silence_progress,
-)
 from .common import (
     CLIError,
     add_device_option,
@@ -37,12 +29,18 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_min,
+    check_out_dir,
+    check_target,
     drafter_dir,
+    load_data_dir,
+    load_target_checked,
     reports_cli_errors,
     require_out_dir,
     resolve_dtype,
     resolve_resume,
     set_threads,
+    silence_progress,
 )
 
 DEFAULT_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"

@@ -56,6 +56,7 @@ from .common import (
     add_threads_option,
     drafter_dir,
     load_drafter,
+    load_target_checked,
     reports_cli_errors,
     resolve_device,
     resolve_dtype,
@@ -154,16 +155,11 @@ def _load(args):
     """``(target, tokenizer, drafter, drafter spec)``; a wrong ``--drafter`` is reported before the target loads."""
     import torch
 
-    from modeling_dspark.target import load_target
-
     spec = args.drafter
     if spec is None:
         spec = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
     path = spec if spec == "random" else drafter_dir(spec)
-    try:
-        target, tok = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-    except (FileNotFoundError, OSError) as err:
-        raise CLIError(f"could not load target: {err}") from None
+    target, tok = load_target_checked(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     if spec == "random":
         print("dspark bench serve: WARNING: using a random (untrained) drafter: outputs are exact but few drafts are "
               "accepted, so speculation cannot pay off; pass --drafter PATH for meaningful numbers", file=sys.stderr)

@@ -56,6 +56,7 @@ from .common import (
     add_progress_option,
     add_threads_option,
     drafter_dir,
+    load_target_checked,
     read_prompts_jsonl,
     reports_cli_errors,
     resolve_device,
@@ -555,16 +556,12 @@ def run(args) -> int:
         from transformers.utils import logging as hf_logging
 
         from modeling_dspark import DSparkDraftModel
-        from modeling_dspark.target import load_target
 
         hf_logging.disable_progress_bar()
         device = resolve_device(args.device)
         args.dtype = resolve_dtype(args.dtype, device, announce="dspark calibrate")
         dtype = getattr(torch, args.dtype)
-        try:
-            target, tok = load_target(args.target, dtype=dtype, device=device)
-        except (FileNotFoundError, OSError) as err:
-            raise CLIError(f"could not load target: {err}") from None
+        target, tok = load_target_checked(args.target, dtype=dtype, device=device)
         try:
             drafter = DSparkDraftModel.from_pretrained(args.drafter, target=target, dtype=dtype).eval()
         except (OSError, ValueError) as err:

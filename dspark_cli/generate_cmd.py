@@ -32,8 +32,10 @@ from .common import (
     add_device_option,
     add_dtype_option,
     add_threads_option,
+    check_target,
     drafter_dir,
     load_drafter,
+    load_target_checked,
     read_prompts_jsonl,
     reports_cli_errors,
     resolve_device,
@@ -144,11 +146,7 @@ def _check_args(args) -> None:
             raise CLIError(f"--top-k must be >= 0, got {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
-    if args.target is not None and not Path(args.target).is_dir():
-        from modeling_dspark.target import DEFAULT_TARGET
-
-        if args.target != DEFAULT_TARGET:
-            raise CLIError(f"target {args.target!r} is not a local model directory")
+    check_target(args.target)
 
 
 def _resolve_drafter(args) -> str | None:
@@ -182,13 +180,8 @@ def load_models(target_path, drafter_spec: str | None, dtype_name: str, device: 
     """Load ``(target, tokenizer, drafter | None)``; the drafter is bound to the target."""
     import torch
 
-    from modeling_dspark.target import load_target
-
     dtype = getattr(torch, dtype_name)
-    try:
-        target, tok = load_target(target_path, dtype=dtype, device=device)
-    except (FileNotFoundError, OSError) as err:
-        raise CLIError(f"could not load target: {err}") from None
+    target, tok = load_target_checked(target_path, dtype=dtype, device=device)
     if drafter_spec is None:
         return target, tok, None
     try:

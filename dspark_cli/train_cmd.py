@@ -14,15 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-from .checks import (
-    check_min,
-    check_out_dir,
-    check_target,
-    load_data_dir,
-    load_target_checked,
-    parse_ints,
-    silence_progress,
-)
 from .common import (
     CLIError,
     add_device_option,
@@ -31,11 +22,18 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_min,
+    check_out_dir,
+    check_target,
+    load_data_dir,
+    load_target_checked,
+    parse_ints,
     reports_cli_errors,
     require_out_dir,
     resolve_dtype,
     resolve_resume,
     set_threads,
+    silence_progress,
 )
 
 
@@ -156,7 +154,7 @@ def load_training_data(paths):
     (stable ``idx`` per row — what a feature cache is keyed by).
 
     Raises:
-        CLIError: a directory that is missing or holds no data (:func:`dspark_cli.checks.load_data_dir`).
+        CLIError: a directory that is missing or holds no data (:func:`dspark_cli.common.load_data_dir`).
     """
     from training.trainer import prepare_dataset
 
