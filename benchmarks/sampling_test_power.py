@@ -15,8 +15,8 @@ the same tiny target, drafter, prompt, processing, seed and N. Each mutation bre
 For each (case, mutation) the script reports the smallest χ² p-value over the five marginals (the tests' check, with
 probability-0 cells: fail below ``ALPHA``), the largest deviation of a cell over a per-cell bound of 4.5 standard
 errors + 2/N (compared: fail above 1), and the rounds of the N calls by the chain they verified. One run per pair,
-at the tests' seeds; where the scheduler prices ℓ with measured drafting times (gen3, lookup+skipped) another run
-can draw another sample. Each pair runs in its own process (the mutations patch modules).
+at the tests' seeds and on their steady clock (a rerun draws the same sample). Each pair runs in its own process
+(the mutations patch modules).
 
     python benchmarks/sampling_test_power.py --jobs 2 --out benchmarks/results/sampling-test-power.json
 """
