@@ -125,13 +125,17 @@ def resolve_device(spec: str | None) -> str:
 
 def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None) -> str:
     """``--dtype``: ``"auto"`` becomes ``modeling_dspark.target.fast_dtype(device)``'s name. With ``announce``
-    (the command's name) the choice is said in one line on stderr."""
-    if spec != "auto":
-        return spec
+    (the command's name) the choice is said in one line on stderr, and an explicit bfloat16 where it is not the fast
+    dtype gets a warning."""
     import torch
 
     from modeling_dspark.target import fast_dtype
 
+    if spec != "auto":
+        if announce and spec == "bfloat16" and fast_dtype(device) != torch.bfloat16:
+            print(f"{announce}: warning: dtype bfloat16 without native bf16 matrix instructions on this CPU is "
+                  "usually slower than float32 (--dtype auto picks float32 here)", file=sys.stderr)
+        return spec
     name = "bfloat16" if fast_dtype(device) == torch.bfloat16 else "float32"
     if announce:
         why = ("bf16 matrix instructions on this " + ("GPU" if device.startswith("cuda") else "CPU")

@@ -250,6 +250,10 @@ def test_auto_dtype_is_announced(monkeypatch, capsys):
     monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2"}))
     assert resolve_dtype("auto", "cpu", announce="dspark generate") == "float32"
     assert "dtype float32" in capsys.readouterr().err
+    # an explicit bfloat16 where it is slow is kept, with a warning; where it is fast, silently
+    assert resolve_dtype("bfloat16", "cpu", announce="x") == "bfloat16" and "slower" in capsys.readouterr().err
+    assert resolve_dtype("float32", "cpu", announce="x") == "float32" and capsys.readouterr().err == ""
+    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"amx_bf16"}))
     assert resolve_dtype("bfloat16", "cpu", announce="x") == "bfloat16" and capsys.readouterr().err == ""
     del torch
 
