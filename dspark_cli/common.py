@@ -192,7 +192,8 @@ def drafter_dir(spec: str, hub: bool = True) -> str:
         hub: accept Hub ids; False for commands that write into the drafter directory.
 
     Raises:
-        CLIError: no such directory or repository, no ``config.json``, or one that is not a JSON object.
+        CLIError: no such directory or repository, no ``config.json``, one that is not a JSON object, or no
+            safetensors weights.
     """
     from modeling_dspark.formats import read_json
     from modeling_dspark.hub import resolve_pretrained_dir
@@ -212,6 +213,8 @@ def drafter_dir(spec: str, hub: bool = True) -> str:
         read_json(path / "config.json")
     except OSError as err:
         raise CLIError(f"drafter {spec!r}: {err}") from None
+    if not any(path.glob("*.safetensors")):
+        raise CLIError(f"drafter {spec!r} has no safetensors weights (config.json alone)")
     return str(path)
 
 

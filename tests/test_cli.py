@@ -288,7 +288,7 @@ def test_threads_must_be_positive(capsys):
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval"], ["bench", "serve"], ["calibrate"]])
-def test_a_drafter_with_an_invalid_config_is_refused_before_the_target_loads(command, tmp_path, monkeypatch, capsys):
+def test_a_drafter_without_valid_config_or_weights_is_refused_before_the_target_loads(command, tmp_path, monkeypatch, capsys):
     import modeling_dspark.target as target_mod
 
     def load_target(*args, **kwargs):
@@ -299,6 +299,9 @@ def test_a_drafter_with_an_invalid_config_is_refused_before_the_target_loads(com
     assert main([*command, "--drafter", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "config.json") in err and "not valid JSON" in err, err
+    (tmp_path / "config.json").write_text('{"block_size": 4}')
+    assert main([*command, "--drafter", str(tmp_path)]) == 2
+    assert "no safetensors weights" in capsys.readouterr().err
 
 
 def test_stats_line_says_what_it_measured():
