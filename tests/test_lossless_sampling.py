@@ -8,9 +8,9 @@ to an expected count ≥ 5) gives a p-value ≥ ALPHA. With ALPHA = 1e-4 a corre
 marginals) with a nominal probability (χ² approximation) < 5e-4, so < 1 % over this suite's 11 checks. The seeds are
 fixed and the drafter's path runs on a steady fake clock (`steady_clock`): the scheduler and the lookup chooser price
 their choices with measured drafting and verify times, and with a real clock a seeded sample would differ between
-runs and a failure could not be replayed. As a control for the enumeration itself, plain `generate()` sampling is checked against the exact table of every processing used here
-the same way: N independent samples drawn in one batched call of N copies of the prompt (the drafter's path is
-batch size 1).
+runs and a failure could not be replayed. As a control for the enumeration itself, plain `generate()` sampling is
+checked against the exact table of every processing used here the same way: N independent samples drawn in one
+batched call of N copies of the prompt (the drafter's path is batch size 1).
 
 The χ² test pools the evidence of all cells, so it catches rules that shift probability a little in many cells: at
 N = 3000, in one run at these seeds, it caught resampling a rejected draft from p instead of the residual
