@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .common import CLIError, reports_cli_errors
+from .common import CLIError, drafter_dir, reports_cli_errors
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,7 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("drafter", metavar="DRAFTER", help="drafter directory (any format dspark loads)")
+    p.add_argument("drafter", metavar="DRAFTER", help="drafter directory or Hugging Face Hub id (any format dspark "
+                   "loads)")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
     p.add_argument("--format", required=True, choices=("deepspec", "speculators", "dflash"),
                    help="deepspec: vLLM method dspark / SGLang DSPARK; speculators: vLLM speculators; dflash: DFlash")
@@ -59,11 +60,10 @@ def _load_target(path, dtype):
 def _export(args) -> Path:
     from modeling_dspark import DSparkDraftModel, formats
 
-    if not Path(args.drafter).is_dir():
-        raise CLIError(f"drafter {args.drafter!r} is not a local directory")
+    path = drafter_dir(args.drafter)
     try:
         formats.check_output_dir(args.out)
-        drafter = DSparkDraftModel.from_pretrained(args.drafter).eval()
+        drafter = DSparkDraftModel.from_pretrained(path).eval()
         formats.check_exportable(drafter, args.format, need_target=False)
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
@@ -74,7 +74,7 @@ def _export(args) -> Path:
             raise CLIError(f"could not use target {args.target or 'SmolLM2-135M-Instruct'!r}: {err}") from None
     try:
         return formats.export_drafter(drafter, args.out, format=args.format)
-    except ValueError as err:
+    except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
 
 

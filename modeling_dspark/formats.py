@@ -634,16 +634,13 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     ``--speculative-dspark-confidence-sts-path``.
     A reduced draft vocabulary travels as ``d2t`` / ``t2d`` (speculators).
 
-    The files are written into a temporary directory beside ``out_dir`` and renamed to it at the end, so a failed
-    export leaves nothing behind.
+    A failed export removes the files it wrote (and ``out_dir`` if it created it), so a rerun is not blocked.
 
     Raises:
         ValueError: the format cannot hold this drafter (every reason listed; nothing written), or ``out_dir``
             exists and is not an empty directory.
+        OSError: a file could not be written.
     """
-    import shutil
-    import tempfile
-
     from safetensors.torch import save_file
 
     out = check_output_dir(out_dir)
@@ -651,19 +648,22 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config key {key}={value} is not finite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    c = drafter.config
+    files = {"config.json": lambda f: f.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+             "model.safetensors": lambda f: save_file(state, str(f), metadata={"format": "pt"})}
+    if format == "deepspec" and c.use_confidence_head and any(t != 1.0 for t in c.sts_temperatures) \
+            and not any(c.sts_biases):
+        # SGLang's --speculative-dspark-confidence-sts-path file (temperatures only: it has no offsets)
+        files[SGLANG_STS_FILE] = lambda f: f.write_text(json.dumps({"temperatures": list(c.sts_temperatures)}) + "\n")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
     try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        c = drafter.config
-        if format == "deepspec" and c.use_confidence_head and any(t != 1.0 for t in c.sts_temperatures) \
-                and not any(c.sts_biases):
-            # SGLang's --speculative-dspark-confidence-sts-path file (temperatures only: it has no offsets)
-            (tmp / SGLANG_STS_FILE).write_text(json.dumps({"temperatures": list(c.sts_temperatures)}) + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it private; an export is an ordinary directory
-        os.replace(tmp, out)  # an empty out_dir is replaced
+        for name, write in files.items():
+            write(out / name)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for name in files:
+            (out / name).unlink(missing_ok=True)
+        if created:
+            out.rmdir()
         raise
     return out
