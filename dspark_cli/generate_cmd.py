@@ -32,6 +32,7 @@ from .common import (
     add_device_option,
     add_dtype_option,
     add_threads_option,
+    check_min,
     check_target,
     drafter_dir,
     load_drafter,
@@ -118,7 +119,8 @@ SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0}
 
 def _given(args, names) -> list[str]:
     """The flags among ``names`` (argparse dests) that the user gave."""
-    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) not in (None, False)]
+    # by identity: 0 and 0.0 are values given, None (not given) and False (a switch left off) are not
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) is not None and getattr(args, n) is not False]
 
 
 def _check_args(args) -> None:
@@ -138,14 +140,11 @@ def _check_args(args) -> None:
     if args.block_size is not None and args.block_size < 1:
         raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
     if args.do_sample:
-        if args.temperature <= 0:
-            raise CLIError(f"--temperature must be > 0, got {args.temperature}")
+        check_min(args, {"temperature": 0}, strict=True)  # also refuses nan and inf
         if not 0.0 < args.top_p <= 1.0:
             raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
         if args.top_k < 0:
             raise CLIError(f"--top-k must be >= 0, got {args.top_k}")
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be >= 1, got {args.threads}")
     check_target(args.target)
 
 

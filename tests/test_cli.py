@@ -84,7 +84,9 @@ def test_sampling_seeded_reproducible(capsys):
         ([], "no prompt"),
         # options that would be ignored
         (["--prompt", "hi", "--temperature", "0.7", "--top-k", "5"], "--temperature, --top-k apply only with --do-sample"),
-        (["--prompt", "hi", "--seed", "3"], "--seed applies only with --do-sample"),
+        (["--prompt", "hi", "--seed", "0"], "--seed applies only with --do-sample"),
+        (["--prompt", "hi", "--top-k", "0"], "--top-k applies only with --do-sample"),
+        (["--prompt", "hi", "--do-sample", "--temperature", "nan"], "--temperature must be > 0"),
         (["--prompt", "hi", "--no-draft", "--policy", "full", "--drafter", "random"], "--drafter, --policy need a drafter"),
         (["--prompt", "hi", "--no-draft", "--compare"], "--compare needs a drafter"),
     ],
@@ -301,7 +303,7 @@ def test_a_drafter_without_valid_config_or_weights_is_refused_before_the_target_
     assert str(tmp_path / "config.json") in err and "not valid JSON" in err, err
     (tmp_path / "config.json").write_text('{"block_size": 4}')
     assert main([*command, "--drafter", str(tmp_path)]) == 2
-    assert "no safetensors weights" in capsys.readouterr().err
+    assert "has no *.safetensors weights file" in capsys.readouterr().err
 
 
 def test_stats_line_says_what_it_measured():
