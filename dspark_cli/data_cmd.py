@@ -154,9 +154,6 @@ def run(args) -> int:
         )
     except DataBuildError as err:
         raise CLIError(str(err)) from None
-    if manifest["num_prompts"] == 0:
-        raise CLIError(f"no prompt is left after the filters ({manifest['prompts']}): raise --per-source or "
-                       "--max-prompt-tokens")
     summary = {k: manifest[k] for k in ("prompts", "eval_overlap_dropped_total", "num_prompts", "generation")}
     print(json.dumps(summary, indent=2))
     return 0

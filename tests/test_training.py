@@ -310,10 +310,14 @@ def test_data_build_deterministic_resumable_and_drops_eval_overlap(tmp_path):
         ref = tgt.generate(torch.tensor([ids0[:pl0]]), max_new_tokens=6, do_sample=False,
                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, pl0:].tolist()
     assert ids0[pl0:] == ref[: len(ids0) - pl0]
-    # different arguments in the same directory are refused
-    with pytest.raises(ValueError):
+    # different arguments in the same directory are refused, naming what differs
+    with pytest.raises(ValueError, match="seed: build 7, now 8"):
         build_dataset(tgt, tok, tmp_path / "a", **{**kw, "seed": 8})
     assert os.path.isdir(tmp_path / "a" / "shards" / "shard-00001")
+    # a build left with no prompt is refused before anything is written
+    with pytest.raises(ValueError, match="no prompt is left"):
+        build_dataset(tgt, tok, tmp_path / "none", **{**kw, "max_prompt_tokens": 1})
+    assert not (tmp_path / "none").exists()
 
 
 def test_data_build_exclude_leaves_out_earlier_builds_prompts(tmp_path):

@@ -37,7 +37,8 @@ _FORMAT_VERSION = 1
 
 
 class DataBuildError(ValueError):
-    """``build_dataset``'s ``out_dir`` holds a build made with different arguments."""
+    """``build_dataset`` cannot build: ``out_dir`` holds a build made with different arguments, or no prompt is left
+    after the filters."""
 
 
 def _record(p, i: int, default_source: str) -> dict:
@@ -217,7 +218,6 @@ def build_dataset(
     from tqdm.auto import tqdm
 
     out = Path(out_dir)
-    (out / "shards").mkdir(parents=True, exist_ok=True)
     config = dict(
         sources=None if prompts is not None else dict(sources or DEFAULT_SOURCES),
         injected_prompts=prompts is not None,
@@ -232,11 +232,12 @@ def build_dataset(
     manifest_path, plan_path = out / "manifest.json", out / "plan.json"
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("config") != config:
-            raise DataBuildError(
-                f"{out} holds a build with different arguments ({manifest.get('config')}); use another --out-dir "
-                f"or delete it (wanted {config})"
-            )
+        old = manifest.get("config") or {}
+        if old != config:
+            diff = "; ".join(f"{k}: build {old.get(k)!r}, now {config.get(k)!r}" for k in sorted({*old, *config})
+                             if old.get(k) != config.get(k))
+            raise DataBuildError(f"{out} holds a build with different arguments ({diff}): pass the build's arguments "
+                                 "to resume it, or use another --out-dir")
     else:
         manifest = {"config": config}
     if plan_path.exists():
@@ -251,6 +252,9 @@ def build_dataset(
                 too_long[r["source"]] = too_long.get(r["source"], 0) + 1
                 continue
             plan.append({"id": r["id"], "source": r["source"], "prompt_ids": ids})
+        if not plan:  # refused before anything is written, so a rerun with other arguments is a new build
+            raise DataBuildError(f"no prompt is left after the filters ({counts['per_source']}, too long: "
+                                 f"{too_long}): ask for more prompts per source or allow longer prompts")
         random.Random(seed).shuffle(plan)
         for src, c in counts["per_source"].items():
             c["dropped_too_long"] = too_long.get(src, 0)
@@ -263,6 +267,7 @@ def build_dataset(
             num_shards=(len(plan) + shard_size - 1) // shard_size,
             shards={},
         )
+        (out / "shards").mkdir(parents=True, exist_ok=True)
         tmp = plan_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(plan))
         tmp.replace(plan_path)
