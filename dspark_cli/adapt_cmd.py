@@ -37,6 +37,7 @@ from .common import (
     load_target_checked,
     reports_cli_errors,
     require_out_dir,
+    resolve_device,
     resolve_dtype,
     resolve_resume,
     set_threads,
@@ -204,7 +205,7 @@ def run(args) -> int:
     eval_src = prepare_dataset(load_data_dir(args.eval_data, "--eval-data")) if args.eval_data else None
     train_rows, eval_rows = split_eval(data, args.eval_prompts, args.seed, eval_src)
     args.output_dir = args.out_dir
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     use_cpu = device.startswith("cpu")
     args.bf16 = resolve_dtype(args.dtype, device, announce="dspark adapt") == "bfloat16"
     transformers.set_seed(args.seed)

@@ -1,6 +1,6 @@
 """`dspark bench serve`: serving benchmark of batched speculative decoding (:class:`generation.engine.DSparkEngine`).
 
-    dspark bench serve                                # R = 1 2 4 8 16, six policies, 3 repeats, bf16, mtbench + gsm8k
+    dspark bench serve                                # R = 1 2 4 8 16, six policies, 3 repeats, auto dtype, mtbench + gsm8k
     dspark bench serve --requests 1 4 --max-new-tokens 16 --limit 2 --repeats 2 --out-dir runs/bench-small
 
 For every concurrency R and verify policy it serves the same held-out prompts (``load_eval_prompts``: MT-Bench first
@@ -103,7 +103,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
     s.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
-                   help=f"DSpark drafter directory or Hugging Face Hub id (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
+                   help="DSpark drafter directory or Hugging Face Hub id (default: "
+                        f"{SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
                         "else a random drafter, with a warning)")
     add_dtype_option(s)
     add_device_option(s)

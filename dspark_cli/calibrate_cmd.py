@@ -508,7 +508,8 @@ def _check_args(args) -> None:
     for name in ("limit", "max_new_tokens", "max_prompt_tokens", "n_bins"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    drafter_dir(args.drafter, hub=False)  # calibration writes into the drafter's directory
+    # --write writes into the drafter's directory (no Hub cache); a refit from --pairs reads only its config
+    args.drafter_path = drafter_dir(args.drafter, hub=not args.write, weights=args.pairs is None)
     if args.pairs is None:
         from training.prompts import TRAIN_SOURCES
 
@@ -563,7 +564,7 @@ def run(args) -> int:
         dtype = getattr(torch, args.dtype)
         target, tok = load_target_checked(args.target, dtype=dtype, device=device)
         try:
-            drafter = DSparkDraftModel.from_pretrained(args.drafter, target=target, dtype=dtype).eval()
+            drafter = DSparkDraftModel.from_pretrained(args.drafter_path, target=target, dtype=dtype).eval()
         except (OSError, ValueError) as err:
             raise CLIError(f"could not load drafter: {err}") from None
         if drafter.confidence_head is None:
@@ -599,11 +600,11 @@ def run(args) -> int:
         try:
             from modeling_dspark import DSparkConfig
 
-            meta["previous_biases"] = list(DSparkConfig.from_pretrained(args.drafter).sts_biases)
-            meta["previous_temperatures"] = write_temperatures(args.drafter, report["temperatures"], biases)
+            meta["previous_biases"] = list(DSparkConfig.from_pretrained(args.drafter_path).sts_biases)
+            meta["previous_temperatures"] = write_temperatures(args.drafter_path, report["temperatures"], biases)
         except ValueError as err:
             raise CLIError(f"could not write temperatures: {err}") from None
-        meta["written_to"] = str(Path(args.drafter) / "config.json")
+        meta["written_to"] = str(Path(args.drafter_path) / "config.json")
     result = {**meta, **report}
     (out_dir / "calibration.json").write_text(json.dumps(result, indent=2))
 

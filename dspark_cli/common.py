@@ -182,14 +182,15 @@ def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -
     return run(parser.parse_args(argv))
 
 
-def drafter_dir(spec: str, hub: bool = True) -> str:
-    """The local directory of drafter ``spec``, checked to hold a readable ``config.json``, so that a wrong drafter is
-    reported before the target loads.
+def drafter_dir(spec: str, hub: bool = True, weights: bool = True) -> str:
+    """The local directory of drafter ``spec``, checked to hold a readable ``config.json`` and (with ``weights``)
+    safetensors weights, so that a wrong drafter is reported before the target loads.
 
     Args:
-        spec: a drafter directory, or (with ``hub``) a Hub repository id, fetched or read from the local Hugging Face
-            cache by :func:`modeling_dspark.hub.resolve_pretrained_dir`.
-        hub: accept Hub ids; False for commands that write into the drafter directory.
+        spec: a drafter directory (``~`` expanded), or (with ``hub``) a Hub repository id, fetched or read from the
+            local Hugging Face cache by :func:`modeling_dspark.hub.resolve_pretrained_dir`.
+        hub: accept Hub ids; False where the command writes into the drafter directory.
+        weights: require ``*.safetensors`` files; False where only the config is read.
 
     Raises:
         CLIError: no such directory or repository, no ``config.json``, one that is not a JSON object, or no
@@ -213,8 +214,8 @@ def drafter_dir(spec: str, hub: bool = True) -> str:
         read_json(path / "config.json")
     except OSError as err:
         raise CLIError(f"drafter {spec!r}: {err}") from None
-    if not any(path.glob("*.safetensors")):
-        raise CLIError(f"drafter {spec!r} has no safetensors weights (config.json alone)")
+    if weights and not any(path.glob("*.safetensors")):
+        raise CLIError(f"drafter {spec!r} has no *.safetensors weights file")
     return str(path)
 
 

@@ -69,7 +69,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
-                   help=f"DSpark drafter directory, Hugging Face Hub id or 'random' (default: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)} "
+                   help="DSpark drafter directory, Hugging Face Hub id or 'random' (default: "
+                        f"{SHIPPED_DRAFTER.relative_to(REPO_ROOT)} "
                         "if present, else random)")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
@@ -472,7 +473,8 @@ def run(args) -> int:
                     policy=args.policy, max_new_tokens=args.max_new_tokens, seed=args.seed, speed=speed,
                     pld=speed and not args.no_pld, pld_num_tokens=args.pld_num_tokens, progress=not args.no_progress)
     config = {
-        "drafter": args.drafter if args.drafter is not None else drafter_spec, "target": str(args.target or "SmolLM2-135M-Instruct"), "sets": sets, "modes": modes,
+        "drafter": args.drafter if args.drafter is not None else drafter_spec,
+        "target": str(args.target or "SmolLM2-135M-Instruct"), "sets": sets, "modes": modes,
         "limit": args.limit, "block_size": args.block_size or gamma, "policy": args.policy,
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "device": device, "seed": args.seed,
         "speed": speed, "prompt_lookup_num_tokens": args.pld_num_tokens if speed and not args.no_pld else None,

@@ -30,6 +30,7 @@ from .common import (
     parse_ints,
     reports_cli_errors,
     require_out_dir,
+    resolve_device,
     resolve_dtype,
     resolve_resume,
     set_threads,
@@ -209,7 +210,11 @@ def run(args) -> int:
     set_threads(args.threads)
     data = load_training_data(args.data)
     args.output_dir = args.out_dir
-    args.cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    device = resolve_device(args.device)
+    if device.startswith("cuda:"):  # Trainer places the model on the process's GPU (accelerate launch, one each)
+        raise CLIError(f"--device {device}: dspark train picks the GPU itself; give --device cuda and choose the GPU "
+                       "with CUDA_VISIBLE_DEVICES")
+    args.cpu = device == "cpu"
     args.bf16 = resolve_dtype(args.dtype, "cpu" if args.cpu else "cuda", announce="dspark train") == "bfloat16"
     transformers.set_seed(args.seed)
     target, tok = load_target_checked(args.target, dtype=torch.bfloat16 if args.bf16 else torch.float32)

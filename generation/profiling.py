@@ -549,8 +549,8 @@ def ensure_profile(
                 missing_ctx.setdefault(c, []).append(r)
     for c, rs in missing_ctx.items():
         # a first use can take minutes on a CPU: say so, once, instead of a silent wait
-        logger.warning(f"measuring SPS(B) of {name} ({dtype}, {threads} threads, context {c}, R {rs}) once; it is "
-                       f"cached in {path or default_profile_path()} (`dspark profile` measures it ahead)")
+        logger.warning("measuring SPS(B) of %s (%s, %d threads, context %d, R %s) once; it is cached in %s "
+                       "(`dspark profile` measures it ahead)", name, dtype, threads, c, rs, path or default_profile_path())
         result = profile_target(
             target, contexts=[c], requests=rs, tokens=tokens, threads=threads, warmup=warmup, repeats=repeats,
             progress=progress,

@@ -288,7 +288,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         Raises:
             FileNotFoundError: neither a local directory nor a Hub repository that could be fetched.
             OSError: the directory has no ``config.json`` (the drafter's settings: block size, target layers,
-                calibration) or an invalid one (the file is named), no safetensors weights, the weights are corrupt, or tensors are missing/unexpected.
+                calibration) or an invalid one (the file is named), no safetensors weights, the weights are corrupt,
+                or tensors are missing/unexpected.
             ValueError: the drafter does not match ``target``, or the target's family is not supported.
         """
         from .hub import resolve_pretrained_dir

