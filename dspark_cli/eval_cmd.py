@@ -101,9 +101,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _resolve_drafter(spec: str | None, target_given: bool) -> str:
+def _resolve_drafter(spec: str | None, target: str | None) -> str:
+    """``--drafter``: a drafter directory (:func:`drafter_dir`), ``"random"``, or for None the shipped drafter when
+    ``target`` is the default target (else random)."""
+    from modeling_dspark.target import DEFAULT_TARGET
+
     if spec is None:
-        if (SHIPPED_DRAFTER / "config.json").is_file() and not target_given:
+        if (SHIPPED_DRAFTER / "config.json").is_file() and target in (None, DEFAULT_TARGET):
             return str(SHIPPED_DRAFTER)
         return "random"
     if spec == "random":
@@ -446,7 +450,7 @@ def _load(args, drafter_spec: str, dtype, device):
 @reports_cli_errors("dspark eval")
 def run(args) -> int:
     sets, modes = _check_args(args)
-    drafter_spec = _resolve_drafter(args.drafter, args.target is not None)
+    drafter_spec = _resolve_drafter(args.drafter, args.target)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers

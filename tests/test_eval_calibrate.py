@@ -255,3 +255,12 @@ def test_calibrate_usage_errors(tmp_path, capsys):
     assert "unknown source" in capsys.readouterr().err
     assert main(["calibrate", "--drafter", str(tmp_path), "--limit", "8", "--after", "8"]) == 2
     assert "--after" in capsys.readouterr().err
+
+
+def test_eval_default_drafter_follows_the_target():
+    """The shipped drafter for the default target, named or not; a random one for any other target."""
+    from dspark_cli.common import SHIPPED_DRAFTER
+    from dspark_cli.eval_cmd import _resolve_drafter
+
+    assert _resolve_drafter(None, None) == _resolve_drafter(None, "SmolLM2-135M-Instruct") == str(SHIPPED_DRAFTER)
+    assert _resolve_drafter(None, "/some/other/target") == "random"
