@@ -55,6 +55,7 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_min,
     drafter_dir,
     load_target_checked,
     read_prompts_jsonl,
@@ -505,9 +506,7 @@ def load_pairs(files: Sequence[str | os.PathLike]) -> dict:
 
 
 def _check_args(args) -> None:
-    for name in ("limit", "max_new_tokens", "max_prompt_tokens", "n_bins"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_min(args, {"limit": 1, "max_new_tokens": 1, "max_prompt_tokens": 1, "n_bins": 1})
     # --write writes into the drafter's directory (no Hub cache); a refit from --pairs reads only its config
     args.drafter_path = drafter_dir(args.drafter, hub=not args.write, weights=args.pairs is None)
     if args.pairs is None:

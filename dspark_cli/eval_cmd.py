@@ -45,6 +45,7 @@ from .common import (  # noqa: F401
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_min,
     drafter_dir,
     load_drafter,
     load_target_checked,
@@ -125,13 +126,7 @@ def _check_args(args) -> tuple[list[str], list[str]]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise CLIError(f"--modes must be a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
-    for name in ("max_new_tokens", "pld_num_tokens"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.limit is not None and args.limit < 1:
-        raise CLIError(f"--limit must be >= 1, got {args.limit}")
-    if args.block_size is not None and args.block_size < 1:
-        raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
+    check_min(args, {"max_new_tokens": 1, "pld_num_tokens": 1, "limit": 1, "block_size": 1})
     from generation.policies import parse_policy
 
     try:

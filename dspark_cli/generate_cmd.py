@@ -135,16 +135,12 @@ def _check_args(args) -> None:
     ignored = _given(args, ("drafter", "policy", "block_size", "no_lookup", "compare")) if args.no_draft else []
     if ignored:
         raise CLIError(f"{', '.join(ignored)} {'needs' if len(ignored) == 1 else 'need'} a drafter: drop --no-draft")
-    if args.max_new_tokens < 1:
-        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.block_size is not None and args.block_size < 1:
-        raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
+    check_min(args, {"max_new_tokens": 1, "block_size": 1})
     if args.do_sample:
         check_min(args, {"temperature": 0}, strict=True)  # also refuses nan and inf
         if not 0.0 < args.top_p <= 1.0:
             raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
-        if args.top_k < 0:
-            raise CLIError(f"--top-k must be >= 0, got {args.top_k}")
+        check_min(args, {"top_k": 0})
     check_target(args.target)
 
 
