@@ -146,6 +146,17 @@ class ScriptedProposer:
 
 
 @pytest.fixture
+def no_target_load(monkeypatch):
+    """Any load of the target fails the test: the input must be refused before."""
+    import modeling_dspark.target as target_mod
+
+    def load_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the input was checked")
+
+    monkeypatch.setattr(target_mod, "load_target", load_target)
+
+
+@pytest.fixture
 def scripted(monkeypatch):
     """Install a scripted proposer: `scripted(reference_ids, "oracle"|"adversarial", vocab)`."""
 

@@ -290,13 +290,8 @@ def test_threads_must_be_positive(capsys):
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval"], ["bench", "serve"], ["calibrate"]])
-def test_a_drafter_without_valid_config_or_weights_is_refused_before_the_target_loads(command, tmp_path, monkeypatch, capsys):
-    import modeling_dspark.target as target_mod
-
-    def load_target(*args, **kwargs):
-        raise AssertionError("the target was loaded before the drafter was checked")
-
-    monkeypatch.setattr(target_mod, "load_target", load_target)
+def test_a_drafter_without_valid_config_or_weights_is_refused_before_the_target_loads(command, tmp_path,
+                                                                                      no_target_load, capsys):
     (tmp_path / "config.json").write_text('{"block_size": 4,')
     assert main([*command, "--drafter", str(tmp_path)]) == 2
     err = capsys.readouterr().err

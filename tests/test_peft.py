@@ -270,15 +270,9 @@ def test_adapt_cli_end_to_end(tmp_path):
 
 
 @pytest.fixture
-def cli_inputs(target, tmp_path, monkeypatch):
-    """A drafter directory and a 4-row data set for `dspark adapt`, and a target loader that fails the test: the
-    input must be refused before the target loads."""
-    import modeling_dspark.target as target_mod
-
-    def load_target(*args, **kwargs):
-        raise AssertionError("the target was loaded before the input was checked")
-
-    monkeypatch.setattr(target_mod, "load_target", load_target)
+def cli_inputs(target, tmp_path, no_target_load):
+    """A drafter directory and a 4-row data set for `dspark adapt`; the input must be refused before the target
+    loads (``no_target_load``)."""
     make_drafter(target).save_pretrained(tmp_path / "drafter")
     Dataset.from_dict({"input_ids": [list(range(3, 12))] * 4, "prompt_len": [3] * 4}).save_to_disk(
         str(tmp_path / "data"))

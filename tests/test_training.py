@@ -371,17 +371,6 @@ def test_select_draft_vocab_counts_response_tokens_only():
 
 
 # --------------------------------------------------------------------------- `dspark train` / `data build` input checks
-@pytest.fixture
-def no_target_load(monkeypatch):
-    """Any load of the target fails the test: the input must be refused before."""
-    import modeling_dspark.target as target_mod
-
-    def load_target(*args, **kwargs):
-        raise AssertionError("the target was loaded before the input was checked")
-
-    monkeypatch.setattr(target_mod, "load_target", load_target)
-
-
 def run_cli(argv, capsys) -> tuple[int, str]:
     from dspark_cli.main import main
 
