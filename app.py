@@ -147,9 +147,7 @@ def validate_request(prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, decoding="gr
         policy = parse_policy(str(policy or "full").strip()).name
     except ValueError as err:
         raise AppError(f"verify policy: {err}") from None
-    if dtype == "auto":
-        dtype = auto_dtype()[0]
-    if dtype not in DTYPES:
+    if dtype != "auto" and dtype not in DTYPES:
         raise AppError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}.")
     drafter = (drafter or "").strip() or "random"
     if drafter != "random":
@@ -157,6 +155,8 @@ def validate_request(prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, decoding="gr
         if not path.is_dir() or not (path / "config.json").is_file():
             raise AppError(f"Drafter {drafter!r} is not a drafter directory (no config.json); "
                            "give a directory saved by DSparkDraftModel.save_pretrained, or 'random'.")
+    if dtype == "auto":
+        dtype = auto_dtype(drafter)[0]
     return Request(prompt, max_new_tokens, do_sample, temperature, top_p, seed, block_size, policy, dtype, drafter)
 
 
@@ -178,13 +178,14 @@ def encode_prompt(tok, prompt: str, limit: int = MAX_PROMPT_TOKENS) -> torch.Lon
 
 
 # ---------------------------------------------------------------------------------------------- models
-def auto_dtype(device="cpu") -> tuple[str, str]:
-    """The fast dtype for this machine (:func:`modeling_dspark.target.fast_dtype`) and why, for the page."""
-    from modeling_dspark.target import fast_dtype
+def auto_dtype(drafter: str | None = None, target: str | None = None, device="cpu") -> tuple[str, str]:
+    """The faster dtype's name for ``generate()`` with ``drafter`` (a directory; None or ``"random"``: plain
+    decoding) on ``target`` here, and why, for the page (:func:`generation.profiling.auto_dtype`: the processor
+    decides, or both dtypes are timed once and the result cached)."""
+    from generation.profiling import auto_dtype as pick
 
-    if fast_dtype(device) == torch.bfloat16:
-        return "bfloat16", "this machine has bf16 matrix instructions (AMX / AVX512-BF16) or a GPU"
-    return "float32", "this CPU has no native bf16 matrix instructions, so float32 is faster"
+    dtype, why = pick(target, None if drafter in (None, "random") else drafter, device=device)
+    return ("bfloat16" if dtype == torch.bfloat16 else "float32"), why
 
 
 def default_drafter_spec() -> str:
@@ -622,7 +623,7 @@ def build_ui(bank: ModelBank):
                               else "scheduler: SPS(B) is measured on its first request (about a minute; "
                                    "`dspark profile` does it ahead)" if sched_reason.startswith("no SPS(B)")
                               else f"scheduler: {sched_reason}"))
-                    fast, why = auto_dtype()
+                    fast, why = auto_dtype(bank.default_drafter, bank.target_path)
                     dtype = gr.Radio(list(DTYPES), value=bank.default_dtype, label="dtype", elem_id="dspark-dtype",
                                      info=f"picked for this machine: {fast} ({why}). float32 is token-exact; "
                                           "bfloat16 may part from plain generate() at a near-tie")
@@ -691,8 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port to listen on (default: 7860)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="the page's starting dtype: auto picks bfloat16 on a CPU with bf16 matrix instructions (AMX, "
-                        "AVX512-BF16) or a GPU, else float32 (token-exact) (default: auto)")
+                   help="the page's starting dtype: auto picks float32 (token-exact) on a CPU without bf16 matrix "
+                        "instructions, and on one with them (AMX, AVX512-BF16) times both once and picks the faster "
+                        "for the drafter (default: auto)")
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link (off by default)")
     p.add_argument("--target", default=None, metavar="PATH", help="local target checkpoint (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, metavar="PATH|random",
@@ -702,14 +704,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation at start (default: warm up)")
     args = p.parse_args(argv)
-    dtype, why = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype()
-    print(f"app.py: dtype {dtype} ({why})", file=sys.stderr)
-
     try:
         drafter = validate_request("x", drafter=args.drafter or default_drafter_spec()).drafter
     except AppError as err:
         print(f"app.py: error: {err}", file=sys.stderr)
         return 2
+    dtype, why = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(drafter, args.target)
+    print(f"app.py: dtype {dtype} ({why})", file=sys.stderr)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -207,7 +207,7 @@ def run(args) -> int:
     args.output_dir = args.out_dir
     device = resolve_device(args.device)
     use_cpu = device.startswith("cpu")
-    args.bf16 = resolve_dtype(args.dtype, device, announce="dspark adapt") == "bfloat16"
+    args.bf16 = resolve_dtype(args.dtype, device, announce="dspark adapt", measure=False) == "bfloat16"
     transformers.set_seed(args.seed)
     target, tok = load_target_checked(_resolve_target(args, base_cfg),
                                       dtype=torch.bfloat16 if args.bf16 else torch.float32, device=device)

@@ -152,14 +152,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _drafter_spec(args) -> tuple[str, str]:
+    """``(spec, path)`` of ``--drafter`` (default: the shipped drafter, else ``"random"``), checked before any
+    model loads."""
+    spec = args.drafter
+    if spec is None:
+        spec = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
+    return spec, (spec if spec == "random" else drafter_dir(spec))
+
+
 def _load(args):
     """``(target, tokenizer, drafter, drafter spec)``; a wrong ``--drafter`` is reported before the target loads."""
     import torch
 
-    spec = args.drafter
-    if spec is None:
-        spec = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
-    path = spec if spec == "random" else drafter_dir(spec)
+    spec, path = _drafter_spec(args)
     target, tok = load_target_checked(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     if spec == "random":
         print("dspark bench serve: WARNING: using a random (untrained) drafter: outputs are exact but few drafts are "
@@ -436,7 +442,9 @@ def _serve_command(args) -> int:
     set_threads(args.threads)
     threads = torch.get_num_threads()
     args.device = resolve_device(args.device)
-    args.dtype = resolve_dtype(args.dtype, args.device, announce="dspark bench serve")
+    drafter_path = _drafter_spec(args)[1]
+    args.dtype = resolve_dtype(args.dtype, args.device, announce="dspark bench serve", target=args.target,
+                               drafter=None if drafter_path == "random" else drafter_path)
     log = (lambda *a, **k: None) if args.no_progress else print
     target, tok, drafter, drafter_spec = _load(args)
     gamma = args.block_size or drafter.config.block_size

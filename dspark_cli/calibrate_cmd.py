@@ -559,7 +559,8 @@ def run(args) -> int:
 
         hf_logging.disable_progress_bar()
         device = resolve_device(args.device)
-        args.dtype = resolve_dtype(args.dtype, device, announce="dspark calibrate")
+        args.dtype = resolve_dtype(args.dtype, device, announce="dspark calibrate", target=args.target,
+                                   drafter=args.drafter_path)
         dtype = getattr(torch, args.dtype)
         target, tok = load_target_checked(args.target, dtype=dtype, device=device)
         try:

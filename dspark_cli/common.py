@@ -48,7 +48,8 @@ def add_dtype_option(p, default: str = "auto") -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default,
                    help="model dtype: float32 is token-exact (greedy output identical to plain generate()); "
                         "bfloat16 is faster on a GPU or a CPU with native bf16 matrix instructions (AMX, "
-                        "AVX512-BF16); auto picks bfloat16 there and float32 elsewhere "
+                        "AVX512-BF16); auto picks float32 on a CPU without them, bfloat16 on a GPU, and on a CPU "
+                        "with them times both once and picks the faster (cached beside the SPS(B) profile) "
                         f"(default: {default})")
 
 
@@ -123,10 +124,14 @@ def resolve_device(spec: str | None) -> str:
     return spec
 
 
-def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None) -> str:
-    """``--dtype``: ``"auto"`` becomes ``modeling_dspark.target.fast_dtype(device)``'s name. With ``announce``
-    (the command's name) the choice is said in one line on stderr, and an explicit bfloat16 where it is not the fast
-    dtype gets a warning."""
+def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *, target=None, drafter=None,
+                  measure: bool = True) -> str:
+    """``--dtype``: ``"auto"`` becomes the faster dtype's name for the job the command runs,
+    :func:`generation.profiling.auto_dtype` of ``target`` and ``drafter`` (None: plain decoding), which times both
+    dtypes once where the processor leaves the choice open; with ``measure=False`` the processor alone decides
+    (:func:`modeling_dspark.target.fast_dtype`: training, where a generate() timing says nothing). With ``announce``
+    (the command's name) the choice and its reason are said in one line on stderr, and an explicit bfloat16 on a CPU
+    without native bf16 gets a warning."""
     import torch
 
     from modeling_dspark.target import fast_dtype
@@ -136,10 +141,16 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None) -
             print(f"{announce}: warning: dtype bfloat16 without native bf16 matrix instructions on this CPU is "
                   "usually slower than float32 (--dtype auto picks float32 here)", file=sys.stderr)
         return spec
-    name = "bfloat16" if fast_dtype(device) == torch.bfloat16 else "float32"
-    if announce:
+    if measure:
+        from generation.profiling import auto_dtype
+
+        dtype, why = auto_dtype(target, drafter, device=device)
+    else:
+        dtype = fast_dtype(device)
         why = ("bf16 matrix instructions on this " + ("GPU" if device.startswith("cuda") else "CPU")
-               if name == "bfloat16" else "no native bf16 matrix instructions on this CPU")
+               if dtype == torch.bfloat16 else "no native bf16 matrix instructions on this CPU")
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    if announce:
         exact = "" if name == "float32" else "; --dtype float32 for token-exact output"
         print(f"{announce}: dtype {name} ({why}{exact})", file=sys.stderr)
     return name

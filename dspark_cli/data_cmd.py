@@ -141,7 +141,7 @@ def run(args) -> int:
     from training.data import DataBuildError, build_dataset
 
     device = resolve_device(args.device)
-    dtype = getattr(torch, resolve_dtype(args.dtype, device, announce="dspark data build"))
+    dtype = getattr(torch, resolve_dtype(args.dtype, device, announce="dspark data build", target=args.target))
     target, tok = load_target_checked(args.target, dtype=dtype, device=device)
     try:
         manifest = build_dataset(

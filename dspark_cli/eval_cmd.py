@@ -456,7 +456,8 @@ def run(args) -> int:
     hf_logging.disable_progress_bar()
     set_threads(args.threads)
     device = resolve_device(args.device)
-    args.dtype = resolve_dtype(args.dtype, device, announce="dspark eval")
+    args.dtype = resolve_dtype(args.dtype, device, announce="dspark eval", target=args.target,
+                               drafter=None if drafter_spec == "random" else drafter_spec)
     dtype = getattr(torch, args.dtype)
     target, tok, drafter = _load(args, drafter_spec, dtype, device)
     gamma = drafter.config.block_size

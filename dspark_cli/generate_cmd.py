@@ -283,7 +283,8 @@ def run(args) -> int:
     from modeling_dspark.target import apply_chat_template
 
     hf_logging.disable_progress_bar()
-    dtype = resolve_dtype(args.dtype, device, announce="dspark generate")
+    dtype = resolve_dtype(args.dtype, device, announce="dspark generate", target=args.target,
+                          drafter=None if drafter_spec == "random" else drafter_spec)
     target, tok, drafter = load_models(args.target, drafter_spec, dtype, device)
     if drafter is not None:
         gamma = drafter.config.block_size

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from .common import (
+    SHIPPED_DRAFTER,
     CLIError,
     add_device_option,
     add_dtype_option,
@@ -95,14 +96,19 @@ def run(args) -> int:
     import torch
 
     from generation import profiling
-    from modeling_dspark.target import load_target
+    from modeling_dspark.target import DEFAULT_TARGET, load_target
 
     threads = args.threads or torch.get_num_threads()
     try:
         device = resolve_device(args.device)
     except CLIError as err:
         return _fail(str(err))
-    args.dtype = resolve_dtype(args.dtype, device, announce=None if args.show else "dspark profile")
+    # auto: the dtype `dspark generate` picks for this target by default (with the shipped drafter on the default
+    # target), since that is the job the SPS(B) table serves
+    default_target = args.target in (None, DEFAULT_TARGET)
+    drafter = str(SHIPPED_DRAFTER) if default_target and (SHIPPED_DRAFTER / "config.json").is_file() else None
+    args.dtype = resolve_dtype(args.dtype, device, announce=None if args.show else "dspark profile",
+                               target=args.target, drafter=drafter)
     try:
         target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
     except (FileNotFoundError, OSError) as err:

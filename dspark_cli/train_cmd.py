@@ -215,7 +215,8 @@ def run(args) -> int:
         raise CLIError(f"--device {device}: dspark train picks the GPU itself; give --device cuda and choose the GPU "
                        "with CUDA_VISIBLE_DEVICES")
     args.cpu = device == "cpu"
-    args.bf16 = resolve_dtype(args.dtype, "cpu" if args.cpu else "cuda", announce="dspark train") == "bfloat16"
+    args.bf16 = resolve_dtype(args.dtype, "cpu" if args.cpu else "cuda", announce="dspark train",
+                              measure=False) == "bfloat16"
     transformers.set_seed(args.seed)
     target, tok = load_target_checked(args.target, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     extra = {} if layer_ids is None else {"target_layer_ids": layer_ids}

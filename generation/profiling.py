@@ -11,7 +11,8 @@ Tables are stored in one JSON file (default ``$DSPARK_PROFILE_DIR/sps.json``, el
 
     {"format": "dspark-sps-profile/1",
      "profiles": {MODEL: {DTYPE: {THREADS: {CONTEXT: {R: {B: steps_per_s}}}}}},
-     "meta":     {"MODEL|DTYPE|THREADS|CONTEXT|R": {"raw_sps": {B: ...}, "cpu_model": ..., "warmup": ..., ...}}}
+     "meta":     {"MODEL|DTYPE|THREADS|CONTEXT|R": {"raw_sps": {B: ...}, "cpu_model": ..., "warmup": ..., ...}},
+     "dtype":    {"TARGET|DRAFTER|THREADS|DEVICE": {"tokens_per_s": {DTYPE: ...}, "cpu_model": ..., ...}}}
 
 (all keys are strings in JSON). The stored curve is the medians made non-increasing in B (isotonic regression of
 the step time): a bigger verify batch is never faster, and Algorithm 1's early stop relies on a unimodal Θ(B);
@@ -22,7 +23,9 @@ Loading: :func:`load_sps` gives a callable B -> steps/s for one (model, dtype, t
 measured B it interpolates the step time linearly; a B outside the measured range raises a ValueError naming the
 range. Context lengths snap to the nearest measured bucket; R between measured values is interpolated (at the same
 tokens per request q = B / R). :func:`ensure_profile` profiles on first use and caches the table;
-:func:`sps_for_generate` is what ``generate()`` uses to turn the scheduler on by default.
+:func:`sps_for_generate` is what ``generate()`` uses to turn the scheduler on by default. :func:`auto_dtype` (the
+``--dtype auto`` of every command) times ``generate()`` in float32 and bfloat16 where the processor leaves the choice
+open and caches the result in the same file (``"dtype"``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ __all__ = [
     "load_sps",
     "ensure_profile",
     "sps_for_generate",
+    "auto_dtype",
     "plot_profile",
 ]
 
@@ -429,6 +433,14 @@ def _read(path: Path) -> dict:
     return data
 
 
+def _write(path: Path, data: Mapping) -> None:
+    """Write the profile file atomically (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def save_profile(result: Mapping, path: str | os.PathLike | None = None) -> Path:
     """Merge a :func:`profile_target` result into the JSON file (default :func:`default_profile_path`).
 
@@ -452,10 +464,7 @@ def save_profile(result: Mapping, path: str | os.PathLike | None = None) -> Path
                 **result.get("meta", {}),
                 "raw_sps": {str(b): round(float(s), 6) for b, s in sorted(raw.items())},
             }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
-    tmp.replace(path)
+    _write(path, data)
     return path
 
 
@@ -595,6 +604,133 @@ def sps_for_generate(
     if prof is None:
         return None
     return prof.curve(1, context_len)
+
+
+# ---------------------------------------------------------------------------------------------- dtype
+DTYPE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain how it works."
+"""The prompt :func:`auto_dtype` times ``generate()`` on (chat template applied)."""
+DTYPE_MARGIN = 0.05
+"""bfloat16 is chosen only when it runs more than this fraction faster than float32 (the token-exact mode)."""
+
+
+def _dtype_key(target, drafter, threads: int, device) -> str:
+    """``TARGET|DRAFTER|THREADS|DEVICE`` naming one measured job in the profile file's ``"dtype"`` section."""
+    from modeling_dspark.target import DEFAULT_TARGET
+
+    t = DEFAULT_TARGET if target is None or str(target) == DEFAULT_TARGET else str(Path(target).expanduser().resolve())
+    d = "plain" if drafter is None else (str(Path(drafter).resolve()) if Path(drafter).is_dir() else str(drafter))
+    return f"{t}|{d}|{threads}|{torch.device(device).type}"
+
+
+@torch.inference_mode()
+def _time_generate(target, drafter, dtypes, max_new_tokens: int, repeats: int, device) -> dict[str, float]:
+    """Tokens/s of greedy ``generate()`` on :data:`DTYPE_PROMPT` in each of ``dtypes``: one warm-up call each, then
+    ``repeats`` interleaved timed calls, the fastest kept (the least disturbed by other load)."""
+    import copy
+
+    from modeling_dspark import DSparkDraftModel
+    from modeling_dspark.target import apply_chat_template, load_target
+
+    base, tok = load_target(target, dtype=torch.float32, device=str(device))
+    ids = torch.tensor([apply_chat_template(tok, DTYPE_PROMPT)], device=base.device)
+    models = {}
+    for dt in dtypes:
+        t = base if dt == torch.float32 else copy.deepcopy(base).to(dt)
+        d = None if drafter is None else DSparkDraftModel.from_pretrained(drafter, target=t, dtype=dt)
+        models[dtype_name(dt)] = (t, d)
+    kw = {"do_sample": False, "attention_mask": torch.ones_like(ids), "pad_token_id": tok.eos_token_id}
+    best: dict[str, float] = {}
+    for rep in range(1 + repeats):
+        for name, (t, d) in models.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            out = t.generate(ids, assistant_model=d, max_new_tokens=max_new_tokens if rep else 4, **kw)
+            _sync(device)
+            if rep:
+                rate = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+                best[name] = max(best.get(name, 0.0), rate)
+    return best
+
+
+def auto_dtype(
+    target: str | os.PathLike | None = None,
+    drafter: str | os.PathLike | None = None,
+    *,
+    device="cpu",
+    threads: int | None = None,
+    path: str | os.PathLike | None = None,
+    flags: frozenset[str] | None = None,
+    max_new_tokens: int = 32,
+    repeats: int = 2,
+) -> tuple[torch.dtype, str]:
+    """The faster dtype for ``generate()`` of ``target`` (with ``drafter``, or plain decoding) here, and why.
+
+    The processor settles it where it can: bfloat16 on CUDA, float32 on a CPU without native bf16 matrix
+    instructions (:func:`modeling_dspark.target.fast_dtype`: bf16 products are emulated there). On a CPU with them
+    it depends on the processor and the job: a one-token step of a small target can run slower in bf16 than in fp32
+    while a B-token verify runs faster. So both dtypes run the job itself — greedy ``generate()`` of
+    :data:`DTYPE_PROMPT`, ``max_new_tokens`` tokens, with the drafter's default options — interleaved, ``repeats``
+    times each, the fastest run kept; bfloat16 wins only when more than :data:`DTYPE_MARGIN` faster (float32 is
+    the token-exact mode). The tokens/s are cached in the SPS profile file (:func:`default_profile_path`, section
+    ``"dtype"``, keyed by target, drafter, threads and device type, with the processor): measured once, a few
+    seconds for a small target; a cache entry from another processor is measured again, and a measurement taken
+    while other programs kept every core busy (load average >= cores) is used once and not cached.
+
+    Args:
+        target: a target directory, or None / ``"SmolLM2-135M-Instruct"`` for the default target.
+        drafter: a drafter directory or Hub id, or None for plain decoding.
+        device: ``"cpu"`` or a CUDA device.
+        threads: torch CPU threads (default: the current setting), part of the cache key.
+        path: the profile file (default :func:`default_profile_path`).
+        flags: CPU flags (default: ``/proc/cpuinfo``'s), for tests.
+        max_new_tokens, repeats: the size of the measurement (each >= 1).
+
+    Returns:
+        ``(dtype, reason)``: ``torch.float32`` or ``torch.bfloat16``, and one line saying why.
+
+    Raises:
+        ValueError: ``max_new_tokens`` or ``repeats`` < 1; errors of loading the target or drafter as they are.
+    """
+    from modeling_dspark.target import fast_dtype
+
+    if max_new_tokens < 1 or repeats < 1:
+        raise ValueError(f"max_new_tokens and repeats must be >= 1; got {max_new_tokens}, {repeats}")
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16, "a GPU"
+    if fast_dtype("cpu", flags) != torch.bfloat16:
+        return torch.float32, "no native bf16 matrix instructions on this CPU"
+    threads = int(threads or torch.get_num_threads())
+    path = Path(path) if path is not None else default_profile_path()
+    key, here = _dtype_key(target, drafter, threads, device), device_model(device)
+    data = _read(path)
+    entry = data.setdefault("dtype", {}).get(key)
+    cached = entry is not None and entry.get("cpu_model") == here
+    busy = ""
+    if not cached:
+        logger.warning("timing generate() in float32 and bfloat16 once to pick the faster (%s); cached in %s",
+                       "plain decoding" if drafter is None else f"drafter {drafter}", path)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            rates = _time_generate(target, drafter, (torch.float32, torch.bfloat16), max_new_tokens, repeats, device)
+        finally:
+            torch.set_num_threads(old)
+        entry = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}, "cpu_model": here,
+                 "max_new_tokens": max_new_tokens, "repeats": repeats, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if load >= (os.cpu_count() or 1):  # other programs held every core: a measurement to use once, not keep
+            busy = f"; the CPU was busy (load average {load:.1f}), so this is not cached"
+        else:
+            data = _read(path)  # re-read: keep what another process wrote meanwhile
+            data.setdefault("dtype", {})[key] = entry
+            _write(path, data)
+    fp32, bf16 = entry["tokens_per_s"]["float32"], entry["tokens_per_s"]["bfloat16"]
+    dtype = torch.bfloat16 if bf16 > fp32 * (1 + DTYPE_MARGIN) else torch.float32
+    job = "plain generate()" if drafter is None else "generate() with this drafter"
+    why = (f"{'measured' if not cached else 'measured before'} on this CPU for {job}: bfloat16 {bf16:.1f} tok/s, "
+           f"float32 {fp32:.1f}" + ("" if dtype == torch.bfloat16 else
+                                    f"; bfloat16 is not more than {DTYPE_MARGIN:.0%} faster") + busy)
+    return dtype, why
 
 
 # ---------------------------------------------------------------------------------------------- plotting

@@ -79,6 +79,16 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
+def _no_native_bf16(monkeypatch):
+    """Every test sees a CPU without native bf16 matrix instructions, whatever the processor: ``--dtype auto``
+    resolves to float32 (the token-exact mode) at once, with no timing run, so outputs and messages do not depend on
+    the machine. Tests of the auto dtype itself set the flags they need."""
+    import modeling_dspark.target as target_mod
+
+    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset())
+
+
+@pytest.fixture(autouse=True)
 def _fresh_cost_models():
     """Every test starts with no learned cost-model state (generate() carries it over between calls)."""
     from generation.cost_model import reset_cost_models

@@ -194,8 +194,10 @@ def test_validate_request_accepts_page_values():
 
 def test_auto_dtype_follows_the_cpu_flags(monkeypatch):
     import modeling_dspark.target as target_mod
+    from generation import profiling
 
     monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2", "amx_bf16"}))
+    monkeypatch.setattr(profiling, "_time_generate", lambda *a: {"float32": 10.0, "bfloat16": 15.0})
     assert app.auto_dtype()[0] == "bfloat16" and app.validate_request("Hi", dtype="auto").dtype == "bfloat16"
     monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2"}))
     assert app.auto_dtype()[0] == "float32" and app.validate_request("Hi", dtype="auto").dtype == "float32"

@@ -244,12 +244,12 @@ def test_profile_cli(tmp_path, capsys):
 
     out = tmp_path / "sps.json"
     rc = main(["profile", "--contexts", "4", "--tokens", "1", "2", "--repeats", "1", "--warmup", "0",
-               "--threads", "1", "--out", str(out), "--json"])
+               "--threads", "1", "--dtype", "float32", "--out", str(out), "--json"])
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["model"] == "SmolLM2-135M-Instruct" and set(printed["tables"]["4"]["1"]) == {"1", "2"}
     assert (tmp_path / "SmolLM2-135M-Instruct-float32-t1.png").exists()
-    assert main(["profile", "--show", "--threads", "1", "--out", str(out)]) == 0
+    assert main(["profile", "--show", "--threads", "1", "--dtype", "float32", "--out", str(out)]) == 0
     assert "R=1" in capsys.readouterr().out
     assert main(["profile", "--repeats", "0"]) == 2
     assert main(["profile", "--show", "--threads", "3", "--out", str(out)]) == 2
@@ -278,3 +278,67 @@ def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
     assert max(verified()) == 0  # the scheduler, driven by the cached table
     monkeypatch.setenv("DSPARK_SCHEDULER", "off")
     assert max(verified()) == 4
+
+
+# ---------------------------------------------------------------------------------------------- auto dtype
+BF16_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16"})
+
+
+def _fake_timing(monkeypatch, rates: dict[str, float]) -> list:
+    """Replace the generate() timing with fixed tokens/s; returns the list of calls made."""
+    calls = []
+    monkeypatch.setattr(profiling, "_time_generate", lambda *a: calls.append(a) or dict(rates))
+    monkeypatch.setattr(profiling.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
+    return calls
+
+
+def test_auto_dtype_settled_by_the_processor(monkeypatch):
+    """No native bf16: float32 with no timing run; a GPU: bfloat16."""
+    calls = _fake_timing(monkeypatch, {"float32": 1.0, "bfloat16": 100.0})
+    assert profiling.auto_dtype(flags=frozenset({"avx2"}))[0] == torch.float32
+    assert profiling.auto_dtype(device="cuda")[0] == torch.bfloat16
+    assert calls == []
+    with pytest.raises(ValueError, match="repeats"):
+        profiling.auto_dtype(flags=BF16_FLAGS, repeats=0)
+
+
+@pytest.mark.parametrize("fp32, bf16, expected", [(12.5, 19.6, torch.bfloat16),  # bf16 clearly faster
+                                                   (17.5, 14.5, torch.float32),  # fp32 faster
+                                                   (10.0, 10.4, torch.float32)])  # within the 5% margin
+def test_auto_dtype_picks_the_faster_measured_dtype_and_caches_it(monkeypatch, fp32, bf16, expected):
+    calls = _fake_timing(monkeypatch, {"float32": fp32, "bfloat16": bf16})
+    dtype, why = profiling.auto_dtype(None, None, flags=BF16_FLAGS, threads=1)
+    assert dtype == expected and f"bfloat16 {bf16:.1f} tok/s, float32 {fp32:.1f}" in why
+    assert len(calls) == 1 and calls[0][0] is None and calls[0][1] is None  # the default target, plain decoding
+    assert profiling.auto_dtype(None, None, flags=BF16_FLAGS, threads=1) == (dtype, why.replace(
+        "measured on", "measured before on"))
+    assert len(calls) == 1  # cached beside the SPS profiles
+    data = json.loads(profiling.default_profile_path().read_text())
+    (key, entry), = data["dtype"].items()
+    assert key.endswith("|plain|1|cpu") and entry["cpu_model"] == profiling.cpu_model()
+    profiling.auto_dtype(None, None, flags=BF16_FLAGS, threads=2)  # another job (thread count): measured anew
+    assert len(calls) == 2
+
+
+def test_auto_dtype_remeasures_on_another_processor_and_under_load(monkeypatch):
+    calls = _fake_timing(monkeypatch, {"float32": 10.0, "bfloat16": 20.0})
+    profiling.auto_dtype(flags=BF16_FLAGS, threads=1)
+    monkeypatch.setattr(profiling, "device_model", lambda device: "Other CPU 9000")
+    profiling.auto_dtype(flags=BF16_FLAGS, threads=1)
+    assert len(calls) == 2  # a cache entry from another processor is not used
+    monkeypatch.setattr(profiling.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(profiling, "device_model", lambda device: "Third CPU")
+    dtype, why = profiling.auto_dtype(flags=BF16_FLAGS, threads=1)
+    assert dtype == torch.bfloat16 and "busy" in why and "not cached" in why
+    profiling.auto_dtype(flags=BF16_FLAGS, threads=1)
+    assert len(calls) == 4  # a measurement under load is used once, never kept
+
+
+def test_auto_dtype_times_the_real_job():
+    """The timing itself: greedy generate() of the default target in both dtypes, plain and with the shipped
+    drafter, gives a positive tokens/s for each dtype."""
+    from dspark_cli.common import SHIPPED_DRAFTER
+
+    for drafter in (None, str(SHIPPED_DRAFTER)):
+        rates = profiling._time_generate(None, drafter, (torch.float32, torch.bfloat16), 3, 1, "cpu")
+        assert set(rates) == {"float32", "bfloat16"} and min(rates.values()) > 0, drafter
