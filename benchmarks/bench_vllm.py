@@ -201,6 +201,9 @@ def dspark_side(args) -> int:
         "max_new_tokens": args.max_new_tokens, "levels": args.levels, "dtype": "float32", "gamma": GAMMA,
         "rows": rows, "outputs_equal_vllm_plain": same, "load_average_after": os.getloadavg(),
     }
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)  # the exported drafter and the job file
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(markdown(result))
