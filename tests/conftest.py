@@ -44,16 +44,20 @@ def pytest_xdist_auto_num_workers(config):
 # Every worker then builds the slow modules' module-scoped fixtures (a few seconds each); under xdist's default
 # "load" scheduling the hook only changes the order.
 SLOW_MODULES = ("test_lossless_sampling.py", "test_lookup_generate.py", "test_lossless_greedy.py")
+# Modules whose tests share one long module-scoped fixture (test_vllm.py: one vLLM run, ~1–2 minutes): all their
+# tests go to the front of the first worker's share, so one worker builds the fixture once, first.
+GROUPED_MODULES = ("test_vllm.py",)
 
 
 def pytest_collection_modifyitems(config, items):
     workers = max(1, int(_WORKERS)) if _WORKERS.isdigit() else 1
+    grouped = [item for item in items if item.path.name in GROUPED_MODULES]
     slow = sorted((item for item in items if item.path.name in SLOW_MODULES),
                   key=lambda item: SLOW_MODULES.index(item.path.name))  # stable: the longest tests' module first
-    rest = [item for item in items if item.path.name not in SLOW_MODULES]
+    rest = [item for item in items if item.path.name not in SLOW_MODULES + GROUPED_MODULES]
     order = []
     for w in range(workers):
-        share = slow[w::workers]
+        share = (grouped if w == 0 else []) + slow[w::workers]
         take = max(0, (len(items) - len(order)) // (workers - w) - len(share))
         order += share + rest[:take]
         rest = rest[take:]

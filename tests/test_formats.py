@@ -548,6 +548,70 @@ def test_cli_export(tmp_path, capsys):
         assert torch.equal(back.state_dict()[key], value), key
 
 
+def _strings(obj):
+    """Every string inside a JSON value (keys and values, nested)."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield key
+            yield from _strings(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _strings(value)
+
+
+@pytest.mark.parametrize("fmt", formats.EXPORT_FORMATS)
+def test_exports_hold_no_absolute_path(tmp_path, monkeypatch, capsys, fmt):
+    """No exported config holds a path of the exporting machine: the default target's local copy is written as its
+    Hub id, another absolute path is refused (library and CLI, nothing written) unless --verifier-name names the
+    verifier, which the speculators config then carries."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    extra = dict(anchor_predicts=False, sequential_head="none", use_confidence_head=False) if fmt == "dflash" else {}
+    drafter = new_drafter(target, **extra)
+    drafter.config.target_name_or_path = str(tmp_path / "cache" / "SmolLM2-135M-Instruct")  # the default target
+    config = formats.export_drafter(drafter, tmp_path / "default", format=fmt)
+    config = json.loads((config / "config.json").read_text())
+    assert not [s for s in _strings(config) if s.startswith(str(tmp_path)) or s.startswith("/")]
+    if fmt == "speculators":
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    drafter.config.target_name_or_path = str(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "mine")
+    args = ["export", str(tmp_path / "mine"), str(tmp_path / "cli"), "--format", fmt, "--target",
+            str(tmp_path / "target")]
+    if fmt != "speculators":  # no verifier recorded: the absolute target path is not written, so not refused
+        assert cli_main(args) == 0
+        assert not [s for s in _strings(json.loads((tmp_path / "cli" / "config.json").read_text())) if "/" in s]
+        assert cli_main([*args[:2], str(tmp_path / "named"), *args[3:], "--verifier-name", "x"]) == 2
+        assert "speculators format only" in capsys.readouterr().err and not (tmp_path / "named").exists()
+        return
+    with pytest.raises(ValueError, match="absolute path of this machine"):
+        formats.export_drafter(drafter, tmp_path / "lib", format=fmt)
+    assert cli_main(args) == 2
+    assert "--verifier-name" in capsys.readouterr().err and not (tmp_path / "cli").exists()
+    assert cli_main([*args, "--verifier-name", "Qwen/Qwen3-8B"]) == 0
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B"
+    with pytest.raises(ValueError, match="absolute path"):
+        formats.export_drafter(drafter, tmp_path / "abs", format=fmt, verifier_name=str(tmp_path / "target"))
+
+
+def test_portable_verifier_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / "0123abc"
+    assert formats.portable_verifier_name(str(snapshot)) == "Qwen/Qwen3-8B"
+    for name in ("SmolLM2-135M-Instruct", str(tmp_path / "SmolLM2-135M-Instruct")):
+        assert formats.portable_verifier_name(name) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert formats.portable_verifier_name("models/target") == "models/target"
+    assert formats.portable_verifier_name("") is None
+    for name in (str(tmp_path / "target"), "~/target"):
+        with pytest.raises(ValueError, match="absolute path"):
+            formats.portable_verifier_name(name)
+
+
 def test_dflash_export_for_a_llama_target_loads_without_target(tmp_path):
     """DFlash configs name "qwen3" (the draft layers' type) whatever the target: a drafter loaded without target=
     binds to a Llama target at its first generate() and drafts losslessly; the CLI export with --target too."""

@@ -276,7 +276,7 @@ def test_other_formats_load_through_from_pretrained(tiny, tmp_path):
     target, _ = tiny
     original = md.DSparkDraftModel.from_pretrained(_save_drafter(target, tmp_path / "d", mask_token_id=3),
                                                    target=target)
-    exported = formats.export_drafter(original, tmp_path / "spec", format="speculators")
+    exported = formats.export_drafter(original, tmp_path / "spec", format="speculators", verifier_name="tiny-target")
     assert formats.detect_format(json.loads((exported / "config.json").read_text())) == "speculators"
     _fill_hub_cache(tmp_path / "hub", "someorg/spec-drafter", exported)
     # lookup off: every round drafts, so the recorded drafts compare the drafters (the lookup's choice is timed)

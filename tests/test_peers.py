@@ -376,7 +376,7 @@ def test_speculators_rnn_without_anchor_slot_is_refused(tmp_path):
 
 @needs_speculators
 @pytest.mark.parametrize("anchor,vocab,heads", [(True, 40, True), (False, None, True), (False, None, False)])
-def test_speculators_export_loads_in_speculators(tmp_path, anchor, vocab, heads):
+def test_speculators_export_loads_in_speculators(tmp_path, monkeypatch, anchor, vocab, heads):
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
@@ -393,7 +393,10 @@ def test_speculators_export_loads_in_speculators(tmp_path, anchor, vocab, heads)
     if vocab:
         drafter.draft_vocab_ids.copy_(torch.randperm(VOCAB)[:vocab].sort().values)
     drafter.bind_target(target)
-    out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
+    # exports name their verifier portably (an absolute path, as target_name_or_path above, is refused): here a path
+    # relative to the directory speculators is run from
+    out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators", verifier_name="verifier")
+    monkeypatch.chdir(tmp_path)
     model_cls, config_cls = (DSparkDraftModel, DSparkSpeculatorConfig) if heads else (
         DFlashDraftModel, DFlashSpeculatorConfig)
     config = config_cls.model_validate(json.loads((out / "config.json").read_text()))
