@@ -302,11 +302,10 @@ class DSparkEngine:
 
     def _profile(self):
         """The cached SPS(B) profile of this target for R up to ``max_batch_size``, measured where missing."""
-        from .profiling import BATCHED_TOKENS, ensure_profile
+        from .profiling import ensure_profile, first_use_tokens
 
         requests = {1, self.max_batch_size} | {2 ** i for i in range(8) if 2 ** i < self.max_batch_size}
-        tokens = tuple(sorted({q for q in BATCHED_TOKENS if q <= self.block_size + 1} | {self.block_size + 1}))
-        return ensure_profile(self.target, requests=requests, tokens=tokens)
+        return ensure_profile(self.target, requests=requests, tokens=first_use_tokens(self.block_size))
 
     # ------------------------------------------------------------------ public API
     def add_request(self, prompt_ids, max_new_tokens: int = 128) -> int:
