@@ -21,8 +21,8 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    """Directory holding dequantised target copies (``$DSPARK_CACHE`` or ``~/.cache/dspark``)."""
-    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+    """Directory holding dequantised target copies (``$DSPARK_CACHE`` or, unset or empty, ``~/.cache/dspark``)."""
+    return Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
 
 
 def _gguf_dir() -> Path:

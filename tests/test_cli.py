@@ -316,3 +316,25 @@ def test_stats_line_says_what_it_measured():
     rec.update(rounds=3, tau=2.0, baseline_tokens_per_s=1.0, speedup=2.0, identical=False, do_sample=True)
     assert "tau=2.00" in _stats_line(rec) and "outputs differ (sampled)" in _stats_line(rec)
     assert "outputs DIFFER" in _stats_line(dict(rec, do_sample=False))
+
+
+def test_every_environment_variable_is_documented():
+    """Each DSPARK_* variable the code or tests read has a row in the README's table."""
+    import re
+
+    names = set()
+    for path in REPO.glob("**/*.py"):
+        if ".venv" in path.parts:
+            continue
+        names |= set(re.findall(r"\bDSPARK_[A-Z_]+\b", path.read_text(errors="replace")))
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    assert {"DSPARK_CACHE", "DSPARK_PROFILE_DIR", "DSPARK_SCHEDULER"} <= names
+    assert not [n for n in names if f"`{n}`" not in table]
+
+
+def test_an_empty_cache_variable_counts_as_unset(monkeypatch):
+    from modeling_dspark.target import cache_dir
+
+    monkeypatch.setenv("DSPARK_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "dspark"
