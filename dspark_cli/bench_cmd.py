@@ -56,6 +56,7 @@ from .common import (
     add_threads_option,
     drafter_dir,
     load_drafter,
+    check_target,
     load_target_checked,
     reports_cli_errors,
     resolve_device,
@@ -434,6 +435,7 @@ def _serve_command(args) -> int:
         except ValueError as err:
             raise CLIError(str(err)) from None
     draft_cost = _draft_cost_ms(args.draft_cost)
+    check_target(args.target)
 
     import torch
 

@@ -57,6 +57,7 @@ from .common import (
     add_threads_option,
     check_min,
     drafter_dir,
+    check_target,
     load_target_checked,
     read_prompts_jsonl,
     reports_cli_errors,
@@ -507,6 +508,8 @@ def load_pairs(files: Sequence[str | os.PathLike]) -> dict:
 
 def _check_args(args) -> None:
     check_min(args, {"limit": 1, "max_new_tokens": 1, "max_prompt_tokens": 1, "n_bins": 1})
+    if args.pairs is None:
+        check_target(args.target)
     # --write writes into the drafter's directory (no Hub cache); a refit from --pairs reads only its config
     args.drafter_path = drafter_dir(args.drafter, hub=not args.write, weights=args.pairs is None)
     if args.pairs is None:

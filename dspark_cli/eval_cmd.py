@@ -48,6 +48,7 @@ from .common import (  # noqa: F401
     check_min,
     drafter_dir,
     load_drafter,
+    check_target,
     load_target_checked,
     reports_cli_errors,
     resolve_device,
@@ -127,6 +128,7 @@ def _check_args(args) -> tuple[list[str], list[str]]:
     if not modes or any(m not in MODES for m in modes):
         raise CLIError(f"--modes must be a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
     check_min(args, {"max_new_tokens": 1, "pld_num_tokens": 1, "limit": 1, "block_size": 1})
+    check_target(args.target)
     from generation.policies import parse_policy
 
     try:

@@ -25,6 +25,7 @@ from .common import (
     add_dtype_option,
     add_progress_option,
     add_threads_option,
+    check_target,
     resolve_device,
     resolve_dtype,
 )
@@ -100,6 +101,7 @@ def run(args) -> int:
 
     threads = args.threads or torch.get_num_threads()
     try:
+        check_target(args.target)
         device = resolve_device(args.device)
     except CLIError as err:
         return _fail(str(err))

@@ -338,3 +338,21 @@ def test_an_empty_cache_variable_counts_as_unset(monkeypatch):
 
     monkeypatch.setenv("DSPARK_CACHE", "")
     assert cache_dir() == Path.home() / ".cache" / "dspark"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval"], ["bench", "serve"],
+                                     ["calibrate", "--drafter", str(REPO / "drafters" / "smollm2-135m-dspark")],
+                                     ["profile"]])
+def test_a_target_directory_without_a_model_config_is_refused_first(command, tmp_path, no_target_load, capsys):
+    """A directory that is not a model (no config.json) is named as such, not as a tokenizer or drafter problem."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main([*command, "--target", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--target {str(tmp_path)!r} is not a model directory: it has no config.json" in err, err
+
+
+def test_load_target_names_a_directory_without_a_model_config(tmp_path):
+    from modeling_dspark.target import load_target
+
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_target(tmp_path)
