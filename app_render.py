@@ -1,6 +1,6 @@
 """Turn the per-round statistics of one DSpark `generate()` call into token rows and HTML.
 
-Pure python (no torch, no UI toolkit): the Gradio page (``app.py``) and the tests call these functions, and
+Pure python (no UI toolkit): the Gradio page (``app.py``) and the tests call these functions, and
 anything else that wants to show a speculative round can too.
 
 A round, as :class:`~generation.stats.RoundStats` records it, drafted ℓ tokens (the verify policy stopped
@@ -32,6 +32,7 @@ import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from generation.scheduler import survival_row
 from generation.stats import SKIP_REASONS
 
 __all__ = [
@@ -120,14 +121,6 @@ class RoundView:
         return self.index > 0 and self.verified == 0
 
 
-def _survival(confidences: Sequence[float]) -> list[float]:
-    out, a = [], 1.0
-    for c in confidences:
-        a *= float(c)
-        out.append(a)
-    return out
-
-
 def round_views(
     stats,
     new_ids: Sequence[int],
@@ -162,7 +155,7 @@ def round_views(
         ell, n = int(r.verified), int(r.accepted)
         drafts = [int(t) for t in r.draft_tokens][:ell]
         confs = [float(c) for c in r.confidences][:ell]
-        surv = _survival(confs)
+        surv = survival_row(confs)
         cells = []
         for k in range(1, ell + 1):
             kind = "accepted" if k <= n else ("rejected" if k == n + 1 else "discarded")

@@ -391,6 +391,7 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
         expected_calibration_error,
         fit_sts,
         fit_sts_bias,
+        survival_from_confidences,
     )
 
     def fit(lg, ac, va):  # without bias: the paper's STS (ECE grid search of one temperature per position)
@@ -416,7 +417,7 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
         if not valid[tr, 0].any() or not valid[te, 0].any():
             continue
         t_fold, b_fold = fit(logits[tr], acc[tr], valid[tr])
-        a = np.cumprod(apply_sts(logits[te], t_fold, b_fold), axis=1)
+        a = survival_from_confidences(apply_sts(logits[te], t_fold, b_fold))
         for k in range(gamma):
             rows = ok[te, k]
             if rows.any():

@@ -246,8 +246,7 @@ def survival(confidences: ConfidencesLike) -> torch.Tensor:
         ValueError: not 2-D, R = 0, γ = 0, ragged rows, NaN, or values
             outside [0, 1].
     """
-    rows = _confidence_rows(confidences)
-    return torch.tensor(rows, dtype=torch.float64).cumprod(dim=1)
+    return torch.tensor(_survival_rows(_confidence_rows(confidences)), dtype=torch.float64)
 
 
 def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> ScheduleResult:
