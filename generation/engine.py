@@ -94,11 +94,6 @@ class RequestOutput:
         """Per-user speed: generated tokens / (finish − admission) seconds."""
         return self.num_tokens / max(1e-9, self.t_finished - self.t_admitted)
 
-    @property
-    def full_ids(self) -> list[int]:
-        """Prompt + output, as ``generate()`` returns it."""
-        return self.prompt_ids + self.output_ids
-
 
 @dataclass
 class EngineRound:

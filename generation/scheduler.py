@@ -317,7 +317,7 @@ def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
 
     Only safe (lossless) when ``confidences`` are from an EARLIER round than
     the draft tokens the budget will be spent on (see
-    :class:`LaggedBudgetScheduler`); applied to the current round it
+    :class:`generation.policies.LaggedBudget`); applied to the current round it
     anticipates and biases the output distribution (docs/method.md §4 counterexample).
 
     Args:
@@ -432,7 +432,7 @@ def effective_sps(sps: SPSLike, draft_s: float) -> Callable[[int], float]:
 
 @dataclass(frozen=True)
 class DraftGateResult:
-    """Outcome of :func:`draft_gate`.
+    """Outcome of :func:`yield_gate`.
 
     Attributes:
         draft: per request, whether drafting it this round is expected to pay.
