@@ -69,13 +69,26 @@ def validate_request(drafter, target, generation_config, input_ids=None, block_s
             raise ValueError("empty prompt: input_ids has no tokens")
     if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
         raise ValueError("assistant_ensemble_weight relaxes verification (not lossless); DSpark does not support it")
+    return check_drafter(drafter, target, block_size, policy)
+
+
+def check_drafter(drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
+    """Bind an unbound drafter to ``target`` and check it serves this request; return the block size γ'.
+
+    The same checks for `generate()` (:func:`validate_request`) and :class:`~generation.engine.DSparkEngine`.
+
+    Raises:
+        ValueError: a drafter bound to a different target instance (re-binding would change it for every other
+            user of the drafter), a drafter that does not match the target (:meth:`DSparkDraftModel.bind_target`),
+            ``block_size`` out of [1, γ], or a policy that needs a confidence head the drafter lacks.
+    """
     bound = drafter._target.get("model")
     if bound is None:
         drafter.bind_target(target)  # validates hidden size / vocab / layers / family
     elif bound is not target:
         raise ValueError(
             "this drafter is bound to another target instance; call drafter.bind_target(target) first (binding "
-            "is shared by every user of the drafter, so generate() does not re-bind it silently)"
+            "is shared by every user of the drafter, so it is not re-bound silently)"
         )
     gamma = drafter.config.block_size if block_size is None else block_size
     if not 1 <= gamma <= drafter.config.block_size:
