@@ -321,6 +321,7 @@ def test_cli_target_without_drafter_is_an_error(tmp_path, capsys):
     from dspark_cli.main import main
 
     (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text('{"model_type": "llama"}')  # a model directory, not the default
     assert main(["generate", "--prompt", "hi", "--target", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "--drafter" in err and "--no-draft" in err and "random" in err
