@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 
-from .candidate_generator import DSparkCandidateGenerator, validate_request
+from .candidate_generator import DSparkCandidateGenerator
 from .policies import Policy, parse_policy
 
 _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options", default={})
@@ -144,37 +144,16 @@ def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_con
     :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails
     here, before any profiling or model compute.
 
-    An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target`` here, after
-    :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device. The block size γ'
-    comes from ``num_assistant_tokens`` or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
+    An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``, after
+    :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device
+    (:func:`~generation.candidate_generator.check_drafter`). The block size γ' comes from ``num_assistant_tokens``
+    or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
 
-    The policy: the one asked for; else the scheduler when the drafter has a confidence head and an SPS(B) table
-    is given or cached for ``target`` (its name, dtype and torch's thread count), else ``full``. ``scheduler`` and
-    ``lagged`` asked for without a table profile one on first use and cache it
-    (:func:`generation.profiling.sps_for_generate`).
+    The policy and its SPS(B) table are resolved by :class:`DSparkCandidateGenerator` (after its checks).
     """
-    from .cost_model import cost_model_for
-    from .profiling import sps_for_generate
-
     opts = _options.get()
-    sps = opts.get("sps")
     block_size = _assistant_options(generation_config, opts.get("block_size"), drafter.config.block_size)
-    if drafter._target.get("model") is None:
-        drafter.bind_target(target)
-        if drafter.device != target.device:
-            drafter.to(target.device)
-    policy = opts.get("policy")  # a Policy, parsed by dspark_options, or None
-    gamma = validate_request(drafter, target, generation_config, input_ids, block_size, policy)
-    context_len = input_ids.shape[1]
-    if sps is None and (policy is None or policy.needs_sps):
-        sps = sps_for_generate(target, drafter, context_len, block_size=block_size,
-                               profile_if_missing=policy is not None)
-    if policy is None:
-        policy = parse_policy("scheduler" if sps is not None and drafter.confidence_head is not None else "full")
-    if policy.needs_sps and sps is None:
-        raise ValueError(f"verify policy {policy.name!r} needs an SPS(B) table and none could be profiled "
-                         "(the drafter has no confidence head, or $DSPARK_SCHEDULER is off)")
-    cost = cost_model_for(drafter, target, gamma, sps, opts.get("draft_gate", True)) if policy.needs_sps else None
     return DSparkCandidateGenerator(drafter, target, generation_config, logits_processor=logits_processor,
-                                    input_ids=input_ids, policy=policy, block_size=block_size, cost_model=cost,
+                                    input_ids=input_ids, policy=opts.get("policy"), block_size=block_size,
+                                    sps=opts.get("sps"), draft_gate=opts.get("draft_gate", True),
                                     tokenizer=tokenizer, lookup=opts.get("lookup", True))

@@ -395,3 +395,20 @@ def test_options_in_a_with_block_do_not_warn_and_nest(tiny, recwarn):
     assert {r.drafted for r in inner[-1].rounds} == {2}
     assert len(outer) == 1 and {r.drafted for r in outer[-1].rounds} == {1}
     assert not [w for w in recwarn if "never entered" in str(w.message)]
+
+
+def test_one_generate_checks_and_binds_once(tiny, monkeypatch):
+    """generate() checks the request (and binds an unbound drafter) once, in the candidate generator."""
+    import generation.candidate_generator as cg
+
+    target, drafter_dir = tiny
+    drafter = AutoModel.from_pretrained(drafter_dir)
+    checks, binds = [], []
+    real_check, real_bind = cg.check_drafter, type(drafter).bind_target
+    monkeypatch.setattr(cg, "check_drafter", lambda *a, **k: checks.append(a[3:]) or real_check(*a, **k))
+    monkeypatch.setattr(type(drafter), "bind_target", lambda self, t: binds.append(t) or real_bind(self, t))
+    with dspark_options(policy="fixed:2", lookup=False):
+        _generate(target, drafter, max_new_tokens=6)
+    assert len(checks) == 1 and binds == [target]
+    _generate(target, drafter, max_new_tokens=6)  # bound now: checked again, not re-bound
+    assert len(checks) == 2 and binds == [target]
