@@ -700,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", default=None, metavar="PATH|random",
                    help="default drafter (default: drafters/smollm2-135m-dspark if present, else random)")
     p.add_argument("--profile", action="store_true",
-                   help="measure the SPS(B) profile the scheduler needs at start if none is cached (about a minute)")
+                   help="measure the SPS(B) profile the scheduler needs at start if none is cached (seconds; "
+                        "it serves this page, not other programs' defaults: `dspark profile` makes that one)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation at start (default: warm up)")
     args = p.parse_args(argv)
