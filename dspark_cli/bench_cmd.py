@@ -459,8 +459,7 @@ def _serve_command(args) -> int:
     needs_sps = any(parse_policy(p).needs_sps for p in args.policies)
     sps = None
     if needs_sps:
-        tokens = tuple(sorted(set(profiling.BATCHED_TOKENS) | {gamma + 1}))
-        tokens = tuple(q for q in tokens if q <= gamma + 1)
+        tokens = profiling.first_use_tokens(gamma)
         log(f"SPS profile for context {context}, R {levels} (cached after the first run) ...", file=sys.stderr)
         sps = profiling.ensure_profile(
             target, contexts=[context], requests=levels, tokens=tokens, threads=threads, path=args.profile,
