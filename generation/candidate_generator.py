@@ -97,9 +97,9 @@ def check_drafter(drafter, target, block_size: int | None = None, policy: str | 
     gamma = drafter.config.block_size if block_size is None else block_size
     if not 1 <= gamma <= drafter.config.block_size:
         raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {gamma}")
-    if policy is not None and parse_policy(policy).needs_confidence and drafter.confidence_head is None:
-        raise ValueError(f"verify policy {parse_policy(policy).name!r} needs a drafter with a confidence head; "
-                         "this one has none")
+    policy = None if policy is None else parse_policy(policy)
+    if policy is not None and policy.needs_confidence and drafter.confidence_head is None:
+        raise ValueError(f"verify policy {policy.name!r} needs a drafter with a confidence head; this one has none")
     return gamma
 
 
