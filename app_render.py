@@ -252,7 +252,7 @@ _CSS = """
 .dspark-scale{display:inline-block;width:120px;height:10px;vertical-align:middle;border-radius:3px;
  background:linear-gradient(90deg,hsl(0,75%,82%),hsl(60,75%,82%),hsl(120,75%,82%))}
 .dspark-round{display:flex;align-items:flex-start;gap:4px;margin:3px 0;flex-wrap:wrap}
-.dspark-rlabel{font:11px monospace;color:#555;width:86px;flex:none;padding-top:6px}
+.dspark-rlabel{font:11px monospace;color:#555;width:116px;flex:none;padding-top:6px}
 .dspark-tok{display:inline-flex;flex-direction:column;align-items:center;min-width:34px;padding:2px 4px 1px;
  border-radius:5px;border:2px solid transparent;font-size:12px;line-height:1.25;color:#111}
 .dspark-tok .t{font-family:monospace;white-space:pre;font-size:13px}
@@ -261,7 +261,7 @@ _CSS = """
 .dspark-accepted{border-color:#15803d}
 .dspark-rejected{border-color:#b91c1c}.dspark-rejected .t{text-decoration:line-through}
 .dspark-discarded{border-color:#b91c1c;border-style:dotted;opacity:.55}.dspark-discarded .t{text-decoration:line-through}
-.dspark-cut{border:2px dashed #9ca3af;background:#f3f4f6 !important;color:#9ca3af}
+.dspark-cut,.dspark-skipped{border:2px dashed #9ca3af;background:#f3f4f6 !important;color:#9ca3af}
 .dspark-resampled{border-color:#7c3aed;background:#ede9fe !important}
 .dspark-bonus{border-color:#0369a1;background:#e0f2fe !important}
 .dspark-target{border-color:#6b7280;background:#f9fafb !important}
