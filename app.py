@@ -508,7 +508,7 @@ def run_demo(bank: ModelBank, req: Request, counts: dict | None = None, cancel: 
                            "Choose full or fixed:N.")
         if policy.needs_sps:
             if models.sps is None:
-                yield "status", "Measuring the target's step rate SPS(B) on first use (about a minute)…"
+                yield "status", "Measuring the target's step rate SPS(B) on first use (a few seconds)…"
             sps, reason = resolve_sps(models.target, models.drafter, ids.shape[1], block, profile_if_missing=True)
             if sps is None:
                 raise AppError(f"The scheduler is not available: {reason}. Choose full or fixed:N.")
@@ -620,7 +620,7 @@ def build_ui(bank: ModelBank):
                         list(POLICY_CHOICES), value="scheduler" if sched_ok else "full", allow_custom_value=True,
                         elem_id="dspark-policy", label="verify policy (none, full, fixed:N, threshold:P, scheduler)",
                         info=("scheduler: ℓ each round from c_k and the measured SPS(B)" if sched_ok
-                              else "scheduler: SPS(B) is measured on its first request (about a minute; "
+                              else "scheduler: SPS(B) is measured on its first request (a few seconds; "
                                    "`dspark profile` does it ahead)" if sched_reason.startswith("no SPS(B)")
                               else f"scheduler: {sched_reason}"))
                     fast, why = auto_dtype(bank.default_drafter, bank.target_path)
@@ -700,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", default=None, metavar="PATH|random",
                    help="default drafter (default: drafters/smollm2-135m-dspark if present, else random)")
     p.add_argument("--profile", action="store_true",
-                   help="measure the SPS(B) profile the scheduler needs at start if none is cached (about a minute)")
+                   help="measure the SPS(B) profile the scheduler needs at start if none is cached (seconds; "
+                        "it serves this page, not other programs' defaults: `dspark profile` makes that one)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation at start (default: warm up)")
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Turn the per-round statistics of one DSpark `generate()` call into token rows and HTML.
 
-Pure python (no torch, no UI toolkit): the Gradio page (``app.py``) and the tests call these functions, and
+Pure python (no UI toolkit): the Gradio page (``app.py``) and the tests call these functions, and
 anything else that wants to show a speculative round can too.
 
 A round, as :class:`~generation.stats.RoundStats` records it, drafted ℓ tokens (the verify policy stopped
@@ -15,10 +15,15 @@ generated token ids and labels every slot of every round:
 ``discarded``  drafted and verified, but after a rejected one, so thrown away (k > n + 1)
 ``cut``        not verified: the policy stopped at ℓ < γ' (in DSpark it is then not drafted either)
 ``skipped``    not drafted: the scheduler's draft gate skipped the drafter this round (:class:`generation.cost_model.CostModel`)
+               or the lookup chain was chosen instead
 ``resampled``  the target's token that replaced the rejected draft
 ``bonus``      the target's extra token after a fully accepted round (or a round with ℓ = 0)
 ``target``     a token from a target step that is not a speculative round (the prefill, the last step)
 =============  ==========================================================================================
+
+A round verifies one chain (:attr:`RoundView.source`): the drafter's block, or the n-gram lookup's continuation
+(:mod:`generation.lookup`; copied text, no confidences), drawn with an amber background and a "lookup" label.
+Consecutive rounds that verified nothing (the drafter skipped, one target step each) are drawn as one row.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from generation.scheduler import survival_row
 from generation.stats import SKIP_REASONS
 
 __all__ = [
@@ -46,12 +52,14 @@ __all__ = [
     "summary_html",
 ]
 
+# the marks are characters of DejaVu Sans Mono (the monospace font every Debian browser has): none renders as an
+# empty box
 KINDS = {
     "accepted": ("✓", "accepted: drafted, verified and accepted by the target"),
     "rejected": ("✗", "rejected: the first drafted token the target did not accept"),
     "discarded": ("–", "discarded: verified, but after a rejected token"),
     "cut": ("✂", "not verified: cut by the scheduler (never drafted)"),
-    "skipped": ("⏭", "not drafted: the draft gate skipped the drafter this round (past rounds: drafting does not pay)"),
+    "skipped": ("∅", "not drafted: the draft gate skipped the drafter this round (past rounds: drafting does not pay)"),
     "resampled": ("↻", "resampled: the target's token in place of the rejected one (greedy: its correction)"),
     "bonus": ("★", "bonus: the target's extra token after a fully accepted round"),
     "target": ("•", "target step outside a speculative round (prefill / last step)"),
@@ -92,6 +100,8 @@ class RoundView:
         committed: the token ids this round appended to the output.
         cells: :class:`TokenCell` per slot, then the target's token.
         consistent: whether the accepted drafts equal the committed output tokens (a sanity check).
+        source: the chain verified: ``"draft"`` (the drafter's block), ``"lookup"`` (the n-gram lookup's
+            continuation) or ``""`` (nothing verified; also the prefill and trailing rows).
     """
 
     index: int
@@ -103,14 +113,12 @@ class RoundView:
     t_draft_ms: float = 0.0
     t_verify_ms: float = 0.0
     consistent: bool = True
+    source: str = ""
 
-
-def _survival(confidences: Sequence[float]) -> list[float]:
-    out, a = [], 1.0
-    for c in confidences:
-        a *= float(c)
-        out.append(a)
-    return out
+    @property
+    def not_drafted(self) -> bool:
+        """A speculative round that verified nothing: one target step (drawn collapsed by :func:`rounds_html`)."""
+        return self.index > 0 and self.verified == 0
 
 
 def round_views(
@@ -147,7 +155,7 @@ def round_views(
         ell, n = int(r.verified), int(r.accepted)
         drafts = [int(t) for t in r.draft_tokens][:ell]
         confs = [float(c) for c in r.confidences][:ell]
-        surv = _survival(confs)
+        surv = survival_row(confs)
         cells = []
         for k in range(1, ell + 1):
             kind = "accepted" if k <= n else ("rejected" if k == n + 1 else "discarded")
@@ -165,8 +173,9 @@ def round_views(
             tok = committed[n]
             cells.append(TokenCell(0, "bonus" if n >= ell else "resampled", tok, decode(tok)))
         consistent = committed[:n] == drafts[: min(n, len(committed))]
+        source = (getattr(r, "source", "") or "draft") if ell else ""  # records without a source: the drafter's
         views.append(RoundView(i, slots, ell, n, committed, cells, float(r.t_draft_ms), float(r.t_verify_ms),
-                               consistent))
+                               consistent, source))
         p += len(committed)
     if p < len(new_ids):
         rest = new_ids[p:]
@@ -184,18 +193,21 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 # ---------------------------------------------------------------------------------------------- session chart
 def empty_position_counts(block_size: int = 0) -> dict:
-    """Per-position tallies for a session: rounds that verified slot k, that accepted it, Σ a_k predicted."""
+    """Per-position tallies for a session, over the rounds that verified the drafter's block: rounds that verified
+    slot k, that accepted it, Σ a_k predicted, and the number of such rounds."""
     return {"verified": [0] * block_size, "accepted": [0] * block_size, "predicted": [0.0] * block_size,
             "rounds": 0}
 
 
 def update_position_counts(counts: dict | None, views: Sequence[RoundView]) -> dict:
-    """Return new tallies = ``counts`` + the speculative rounds in ``views`` (``counts`` is not modified)."""
+    """Return new tallies = ``counts`` + the rounds in ``views`` that verified the drafter's block (``counts`` is
+    not modified). Lookup rounds are left out: their tokens carry no confidence, so counting them would compare the
+    drafter's predicted a_k with the lookup's acceptance."""
     counts = counts or empty_position_counts()
     out = {key: list(counts[key]) for key in ("verified", "accepted", "predicted")}
     out["rounds"] = int(counts.get("rounds", 0))
     for v in views:
-        if v.index <= 0:
+        if v.source != "draft":
             continue
         out["rounds"] += 1
         need = max(v.slots, v.verified)
@@ -240,7 +252,7 @@ _CSS = """
 .dspark-scale{display:inline-block;width:120px;height:10px;vertical-align:middle;border-radius:3px;
  background:linear-gradient(90deg,hsl(0,75%,82%),hsl(60,75%,82%),hsl(120,75%,82%))}
 .dspark-round{display:flex;align-items:flex-start;gap:4px;margin:3px 0;flex-wrap:wrap}
-.dspark-rlabel{font:11px monospace;color:#555;width:86px;flex:none;padding-top:6px}
+.dspark-rlabel{font:11px monospace;color:#555;width:116px;flex:none;padding-top:6px}
 .dspark-tok{display:inline-flex;flex-direction:column;align-items:center;min-width:34px;padding:2px 4px 1px;
  border-radius:5px;border:2px solid transparent;font-size:12px;line-height:1.25;color:#111}
 .dspark-tok .t{font-family:monospace;white-space:pre;font-size:13px}
@@ -249,10 +261,12 @@ _CSS = """
 .dspark-accepted{border-color:#15803d}
 .dspark-rejected{border-color:#b91c1c}.dspark-rejected .t{text-decoration:line-through}
 .dspark-discarded{border-color:#b91c1c;border-style:dotted;opacity:.55}.dspark-discarded .t{text-decoration:line-through}
-.dspark-cut{border:2px dashed #9ca3af;background:#f3f4f6 !important;color:#9ca3af}
+.dspark-cut,.dspark-skipped{border:2px dashed #9ca3af;background:#f3f4f6 !important;color:#9ca3af}
 .dspark-resampled{border-color:#7c3aed;background:#ede9fe !important}
 .dspark-bonus{border-color:#0369a1;background:#e0f2fe !important}
 .dspark-target{border-color:#6b7280;background:#f9fafb !important}
+.dspark-lookup{background:#fde68a !important;outline:1px solid #d97706}
+.dspark-skiprow .dspark-rlabel{color:#9ca3af}
 .dspark-sep{width:1px;align-self:stretch;background:#d1d5db;margin:0 3px}
 .dspark-summary table{border-collapse:collapse;font-size:13px}
 .dspark-summary td,.dspark-summary th{padding:2px 10px;border-bottom:1px solid #e5e7eb;text-align:left}
@@ -267,7 +281,8 @@ def _show(text: str) -> str:
     return html.escape(text if text.strip() or not text else text.replace(" ", "␣"))
 
 
-def _cell_html(c: TokenCell) -> str:
+def _cell_html(c: TokenCell, source: str = "") -> str:
+    """One slot; ``source="lookup"`` marks a proposed token as the lookup's (amber, no confidence)."""
     sym, title = KINDS[c.kind]
     if c.kind in ("cut", "skipped"):
         tip = f"k={c.k}: {title}"
@@ -282,7 +297,11 @@ def _cell_html(c: TokenCell) -> str:
         meta = f'<span class="m">k={c.k}</span>'
     bar = f'<span class="bar" style="width:{100 * c.survival:.0f}%"></span>' if c.survival is not None else ""
     bg = confidence_colour(c.confidence) if c.k > 0 else "#ffffff"
-    return (f'<span class="dspark-tok dspark-{c.kind}" style="background:{bg}" title="{html.escape(tip)}">'
+    lookup = c.k > 0 and source == "lookup"
+    if lookup:
+        tip = "proposed by the n-gram lookup (copied text, no confidence); " + tip
+    return (f'<span class="dspark-tok dspark-{c.kind}{" dspark-lookup" if lookup else ""}" style="background:{bg}" '
+            f'title="{html.escape(tip)}">'
             f'<span class="t">{sym} {_show(c.text)}</span>{meta}{bar}</span>')
 
 
@@ -292,27 +311,54 @@ def legend_html() -> str:
         f'<span><span class="dspark-tok dspark-{kind}"><span class="t">{sym}</span></span> {html.escape(text)}</span>'
         for kind, (sym, text) in KINDS.items()
     )
+    items += ('<span><span class="dspark-tok dspark-accepted dspark-lookup"><span class="t">✓</span></span> '
+              'amber: proposed by the n-gram lookup (copied text, no confidence)</span>')
     return (f'<div class="dspark-legend">{items}<span>background = calibrated confidence c_k '
             f'<span class="dspark-scale"></span> 0 → 1; blue bar = survival a_k = Π c_i</span></div>')
 
 
+def _row(index: int, label: str, cells: Sequence[str], extra_class: str = "") -> str:
+    return (f'<div class="dspark-round{extra_class}" data-round="{index}"><span class="dspark-rlabel">{label}</span>'
+            f'{"".join(cells)}</div>')
+
+
 def rounds_html(views: Sequence[RoundView], max_rounds: int = 400) -> str:
-    """HTML of all rounds: one line per round with its slots, its verify length ℓ and its accepted count."""
+    """HTML of all rounds: one line per round with its slots, its verify length ℓ and its accepted count (a lookup
+    round labelled "lookup", its tokens amber); a run of consecutive rounds that verified nothing is one line with
+    one ∅ (or ✂) mark and their target tokens."""
     rows = []
     spec = [v for v in views if v.index > 0]
-    for v in views[: max_rounds + 2]:
+    shown = list(views[: max_rounds + 2])
+    i = 0
+    while i < len(shown):
+        v = shown[i]
+        if v.not_drafted:
+            j = i
+            while j + 1 < len(shown) and shown[j + 1].not_drafted:
+                j += 1
+            run = shown[i : j + 1]
+            gap = "skipped" if any(c.kind == "skipped" for w in run for c in w.cells) else "cut"
+            sym, title = KINDS[gap]
+            what = f"{len(run)} round{'s' if len(run) > 1 else ''} verified no draft (one target step each); {title}"
+            label = f"r{v.index}" + (f"–r{run[-1].index}" if len(run) > 1 else "") + " ℓ=0"
+            mark = (f'<span class="dspark-tok dspark-cut" title="{html.escape(what)}"><span class="t">{sym}</span>'
+                    f'<span class="m">×{len(run)}</span></span>')
+            target = [_cell_html(c) for w in run for c in w.cells if c.k == 0]
+            rows.append(_row(v.index, label, [mark, '<span class="dspark-sep"></span>', *target], " dspark-skiprow"))
+            i = j + 1
+            continue
         if v.index == 0:
             label = "prefill"
         elif v.index < 0:
             label = "last step"
         else:
-            label = f"r{v.index} ℓ={v.verified} n={v.accepted}"
-        cells = [_cell_html(c) for c in v.cells if c.k > 0]
+            label = f"r{v.index}{' lookup' if v.source == 'lookup' else ''} ℓ={v.verified} n={v.accepted}"
+        cells = [_cell_html(c, v.source) for c in v.cells if c.k > 0]
         target = [_cell_html(c) for c in v.cells if c.k == 0]
         sep = ['<span class="dspark-sep"></span>'] if cells and target else []
         warn = "" if v.consistent else ' <b title="accepted drafts do not match the output">⚠</b>'
-        rows.append(f'<div class="dspark-round" data-round="{v.index}"><span class="dspark-rlabel">{label}{warn}'
-                    f'</span>{"".join(cells + sep + target)}</div>')
+        rows.append(_row(v.index, label + warn, cells + sep + target))
+        i += 1
     more = ""
     if len(views) > max_rounds + 2:
         more = f"<div>… {len(views) - max_rounds - 2} more rounds not shown</div>"
@@ -379,7 +425,7 @@ def position_chart_html(counts: dict | None, title: str = "Per-position acceptan
         f'background:{c};margin-right:4px"></span>{html.escape(name)}</span>' for name, c in colours.items()
     )
     head = (f'<div class="dspark-chart"><div style="font-weight:600;font-size:14px">{html.escape(title)}</div>'
-            f'<div style="font-size:12px;margin:2px 0 4px">{legend} · {counts.get("rounds", 0)} rounds</div>')
+            f'<div style="font-size:12px;margin:2px 0 4px">{legend} · {counts.get("rounds", 0)} drafted rounds</div>')
     if not ks:
         return head + '<div style="font-size:13px;color:#6b7280">No rounds yet: generate something.</div></div>'
     w_slot, plot_h, left, top = 56, 160, 34, 8

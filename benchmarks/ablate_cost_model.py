@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     levels = sorted(set(args.requests))
     mean_prompt = statistics.fmean(len(p["ids"]) for p in prompts)
     context = 2 ** max(4, round(math.log2(mean_prompt + args.max_new_tokens / 2)))
-    tokens = tuple(q for q in sorted(set(profiling.BATCHED_TOKENS) | {gamma + 1}) if q <= gamma + 1)
+    tokens = profiling.first_use_tokens(gamma)
     sps = profiling.ensure_profile(target, contexts=[context], requests=levels, tokens=tokens,
                                    progress=lambda s: print("  " + s, file=sys.stderr))
     engines = {

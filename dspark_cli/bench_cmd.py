@@ -56,6 +56,7 @@ from .common import (
     add_threads_option,
     drafter_dir,
     load_drafter,
+    check_target,
     load_target_checked,
     reports_cli_errors,
     resolve_device,
@@ -434,6 +435,7 @@ def _serve_command(args) -> int:
         except ValueError as err:
             raise CLIError(str(err)) from None
     draft_cost = _draft_cost_ms(args.draft_cost)
+    check_target(args.target)
 
     import torch
 
@@ -457,8 +459,7 @@ def _serve_command(args) -> int:
     needs_sps = any(parse_policy(p).needs_sps for p in args.policies)
     sps = None
     if needs_sps:
-        tokens = tuple(sorted(set(profiling.BATCHED_TOKENS) | {gamma + 1}))
-        tokens = tuple(q for q in tokens if q <= gamma + 1)
+        tokens = profiling.first_use_tokens(gamma)
         log(f"SPS profile for context {context}, R {levels} (cached after the first run) ...", file=sys.stderr)
         sps = profiling.ensure_profile(
             target, contexts=[context], requests=levels, tokens=tokens, threads=threads, path=args.profile,

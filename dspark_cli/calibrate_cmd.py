@@ -57,6 +57,7 @@ from .common import (
     add_threads_option,
     check_min,
     drafter_dir,
+    check_target,
     load_target_checked,
     read_prompts_jsonl,
     reports_cli_errors,
@@ -390,6 +391,7 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
         expected_calibration_error,
         fit_sts,
         fit_sts_bias,
+        survival_from_confidences,
     )
 
     def fit(lg, ac, va):  # without bias: the paper's STS (ECE grid search of one temperature per position)
@@ -415,7 +417,7 @@ def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
         if not valid[tr, 0].any() or not valid[te, 0].any():
             continue
         t_fold, b_fold = fit(logits[tr], acc[tr], valid[tr])
-        a = np.cumprod(apply_sts(logits[te], t_fold, b_fold), axis=1)
+        a = survival_from_confidences(apply_sts(logits[te], t_fold, b_fold))
         for k in range(gamma):
             rows = ok[te, k]
             if rows.any():
@@ -507,6 +509,8 @@ def load_pairs(files: Sequence[str | os.PathLike]) -> dict:
 
 def _check_args(args) -> None:
     check_min(args, {"limit": 1, "max_new_tokens": 1, "max_prompt_tokens": 1, "n_bins": 1})
+    if args.pairs is None:
+        check_target(args.target)
     # --write writes into the drafter's directory (no Hub cache); a refit from --pairs reads only its config
     args.drafter_path = drafter_dir(args.drafter, hub=not args.write, weights=args.pairs is None)
     if args.pairs is None:

@@ -321,15 +321,19 @@ def parse_ints(flag: str, text: str) -> list[int]:
 
 
 def check_target(spec: str | None) -> None:
-    """``--target``: None, the default target's name, or an existing local directory.
+    """``--target``: None, the default target's name, or a local model directory (with a ``config.json``).
 
     Raises:
-        CLIError: anything else (targets are never downloaded).
+        CLIError: anything else (targets are never downloaded), with the reason
+            (:func:`modeling_dspark.target.check_target_dir`).
     """
-    from modeling_dspark.target import DEFAULT_TARGET
+    from modeling_dspark.target import DEFAULT_TARGET, check_target_dir
 
-    if spec is not None and spec != DEFAULT_TARGET and not Path(spec).expanduser().is_dir():
-        raise CLIError(f"--target {spec!r} is not a local model directory")
+    if spec is not None and spec != DEFAULT_TARGET:
+        try:
+            check_target_dir(spec)
+        except FileNotFoundError as err:
+            raise CLIError(f"--{err}") from None
 
 
 def load_target_checked(spec: str | None, **kwargs):

@@ -48,6 +48,7 @@ from .common import (  # noqa: F401
     check_min,
     drafter_dir,
     load_drafter,
+    check_target,
     load_target_checked,
     reports_cli_errors,
     resolve_device,
@@ -57,6 +58,8 @@ from .common import (  # noqa: F401
 
 DEFAULT_SETS = "gsm8k,humaneval,mtbench"
 MODES = ("greedy", "sample")
+MIN_SPEED_PROMPTS = 8
+"""Speed-ups from fewer prompts (each timed once) are marked as noise: load and warm-up decide them."""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -127,6 +130,7 @@ def _check_args(args) -> tuple[list[str], list[str]]:
     if not modes or any(m not in MODES for m in modes):
         raise CLIError(f"--modes must be a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
     check_min(args, {"max_new_tokens": 1, "pld_num_tokens": 1, "limit": 1, "block_size": 1})
+    check_target(args.target)
     from generation.policies import parse_policy
 
     try:
@@ -345,12 +349,18 @@ def _overall(results: dict, modes: list[str]) -> dict:
         g = [r["greedy"] for r in results.values() if "greedy" in r]
         out["n_identical"] = sum(x["n_identical"] for x in g)
         out["n_compared"] = sum(x["n_prompts"] for x in g)
+        out["speedup_is_noise"] = out["n_compared"] < MIN_SPEED_PROMPTS
     return out
 
 
 # ---------------------------------------------------------------------------------------------- outputs
 def _f(v, fmt="{:.2f}"):
     return fmt.format(v) if v is not None else "–"
+
+
+def _speedup(v, n_prompts: int) -> str:
+    """A speed-up cell; marked "(noise)" when measured on fewer than :data:`MIN_SPEED_PROMPTS` prompts."""
+    return _f(v, "{:.2f}×") + (" (noise)" if v is not None and n_prompts < MIN_SPEED_PROMPTS else "")
 
 
 def markdown(report: dict) -> str:
@@ -375,13 +385,18 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {name} | {r['n_prompts']} | {_f(g.get('tau'))} | {_f(s.get('tau'))} | "
             f"{_f(g.get('tokens_per_target_forward'))} | {_f(g.get('tokens_per_s'), '{:.1f}')} | "
-            f"{_f(b.get('tokens_per_s'), '{:.1f}')} | {_f(g.get('speedup'), '{:.2f}×')} | {ident} | "
-            f"{_f(p.get('tokens_per_target_forward'))} | {_f(p.get('speedup'), '{:.2f}×')} |"
+            f"{_f(b.get('tokens_per_s'), '{:.1f}')} | {_speedup(g.get('speedup'), r['n_prompts'])} | {ident} | "
+            f"{_f(p.get('tokens_per_target_forward'))} | {_speedup(p.get('speedup'), r['n_prompts'])} |"
         )
     macro = " ".join(f"τ {m} (macro) {_f(summ.get(f'tau_{m}_macro'))};" for m in ("greedy", "sample")
                      if f"tau_{m}_macro" in summ)
-    lines += ["", f"Overall: {macro} speedup {_f(summ.get('speedup'), '{:.2f}×')}, "
-                  f"prompt lookup {_f(summ.get('prompt_lookup_speedup'), '{:.2f}×')}.", ""]
+    n_all = summ.get("n_compared", 0)
+    lines += ["", f"Overall: {macro} speedup {_speedup(summ.get('speedup'), n_all)}, "
+                  f"prompt lookup {_speedup(summ.get('prompt_lookup_speedup'), n_all)}.", ""]
+    if any(r["n_prompts"] < MIN_SPEED_PROMPTS for r in results.values()) and "speedup" in summ:
+        lines += [f"(noise): a speed-up from fewer than {MIN_SPEED_PROMPTS} prompts, each timed once, is decided by "
+                  f"other load and warm-up, not by the drafter; use --limit {MIN_SPEED_PROMPTS} or more to measure "
+                  "speed.", ""]
     gamma = cfg["block_size"]
     lines += ["Conditional acceptance rate P(x_k accepted | x_<k accepted):", "",
               "| set | mode | " + " | ".join(f"k={k}" for k in range(1, gamma + 1)) + " |",

@@ -25,6 +25,7 @@ from .common import (
     add_dtype_option,
     add_progress_option,
     add_threads_option,
+    check_target,
     resolve_device,
     resolve_dtype,
 )
@@ -100,6 +101,7 @@ def run(args) -> int:
 
     threads = args.threads or torch.get_num_threads()
     try:
+        check_target(args.target)
         device = resolve_device(args.device)
     except CLIError as err:
         return _fail(str(err))
@@ -131,6 +133,10 @@ def run(args) -> int:
             target, contexts=args.contexts, requests=args.requests, tokens=args.tokens, threads=threads,
             warmup=args.warmup, repeats=args.repeats, progress=lambda s: log("  " + s, file=sys.stderr),
         )
+        for ctx, per_r in result["problems"].items():  # saved all the same: measuring was asked for
+            for r, reason in per_r.items():
+                print(f"dspark profile: warning: context {ctx}, R={r}: {reason}; the machine was probably busy, "
+                      "measure again when it is quiet", file=sys.stderr)
         profiling.save_profile(result, path)
         prof = profiling.load_profile(name, args.dtype, threads, path, device=target.device)
     except ValueError as err:

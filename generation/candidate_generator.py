@@ -38,11 +38,12 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 from modeling_dspark.target import context_features, hidden_state_indices
 
-from .cost_model import CostModel
+from .cost_model import CostModel, cost_model_for
 from .drafting import DraftContext, Sampler, draft_round
 from .lookup import LookupChain, MeasuredPrices
 from .packed_target import RequestKV
 from .policies import LaggedBudget, Policy, parse_policy
+from .profiling import sps_for_generate
 from .stats import GenerationStats, RoundStats, register
 
 
@@ -69,21 +70,55 @@ def validate_request(drafter, target, generation_config, input_ids=None, block_s
             raise ValueError("empty prompt: input_ids has no tokens")
     if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
         raise ValueError("assistant_ensemble_weight relaxes verification (not lossless); DSpark does not support it")
+    return check_drafter(drafter, target, block_size, policy)
+
+
+def check_drafter(drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
+    """Bind an unbound drafter to ``target`` (and move it to the target's device) and check that it serves this
+    request; return the block size γ'.
+
+    The same checks for `generate()` (:func:`validate_request`) and :class:`~generation.engine.DSparkEngine`.
+
+    Raises:
+        ValueError: a drafter bound to a different target instance (re-binding would change it for every other
+            user of the drafter), a drafter that does not match the target (:meth:`DSparkDraftModel.bind_target`),
+            ``block_size`` out of [1, γ], or a policy that needs a confidence head the drafter lacks.
+    """
     bound = drafter._target.get("model")
     if bound is None:
         drafter.bind_target(target)  # validates hidden size / vocab / layers / family
+        if drafter.device != target.device:
+            drafter.to(target.device)
     elif bound is not target:
         raise ValueError(
             "this drafter is bound to another target instance; call drafter.bind_target(target) first (binding "
-            "is shared by every user of the drafter, so generate() does not re-bind it silently)"
+            "is shared by every user of the drafter, so it is not re-bound silently)"
         )
     gamma = drafter.config.block_size if block_size is None else block_size
     if not 1 <= gamma <= drafter.config.block_size:
         raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {gamma}")
-    if policy is not None and parse_policy(policy).needs_confidence and drafter.confidence_head is None:
-        raise ValueError(f"verify policy {parse_policy(policy).name!r} needs a drafter with a confidence head; "
-                         "this one has none")
+    policy = None if policy is None else parse_policy(policy)
+    if policy is not None and policy.needs_confidence and drafter.confidence_head is None:
+        raise ValueError(f"verify policy {policy.name!r} needs a drafter with a confidence head; this one has none")
     return gamma
+
+
+def _policy_and_cost(drafter, target, policy: Policy | None, gamma: int, sps, draft_gate: bool,
+                     context_len: int | None) -> tuple[Policy, CostModel | None]:
+    """The verify policy of a `generate()` call (``policy``, or the default: see :class:`DSparkCandidateGenerator`)
+    and, for ``scheduler`` / ``lagged``, its cost model.
+
+    Raises:
+        ValueError: ``scheduler`` / ``lagged`` and no SPS(B) table given, cached or measurable.
+    """
+    if sps is None and (policy is None or policy.needs_sps):
+        sps = sps_for_generate(target, drafter, context_len, block_size=gamma, profile_if_missing=policy is not None)
+    if policy is None:
+        policy = parse_policy("scheduler" if sps is not None and drafter.confidence_head is not None else "full")
+    if policy.needs_sps and sps is None:
+        raise ValueError(f"verify policy {policy.name!r} needs an SPS(B) table and none could be profiled "
+                         "(the drafter has no confidence head, or $DSPARK_SCHEDULER is off)")
+    return policy, (cost_model_for(drafter, target, gamma, sps, draft_gate) if policy.needs_sps else None)
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -99,17 +134,22 @@ class DSparkCandidateGenerator(CandidateGenerator):
         logits_processor: the call's processors (incl. temperature / top-k / top-p warpers when sampling); applied
             to the draft logits exactly as the target's logits are processed.
         input_ids: ``[1, P]`` prompt ids.
-        policy: a verify policy spec or :class:`~generation.policies.Policy` (default ``full``).
+        policy: a verify policy spec or :class:`~generation.policies.Policy`; None: the scheduler when the drafter
+            has a confidence head and ``sps`` is given or an SPS(B) table made by ``dspark profile`` is cached for
+            ``target`` (its name, dtype, torch's thread count), else ``full``.
         block_size: γ' ≤ γ slots per round (default ``drafter.config.block_size``).
-        cost_model: prices ``scheduler`` / ``lagged`` rounds (SPS(B), drafting time, draft gate); required by them.
+        sps: SPS(B) (a mapping or callable, steps/s) that prices ``scheduler`` / ``lagged`` rounds
+            (:class:`~generation.cost_model.CostModel`); when None they use the cached table, profiled on first use
+            where none is cached (:func:`generation.profiling.sps_for_generate`).
+        draft_gate: whether the cost model may skip drafting in rounds where it does not pay.
         tokenizer: the call's tokenizer (needed with ``stop_strings``, as for plain `generate()`).
         lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
             proposer.
 
     Raises:
         ValueError: batch size > 1, an empty prompt, block_size out of range, a drafter that does not match the
-            target, ``scheduler`` / ``lagged`` without a cost model, stop strings without a tokenizer — all before
-            any compute.
+            target, stop strings without a tokenizer — all before any compute or profiling — and ``scheduler`` /
+            ``lagged`` when no SPS(B) table can be had (no confidence head, ``$DSPARK_SCHEDULER`` off).
     """
 
     requires_model_outputs = True
@@ -124,17 +164,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
         input_ids: torch.LongTensor | None = None,
         policy: str | Policy | None = None,
         block_size: int | None = None,
-        cost_model: CostModel | None = None,
+        sps=None,
+        draft_gate: bool = True,
         tokenizer=None,
         lookup: bool = True,
     ):
-        self.policy = parse_policy(policy)
-        gamma = validate_request(drafter, target, generation_config, input_ids, block_size, self.policy)
-        if self.policy.needs_sps and cost_model is None:
-            raise ValueError(f"verify policy {self.policy.name!r} needs an SPS(B) table (a CostModel)")
+        requested = None if policy is None else parse_policy(policy)
+        gamma = validate_request(drafter, target, generation_config, input_ids, block_size, requested)
         stop_strings = getattr(generation_config, "stop_strings", None)
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate()")
+        self.policy, cost_model = _policy_and_cost(drafter, target, requested, gamma, sps, draft_gate,
+                                                   None if input_ids is None else input_ids.shape[1])
         self.drafter = drafter
         self.block_size = gamma
         self.layer_ids = list(drafter.config.target_layer_ids)
@@ -142,7 +183,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
-        self.cost = cost_model if self.policy.needs_sps else None
+        self.cost = cost_model
         self.lagged = LaggedBudget(self.policy.lag) if self.policy.kind == "lagged" else None
         self.stop = StopStringCriteria(tokenizer, stop_strings) if stop_strings else None
         self.context = DraftContext(RequestKV(drafter.config.num_draft_layers))

@@ -41,6 +41,7 @@ import torch
 
 from modeling_dspark.target import context_features
 
+from .candidate_generator import check_drafter
 from .cost_model import CostModel
 from .drafting import DraftContext, DraftResult, draft_round
 from .lookup import NUM_TOKENS as LOOKUP_TOKENS, LookupChain, MeasuredPrices
@@ -93,11 +94,6 @@ class RequestOutput:
     def tokens_per_s(self) -> float:
         """Per-user speed: generated tokens / (finish − admission) seconds."""
         return self.num_tokens / max(1e-9, self.t_finished - self.t_admitted)
-
-    @property
-    def full_ids(self) -> list[int]:
-        """Prompt + output, as ``generate()`` returns it."""
-        return self.prompt_ids + self.output_ids
 
 
 @dataclass
@@ -238,7 +234,9 @@ class DSparkEngine:
 
     Raises:
         ValueError: a bad policy, a policy that needs a drafter / confidence head without one, block_size out of
-            range, a drafter that does not match the target, a bad draft_cost_ms / draft_gate / lookup.
+            range, a drafter that does not match the target or is bound to another target instance
+            (:func:`~generation.candidate_generator.check_drafter`, as `generate()`), a bad draft_cost_ms /
+            draft_gate / lookup.
     """
 
     def __init__(
@@ -263,15 +261,7 @@ class DSparkEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if self.policy.drafts and drafter is None:
             raise ValueError(f"policy {self.policy.name!r} needs a drafter (use policy='none' without one)")
-        gamma = 0
-        if self.policy.drafts:
-            if drafter._target.get("model") is not target:
-                drafter.bind_target(target)
-            gamma = block_size or drafter.config.block_size
-            if not 1 <= gamma <= drafter.config.block_size:
-                raise ValueError(f"block_size must be in [1, {drafter.config.block_size}], got {gamma}")
-            if self.policy.needs_confidence and drafter.confidence_head is None:
-                raise ValueError(f"policy {self.policy.name!r} needs a drafter with a confidence head")
+        gamma = check_drafter(drafter, target, block_size, self.policy) if self.policy.drafts else 0
         self.target = target
         self.drafter = drafter if self.policy.drafts else None
         self.block_size = gamma
@@ -302,11 +292,10 @@ class DSparkEngine:
 
     def _profile(self):
         """The cached SPS(B) profile of this target for R up to ``max_batch_size``, measured where missing."""
-        from .profiling import BATCHED_TOKENS, ensure_profile
+        from .profiling import ensure_profile, first_use_tokens
 
         requests = {1, self.max_batch_size} | {2 ** i for i in range(8) if 2 ** i < self.max_batch_size}
-        tokens = tuple(sorted({q for q in BATCHED_TOKENS if q <= self.block_size + 1} | {self.block_size + 1}))
-        return ensure_profile(self.target, requests=requests, tokens=tokens)
+        return ensure_profile(self.target, requests=requests, tokens=first_use_tokens(self.block_size))
 
     # ------------------------------------------------------------------ public API
     def add_request(self, prompt_ids, max_new_tokens: int = 128) -> int:

@@ -19,44 +19,69 @@ the caller passed it, so 20 reads as unset (the drafter's γ); ``dspark_options(
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
+import warnings
+from collections.abc import Mapping
 
 from transformers import GenerationConfig
 
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 
-from .candidate_generator import DSparkCandidateGenerator, validate_request
+from .candidate_generator import DSparkCandidateGenerator
 from .policies import Policy, parse_policy
 
 _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options", default={})
 
 
-@contextlib.contextmanager
-def dspark_options(policy: str | Policy | None = None, block_size: int | None = None, sps=None,
-                   draft_gate: bool = True, lookup: bool = True):
-    """Set, for `generate()` calls made inside the block (this thread / task only): the verify policy (a spec of
-    :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler when
-    the drafter has a confidence head and an SPS(B) table is given or cached, else ``full``), the block size γ', the
-    SPS(B) table (``scheduler`` / ``lagged`` profile one on first use when none is given or cached) and whether the
-    cost model's draft gate may skip drafting (:class:`~generation.cost_model.CostModel`) and whether the n-gram
-    lookup proposer runs beside the drafter (:mod:`generation.lookup`; ``policy="none"`` with ``lookup=True`` is
-    lookup alone).
+class dspark_options:
+    """Set, for `generate()` calls made inside a ``with`` block (this thread / task only): the verify policy (a spec
+    of :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler
+    when the drafter has a confidence head and an SPS(B) table made by ``dspark profile`` is cached, else ``full``),
+    the block size γ', the SPS(B) table (``scheduler`` / ``lagged`` profile one on first use when none is given or
+    cached) and whether the cost model's draft gate may skip drafting (:class:`~generation.cost_model.CostModel`)
+    and whether the n-gram lookup proposer runs beside the drafter (:mod:`generation.lookup`; ``policy="none"``
+    with ``lookup=True`` is lookup alone)::
+
+        with dspark_options(policy="fixed:3", block_size=4):
+            target.generate(ids, assistant_model=drafter)
+
+    The options are checked here, at the call, before any ``with``; they act only inside a ``with`` block, so an
+    object that is never entered warns when it is discarded (a plain call ``dspark_options(...)`` changes nothing).
 
     Raises:
-        ValueError: ``draft_gate`` or ``lookup`` not a bool (a bad policy spec fails when `generate()` starts, before
-            any compute).
+        ValueError: a bad policy spec, ``block_size`` not an int ≥ 1 (its upper bound, the drafter's γ, is checked
+            when `generate()` starts), ``sps`` neither a mapping ``{B: steps/s}`` nor a callable, ``draft_gate`` or
+            ``lookup`` not a bool.
     """
-    if not isinstance(draft_gate, bool):
-        raise ValueError(f"draft_gate must be True or False; got {draft_gate!r}")
-    if not isinstance(lookup, bool):
-        raise ValueError(f"lookup must be True or False; got {lookup!r}")
-    token = _options.set({"policy": policy, "block_size": block_size, "sps": sps, "draft_gate": draft_gate,
-                          "lookup": lookup})
-    try:
-        yield
-    finally:
-        _options.reset(token)
+
+    def __init__(self, policy: str | Policy | None = None, block_size: int | None = None, sps=None,
+                 draft_gate: bool = True, lookup: bool = True):
+        if not isinstance(draft_gate, bool):
+            raise ValueError(f"draft_gate must be True or False; got {draft_gate!r}")
+        if not isinstance(lookup, bool):
+            raise ValueError(f"lookup must be True or False; got {lookup!r}")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                       or block_size < 1):
+            raise ValueError(f"block_size must be None or an int >= 1; got {block_size!r}")
+        if sps is not None and not (isinstance(sps, Mapping) or callable(sps)):
+            raise ValueError(f"sps must be None, a mapping {{B: steps/s}} or a callable B -> steps/s; got {sps!r}")
+        self.options = {"policy": None if policy is None else parse_policy(policy), "block_size": block_size,
+                        "sps": sps, "draft_gate": draft_gate, "lookup": lookup}
+        self._tokens: list[contextvars.Token] = []
+        self._entered = False
+
+    def __enter__(self) -> dspark_options:
+        self._entered = True
+        self._tokens.append(_options.set(self.options))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _options.reset(self._tokens.pop())
+
+    def __del__(self):
+        if not getattr(self, "_entered", True):
+            warnings.warn("dspark_options(...) was created but never entered, so it changed nothing; use it as "
+                          "`with dspark_options(...): target.generate(...)`", UserWarning, stacklevel=2)
 
 
 def _transformers_default(name: str):
@@ -119,37 +144,16 @@ def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_con
     :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails
     here, before any profiling or model compute.
 
-    An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target`` here, after
-    :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device. The block size γ'
-    comes from ``num_assistant_tokens`` or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
+    An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``, after
+    :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device
+    (:func:`~generation.candidate_generator.check_drafter`). The block size γ' comes from ``num_assistant_tokens``
+    or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
 
-    The policy: the one asked for; else the scheduler when the drafter has a confidence head and an SPS(B) table
-    is given or cached for ``target`` (its name, dtype and torch's thread count), else ``full``. ``scheduler`` and
-    ``lagged`` asked for without a table profile one on first use and cache it
-    (:func:`generation.profiling.sps_for_generate`).
+    The policy and its SPS(B) table are resolved by :class:`DSparkCandidateGenerator` (after its checks).
     """
-    from .cost_model import cost_model_for
-    from .profiling import sps_for_generate
-
     opts = _options.get()
-    sps = opts.get("sps")
     block_size = _assistant_options(generation_config, opts.get("block_size"), drafter.config.block_size)
-    if drafter._target.get("model") is None:
-        drafter.bind_target(target)
-        if drafter.device != target.device:
-            drafter.to(target.device)
-    policy = parse_policy(opts["policy"]) if opts.get("policy") is not None else None
-    gamma = validate_request(drafter, target, generation_config, input_ids, block_size, policy)
-    context_len = input_ids.shape[1]
-    if sps is None and (policy is None or policy.needs_sps):
-        sps = sps_for_generate(target, drafter, context_len, block_size=block_size,
-                               profile_if_missing=policy is not None)
-    if policy is None:
-        policy = parse_policy("scheduler" if sps is not None and drafter.confidence_head is not None else "full")
-    if policy.needs_sps and sps is None:
-        raise ValueError(f"verify policy {policy.name!r} needs an SPS(B) table and none could be profiled "
-                         "(the drafter has no confidence head, or $DSPARK_SCHEDULER is off)")
-    cost = cost_model_for(drafter, target, gamma, sps, opts.get("draft_gate", True)) if policy.needs_sps else None
     return DSparkCandidateGenerator(drafter, target, generation_config, logits_processor=logits_processor,
-                                    input_ids=input_ids, policy=policy, block_size=block_size, cost_model=cost,
+                                    input_ids=input_ids, policy=opts.get("policy"), block_size=block_size,
+                                    sps=opts.get("sps"), draft_gate=opts.get("draft_gate", True),
                                     tokenizer=tokenizer, lookup=opts.get("lookup", True))

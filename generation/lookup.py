@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheduler import ChainChoice, choose_chain
+from .scheduler import ChainChoice, choose_chain, survival_row
 
 __all__ = [
     "NUM_TOKENS", "LookupProposal", "NGramLookup", "AcceptanceEstimator", "DRAFT", "LookupChain", "MeasuredPrices",
@@ -212,11 +212,7 @@ class AcceptanceEstimator:
 
     def survival(self, key: Hashable, length: int | None = None) -> list[float]:
         """a_1..a_length (default K) for ``key``: a_k = Π_{j≤k} c_j, non-increasing (eq. 9)."""
-        out, prod = [], 1.0
-        for c in self.conditional(key, length):
-            prod *= c
-            out.append(prod)
-        return out
+        return survival_row(self.conditional(key, length))
 
     def observe(self, key: Hashable, proposal: Sequence[int], committed: Sequence[int]) -> int:
         """Judge ``proposal`` (x_1..x_K') against the round's ``committed`` tokens; return how many were accepted.

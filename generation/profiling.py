@@ -22,8 +22,17 @@ the raw medians are kept under ``meta``, with the processor that measured them (
 Loading: :func:`load_sps` gives a callable B -> steps/s for one (model, dtype, threads, context, R); between
 measured B it interpolates the step time linearly; a B outside the measured range raises a ValueError naming the
 range. Context lengths snap to the nearest measured bucket; R between measured values is interpolated (at the same
-tokens per request q = B / R). :func:`ensure_profile` profiles on first use and caches the table;
-:func:`sps_for_generate` is what ``generate()`` uses to turn the scheduler on by default. :func:`auto_dtype` (the
+tokens per request q = B / R). :func:`sps_for_generate` is what ``generate()`` uses to turn the scheduler on by
+default.
+
+Profile on first use (:func:`ensure_profile`, when ``policy="scheduler"`` / ``"lagged"`` is asked for and nothing
+is cached): a few B values (:func:`first_use_tokens`, the loader interpolates between them) and
+:data:`FIRST_USE_REPEATS` repeats, so it takes seconds; it says once what it measures and where it writes. A
+measurement that fails :func:`timing_problem` (repeats spread too wide, or a bigger B much faster than a smaller
+one: another program was competing for the cores) is used for that call only and not cached. A table measured on
+first use is marked ``"origin": "first use"`` and never changes the default policy of later programs: only a table
+from an explicit act (``dspark profile``, or a program calling :func:`profile_target` and :func:`save_profile`)
+turns the scheduler on by default. (Tables written before origins were recorded count as explicit.) :func:`auto_dtype` (the
 ``--dtype auto`` of every command) times ``generate()`` in float32 and bfloat16 where the processor leaves the choice
 open and caches the result in the same file (``"dtype"``).
 """
@@ -62,6 +71,8 @@ __all__ = [
     "load_profile",
     "load_sps",
     "ensure_profile",
+    "first_use_tokens",
+    "timing_problem",
     "sps_for_generate",
     "auto_dtype",
     "plot_profile",
@@ -74,6 +85,44 @@ BATCHED_TOKENS = (1, 2, 3, 5, 9, 17)
 """q values measured for R > 1 (B = R·q); the loader interpolates in between."""
 DEFAULT_CONTEXTS = (256,)
 """Context lengths (tokens already in each request's KV cache) of the default quick profile."""
+FIRST_USE_REPEATS = 3
+"""Timed passes of a profile measured on first use (after one warm-up pass)."""
+MAX_REPEAT_SPREAD = 0.5
+"""A measurement is refused when the repeats of one B spread more than this fraction of their median."""
+MAX_FASTER_AT_LARGER_B = 0.25
+"""A measurement is refused when a larger B's median step time is more than this fraction below a smaller B's."""
+FIRST_USE = "first use"
+"""The ``origin`` recorded for tables measured on first use (they never change the default policy)."""
+
+
+def first_use_tokens(block_size: int) -> tuple[int, ...]:
+    """q values measured on first use for block size γ': those of :data:`BATCHED_TOKENS` up to γ' + 1, and γ' + 1
+    (the largest verify of one request: γ' drafts + the anchor)."""
+    return tuple(sorted({q for q in BATCHED_TOKENS if q <= block_size + 1} | {block_size + 1}))
+
+
+def timing_problem(times: Mapping[int, Sequence[float]]) -> str | None:
+    """Why a measurement ``{B: [seconds per forward, …]}`` is implausible, or None when it is plausible.
+
+    Two checks, on the raw repeats (before the curve is made non-increasing):
+
+    * spread: for some B, (max − min) / median of its repeats > :data:`MAX_REPEAT_SPREAD`;
+    * order: for some B < B', median t(B') < (1 − :data:`MAX_FASTER_AT_LARGER_B`) · median t(B) — a bigger
+      verify batch is never much faster; it happens when other programs steal the cores mid-measurement.
+    """
+    med = {int(b): statistics.median(ts) for b, ts in sorted(times.items()) if ts}
+    for b, ts in sorted(times.items()):
+        if len(ts) > 1 and (max(ts) - min(ts)) / med[int(b)] > MAX_REPEAT_SPREAD:
+            return (f"the repeats at B={b} spread {(max(ts) - min(ts)) / med[int(b)]:.0%} of their median "
+                    f"(> {MAX_REPEAT_SPREAD:.0%})")
+    slowest_so_far = None  # (B, t) with the largest median step time among smaller B
+    for b, t in med.items():
+        if slowest_so_far is not None and t < (1 - MAX_FASTER_AT_LARGER_B) * slowest_so_far[1]:
+            return (f"B={b} ran {1 - t / slowest_so_far[1]:.0%} faster than B={slowest_so_far[0]} "
+                    f"(> {MAX_FASTER_AT_LARGER_B:.0%}: a bigger verify is never much faster)")
+        if slowest_so_far is None or t > slowest_so_far[1]:
+            slowest_so_far = (b, t)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- names, paths
@@ -355,6 +404,7 @@ def profile_target(
     warmup: int = 1,
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
+    origin: str = "explicit",
 ) -> dict:
     """Measure SPS(B) tables of ``target`` on this machine.
 
@@ -366,10 +416,12 @@ def profile_target(
         threads: torch CPU threads during the measurement (default: the current setting); restored afterwards.
         warmup, repeats: discarded passes and timed passes (the median is kept).
         progress: optional callback receiving one line per (context, R).
+        origin: recorded in ``meta``; ``"first use"`` (:data:`FIRST_USE`) keeps the table out of the default policy.
 
     Returns:
         ``{"model", "dtype", "threads", "tables": {context: {R: {B: sps}}}, "raw": {context: {R: {B: sps}}},
-        "meta": {...}}`` — pass it to :func:`save_profile`.
+        "problems": {context: {R: reason}}, "meta": {...}}`` — pass it to :func:`save_profile`. ``problems`` lists
+        the measurements :func:`timing_problem` finds implausible (empty when none).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
@@ -382,6 +434,7 @@ def profile_target(
     torch.set_num_threads(threads)
     tables: dict[int, dict[int, dict[int, float]]] = {}
     raw: dict[int, dict[int, dict[int, float]]] = {}
+    problems: dict[int, dict[int, str]] = {}
     t_start = time.perf_counter()
     try:
         for ctx in contexts:
@@ -391,6 +444,9 @@ def profile_target(
                     raise ValueError(f"tokens per request must be >= 1, got {qs}")
                 times = measure_verify(target, r, qs, ctx, warmup=warmup, repeats=repeats)
                 medians = {r * q: 1.0 / statistics.median(ts) for q, ts in times.items()}
+                problem = timing_problem({r * q: ts for q, ts in times.items()})
+                if problem:
+                    problems.setdefault(ctx, {})[r] = problem
                 raw.setdefault(ctx, {})[r] = medians
                 tables.setdefault(ctx, {})[r] = monotone_sps(medians)
                 if progress is not None:
@@ -404,7 +460,9 @@ def profile_target(
         "threads": threads,
         "tables": tables,
         "raw": raw,
+        "problems": problems,
         "meta": {
+            "origin": origin,
             "warmup": warmup,
             "repeats": repeats,
             "device": str(target.device),
@@ -469,14 +527,17 @@ def save_profile(result: Mapping, path: str | os.PathLike | None = None) -> Path
 
 
 def load_profile(
-    target_name: str, dtype, threads: int, path: str | os.PathLike | None = None, device="cpu"
+    target_name: str, dtype, threads: int, path: str | os.PathLike | None = None, device="cpu",
+    include_first_use: bool = True,
 ) -> SPSProfile:
     """The stored :class:`SPSProfile` of (model, dtype, threads), measured on this processor (:func:`device_model`
-    of ``device``: the CPU, or the GPU for a CUDA device).
+    of ``device``: the CPU, or the GPU for a CUDA device); without ``include_first_use``, only the tables not
+    measured on first use (module doc).
 
     Raises:
-        FileNotFoundError: no profile file, none for this (model, dtype, threads), or one measured on another
-            processor (a copied cache, a home directory shared across machines) — the message says how to make one.
+        FileNotFoundError: no profile file, none for this (model, dtype, threads), one measured on another
+            processor (a copied cache, a home directory shared across machines), or (without
+            ``include_first_use``) only tables measured on first use — the message says how to make one.
         ValueError: a corrupt file.
     """
     path = Path(path) if path is not None else default_profile_path()
@@ -499,7 +560,17 @@ def load_profile(
             f"another processor ({data['meta'].get(stale[0], {}).get('cpu_model') or 'not recorded'}; this one is "
             f"{here!r}); {hint}"
         )
-    tables = {int(c): {int(r): t for r, t in rs.items()} for c, rs in node.items()}
+    meta = data.get("meta", {})
+    tables = {int(c): {int(r): t for r, t in rs.items()
+                       if include_first_use or meta.get(f"{target_name}|{dtype}|{int(threads)}|{c}|{r}", {}).get(
+                           "origin") != FIRST_USE}
+              for c, rs in node.items()}
+    tables = {c: rs for c, rs in tables.items() if rs}
+    if not tables:
+        raise FileNotFoundError(
+            f"the SPS profile for {target_name!r} / {dtype} / {threads} threads in {str(path)!r} was measured on "
+            f"first use, which does not change the default policy; {hint}"
+        )
     return SPSProfile(target_name, dtype, threads, tables)
 
 
@@ -532,12 +603,23 @@ def ensure_profile(
     path: str | os.PathLike | None = None,
     force: bool = False,
     warmup: int = 1,
-    repeats: int = 5,
+    repeats: int = FIRST_USE_REPEATS,
     progress: Callable[[str], None] | None = None,
 ) -> SPSProfile:
     """Profile on first use: return the cached profile of ``target`` (its name, dtype; ``threads`` default the
-    current torch setting), measuring and saving the (context, R) entries that are missing (all with ``force``).
-    ``contexts`` default :data:`DEFAULT_CONTEXTS`."""
+    current torch setting), measuring the (context, R) entries that are missing (all with ``force``).
+
+    What is measured is saved with ``"origin": "first use"`` (it never changes the default policy; module doc),
+    after one warning naming what is measured and the file written. A measurement that fails
+    :func:`timing_problem` is not saved: a warning gives the reason and the returned profile holds it for this
+    caller only (its curves made non-increasing in B, as always).
+
+    Args:
+        contexts: context lengths (default :data:`DEFAULT_CONTEXTS`).
+        requests: R values.
+        tokens: q values (default those of :func:`profile_target`; :func:`first_use_tokens` for a few).
+        threads, path, force, warmup, repeats, progress: as in :func:`profile_target` / :func:`save_profile`.
+    """
     if contexts is None:
         contexts = DEFAULT_CONTEXTS
     threads = int(threads or torch.get_num_threads())
@@ -556,16 +638,30 @@ def ensure_profile(
             top = max(QUICK_TOKENS if r == 1 else BATCHED_TOKENS) if need_q is None else need_q
             if force or not have or max(have) < r * top:
                 missing_ctx.setdefault(c, []).append(r)
+    if not missing_ctx:
+        return prof
+    where = Path(path) if path is not None else default_profile_path()
+    logger.warning("measuring SPS(B) of %s (%s, %d threads; context, R: %s) once, for the scheduler; writing %s. "
+                   "Tables measured on first use do not change the default policy: `dspark profile` makes one that "
+                   "does", name, dtype, threads, "; ".join(f"{c}, {rs}" for c, rs in missing_ctx.items()), where)
+    refused: dict[int, dict[int, dict[int, float]]] = {}
     for c, rs in missing_ctx.items():
-        # a first use can take minutes on a CPU: say so, once, instead of a silent wait
-        logger.warning("measuring SPS(B) of %s (%s, %d threads, context %d, R %s) once; it is cached in %s "
-                       "(`dspark profile` measures it ahead)", name, dtype, threads, c, rs, path or default_profile_path())
-        result = profile_target(
-            target, contexts=[c], requests=rs, tokens=tokens, threads=threads, warmup=warmup, repeats=repeats,
-            progress=progress,
-        )
-        save_profile(result, path)
-    return load_profile(name, dtype, threads, path, device=target.device)
+        result = profile_target(target, contexts=[c], requests=rs, tokens=tokens, threads=threads, warmup=warmup,
+                                repeats=repeats, progress=progress, origin=FIRST_USE)
+        for r, reason in result["problems"].get(c, {}).items():
+            logger.warning("SPS(B) of %s at context %d, R=%d not cached: %s; used for this call only (`dspark "
+                           "profile` on a quiet machine measures one to keep)", name, c, r, reason)
+            refused.setdefault(c, {})[r] = result["tables"][c].pop(r)
+        if any(result["tables"][c].values()):
+            save_profile(result, where)
+    try:
+        prof = load_profile(name, dtype, threads, where, device=target.device)
+        tables = {ctx: dict(rs) for ctx, rs in prof.tables.items()}
+    except FileNotFoundError:
+        tables = {}
+    for c, rs in refused.items():
+        tables.setdefault(c, {}).update(rs)
+    return SPSProfile(name, dtype, threads, tables)
 
 
 def sps_for_generate(
@@ -581,8 +677,10 @@ def sps_for_generate(
     """The SPS(B) curve ``generate(assistant_model=drafter)`` should schedule with (R = 1), or None.
 
     None when the drafter has no confidence head, when ``$DSPARK_SCHEDULER`` is ``0``/``off``, or when no cached
-    profile for this target (name, dtype, thread count) covers B = 1 + block size — unless ``profile_if_missing``,
-    which runs the quick profile (R = 1, B = 1..max(17, γ+1), one context) and caches it ("profile on first use").
+    profile for this target (name, dtype, thread count) covers B = 1 + block size. Without ``profile_if_missing``
+    (the default policy) only a table made by an explicit act counts, never one measured on first use (module doc);
+    with it (``scheduler`` / ``lagged`` asked for) any cached table counts, and a missing one is measured on first
+    use (R = 1, B from :func:`first_use_tokens`, one context: seconds; :func:`ensure_profile`).
     Never raises for a missing or unreadable profile (returns None).
     """
     if getattr(drafter, "confidence_head", None) is None:
@@ -593,14 +691,13 @@ def sps_for_generate(
     threads = int(threads or torch.get_num_threads())
     name, dtype = target_name(target), dtype_name(target.dtype)
     try:
-        prof = load_profile(name, dtype, threads, path, device=target.device)
+        prof = load_profile(name, dtype, threads, path, device=target.device, include_first_use=profile_if_missing)
     except (FileNotFoundError, ValueError):
         prof = None
     if prof is not None and not prof.covers(1, gamma + 1, context_len):
         prof = None
     if prof is None and profile_if_missing:
-        tokens = tuple(range(1, max(max(QUICK_TOKENS), gamma + 1) + 1))
-        prof = ensure_profile(target, requests=(1,), tokens=tokens, threads=threads, path=path)
+        prof = ensure_profile(target, requests=(1,), tokens=first_use_tokens(gamma), threads=threads, path=path)
     if prof is None:
         return None
     return prof.curve(1, context_len)

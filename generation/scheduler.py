@@ -246,8 +246,7 @@ def survival(confidences: ConfidencesLike) -> torch.Tensor:
         ValueError: not 2-D, R = 0, γ = 0, ragged rows, NaN, or values
             outside [0, 1].
     """
-    rows = _confidence_rows(confidences)
-    return torch.tensor(rows, dtype=torch.float64).cumprod(dim=1)
+    return torch.tensor(_survival_rows(_confidence_rows(confidences)), dtype=torch.float64)
 
 
 def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> ScheduleResult:
@@ -318,7 +317,7 @@ def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
 
     Only safe (lossless) when ``confidences`` are from an EARLIER round than
     the draft tokens the budget will be spent on (see
-    :class:`LaggedBudgetScheduler`); applied to the current round it
+    :class:`generation.policies.LaggedBudget`); applied to the current round it
     anticipates and biases the output distribution (docs/method.md §4 counterexample).
 
     Args:
@@ -433,7 +432,7 @@ def effective_sps(sps: SPSLike, draft_s: float) -> Callable[[int], float]:
 
 @dataclass(frozen=True)
 class DraftGateResult:
-    """Outcome of :func:`draft_gate`.
+    """Outcome of :func:`yield_gate`.
 
     Attributes:
         draft: per request, whether drafting it this round is expected to pay.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
+import warnings
 from dataclasses import asdict, dataclass, field
 
 SKIP_REASONS = frozenset({"gated"})
@@ -79,22 +79,36 @@ class GenerationStats:
 _collector: contextvars.ContextVar[list | None] = contextvars.ContextVar("dspark_stats", default=None)
 
 
-@contextlib.contextmanager
-def collect_stats():
-    """Collect the :class:`GenerationStats` of every DSpark `generate()` call inside the block.
+class collect_stats:
+    """Collect the :class:`GenerationStats` of every DSpark `generate()` call inside a ``with`` block; the block's
+    ``as`` target is the list they are appended to, one per call.
 
     Context-local (per thread / task), so concurrent users never see each other's statistics::
 
         with collect_stats() as runs:
             target.generate(ids, assistant_model=drafter)
         print(runs[-1].tau)
+
+    It collects only inside a ``with`` block: an object that is never entered warns when it is discarded.
     """
-    runs: list[GenerationStats] = []
-    token = _collector.set(runs)
-    try:
-        yield runs
-    finally:
-        _collector.reset(token)
+
+    def __init__(self):
+        self.runs: list[GenerationStats] = []
+        self._tokens: list[contextvars.Token] = []
+        self._entered = False
+
+    def __enter__(self) -> list[GenerationStats]:
+        self._entered = True
+        self._tokens.append(_collector.set(self.runs))
+        return self.runs
+
+    def __exit__(self, *exc) -> None:
+        _collector.reset(self._tokens.pop())
+
+    def __del__(self):
+        if not getattr(self, "_entered", True):
+            warnings.warn("collect_stats() was created but never entered, so it collected nothing; use it as "
+                          "`with collect_stats() as runs: target.generate(...)`", UserWarning, stacklevel=2)
 
 
 def register(stats: GenerationStats) -> None:

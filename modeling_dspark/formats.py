@@ -146,7 +146,8 @@ def load_config_and_state(path: str | os.PathLike, target_config=None) -> tuple[
             against the drafter (vocabulary size, number of layers).
 
     Returns:
-        ``(config, state_dict)``; the state dict's keys are exactly :class:`DSparkDraftModel`'s for ``config``.
+        ``(config, state_dict)``; the state dict's keys are exactly those of
+        :class:`~modeling_dspark.modeling_dspark.DSparkDraftModel` for ``config``.
 
     Raises:
         OSError: no ``config.json`` or no weights. ValueError: an unsupported format or convention (named).

@@ -579,7 +579,3 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         temps = torch.tensor(self.config.sts_temperatures, dtype=torch.float32, device=logits.device)
         biases = torch.tensor(self.config.sts_biases, dtype=torch.float32, device=logits.device)
         return torch.sigmoid(logits / temps[positions] + biases[positions])
-
-    def new_context_cache(self) -> DynamicCache:
-        """An empty cache for the context K/V of every draft layer (one per generation call)."""
-        return DynamicCache()

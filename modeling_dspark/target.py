@@ -22,8 +22,8 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    """Directory holding dequantised target copies (``$DSPARK_CACHE`` or ``~/.cache/dspark``)."""
-    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+    """Directory holding dequantised target copies (``$DSPARK_CACHE`` or, unset or empty, ``~/.cache/dspark``)."""
+    return Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
 
 
 def _gguf_dir() -> Path:
@@ -76,6 +76,22 @@ def default_target_path() -> Path:
     return out
 
 
+def check_target_dir(name_or_path: str | os.PathLike) -> Path:
+    """The local model directory ``name_or_path`` (``~`` expanded), checked before anything is loaded.
+
+    Raises:
+        FileNotFoundError: not a directory (targets are never downloaded), or a directory without a model
+            ``config.json`` (a tokenizer or sentencepiece error would otherwise be the first word).
+    """
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"target {str(name_or_path)!r} is not a local model directory (no hub downloads)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target {str(name_or_path)!r} is not a model directory: it has no config.json "
+                                "(a transformers checkpoint directory holds config.json, the weights and the tokenizer)")
+    return path
+
+
 def load_target(
     name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str | None = None
 ):
@@ -91,15 +107,15 @@ def load_target(
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` is not a model directory (:func:`check_target_dir`), or the default
+            target's package is missing.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name_or_path is None or str(name_or_path) == DEFAULT_TARGET:
-        path = default_target_path()
-    else:
-        path = Path(name_or_path).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"target {str(name_or_path)!r} is not a local model directory (no hub downloads)")
+    path = default_target_path() if name_or_path is None or str(name_or_path) == DEFAULT_TARGET \
+        else check_target_dir(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if device is not None:

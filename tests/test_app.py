@@ -84,7 +84,7 @@ def test_round_views_mark_rounds_the_draft_gate_skipped():
     stats.rounds[2].gate = "gated"
     r3 = round_views(stats, NEW_IDS, block_size=4, max_new_tokens=100, decode=str)[3]
     assert _kinds(r3) == [(1, "skipped"), (2, "skipped"), (3, "skipped"), (4, "skipped"), (0, "bonus")]
-    assert "⏭" in rounds_html([r3])
+    assert "∅" in rounds_html([r3])
 
 
 def test_round_views_near_the_length_limit_and_at_eos():
@@ -108,6 +108,57 @@ def test_round_views_flags_inconsistent_stats():
     assert "⚠" in rounds_html(views)
 
 
+def _lookup_stats():
+    """r1 drafted (c = 0.9, 0.8; both accepted), r2 verified a lookup chain (no confidences; 3 of 3 accepted),
+    r3..r5 skipped by the draft gate (one target step each); γ' = 3."""
+    return GenerationStats(rounds=[
+        RoundStats(drafted=2, verified=2, accepted=2, committed=3, confidences=[0.9, 0.8], draft_tokens=[11, 12],
+                   source="draft"),
+        RoundStats(drafted=0, verified=3, accepted=3, committed=4, draft_tokens=[21, 22, 23], gate="model",
+                   source="lookup"),
+        *[RoundStats(drafted=0, verified=0, accepted=0, committed=1, gate="gated") for _ in range(3)],
+    ])
+
+
+LOOKUP_IDS = [10, 11, 12, 13, 21, 22, 23, 24, 31, 32, 33]
+
+
+def test_lookup_rounds_are_drawn_apart_and_left_out_of_the_calibration_chart():
+    views = round_views(_lookup_stats(), LOOKUP_IDS, block_size=3, max_new_tokens=100)
+    assert [v.source for v in views] == ["", "draft", "lookup", "", "", ""]
+    counts = update_position_counts(None, views)
+    # only r1 counts: the lookup's three accepted tokens carry no a_k and would read as a miscalibrated head
+    assert counts["rounds"] == 1 and counts["verified"] == [1, 1, 0] and counts["accepted"] == [1, 1, 0]
+    rows = {(r["position"], r["series"]): r["rate"] for r in position_rows(counts)}
+    assert rows[(2, "predicted a_k (mean)")] == pytest.approx(0.72) and rows[(2, "observed acceptance")] == 1.0
+    page = rounds_html(views)
+    assert "r2 lookup ℓ=3 n=3" in page and "r1 ℓ=2 n=2" in page
+    assert page.count('dspark-accepted dspark-lookup"') == 3 + 1  # r2's three tokens + the legend's sample
+
+
+def test_rounds_that_verified_nothing_collapse_into_one_row():
+    views = round_views(_lookup_stats(), LOOKUP_IDS, block_size=3, max_new_tokens=100)
+    page = rounds_html(views)
+    assert page.count("dspark-round dspark-skiprow") == 1 and "r3–r5 ℓ=0" in page and "×3" in page
+    row = page.split('dspark-round dspark-skiprow', 1)[1].split("</div>", 1)[0]
+    assert row.count('class="dspark-tok dspark-cut"') == 1  # one mark, not a row of 3 empty slots per round
+    assert all(f"★ {t}<" in row for t in (31, 32, 33))  # the target's token of each collapsed round
+
+
+def test_marks_render_in_an_installed_font():
+    """Every status mark has a glyph in some installed font (an empty box in the browser otherwise)."""
+    import shutil
+
+    from app_render import KINDS
+
+    if shutil.which("fc-list") is None:
+        pytest.skip("no fontconfig (fc-list) to ask")
+    marks = {sym for sym, _ in KINDS.values()} | set("↵⇥␣⚠×")
+    missing = [m for m in marks if not subprocess.run(["fc-list", f":charset={ord(m):x}", "family"],
+                                                      capture_output=True, text=True).stdout.strip()]
+    assert not missing, f"no installed font has {missing}"
+
+
 def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
@@ -118,7 +169,7 @@ def test_first_difference():
 def test_position_counts_accumulate_per_session():
     views = round_views(_stats(), NEW_IDS, block_size=4, max_new_tokens=100)
     counts = update_position_counts(None, views)
-    assert counts["rounds"] == 3
+    assert counts["rounds"] == 2  # the drafted rounds: r3 verified nothing
     assert counts["verified"] == [2, 2, 1, 0] and counts["accepted"] == [2, 1, 0, 0]
     assert counts["predicted"][0] == pytest.approx(0.9 + 0.8)
     again = update_position_counts(counts, views)
@@ -129,7 +180,7 @@ def test_position_counts_accumulate_per_session():
     assert position_rows(empty_position_counts()) == []
     chart = position_chart_html(again)
     assert chart.count("<rect") == len(rows) and "k=3" in chart and "k=4" not in chart and "3 rounds" not in chart
-    assert "6 rounds" in chart and "<title>k=2 observed acceptance: 0.500 over 4 rounds</title>" in chart
+    assert "4 drafted rounds" in chart and "<title>k=2 observed acceptance: 0.500 over 4 rounds</title>" in chart
     assert "No rounds yet" in position_chart_html(None)
 
 
@@ -141,7 +192,7 @@ def test_rounds_html_shows_marks_confidences_and_escapes():
         assert f"dspark-{kind}" in page
     assert "<b>x</b>" not in page and "&lt;b&gt;x&lt;/b&gt;" in page
     assert "↵" in page and "␣" in page
-    assert "r1 ℓ=3 n=1" in page and "r3 ℓ=0 n=0" in page and "3 rounds" in page
+    assert "r1 ℓ=3 n=1" in page and "r3 ℓ=0" in page and "3 rounds" in page
     assert "c 0.90 · a 0.90" in page and "c 0.50 · a 0.45" in page
     assert "hsl(108" in page  # c = 0.9 is green-ish
 
@@ -362,7 +413,7 @@ def test_one_real_request_fp32_greedy_identical(bank):
     assert all(v.consistent for v in out.views)
     assert all(v.verified <= 4 for v in out.views)
     assert "Identical outputs" in out.summary_html and "dspark-round" in out.rounds_html
-    assert out.counts["rounds"] == sum(v.index > 0 for v in out.views)
+    assert out.counts["rounds"] == sum(v.source == "draft" for v in out.views)  # the chart: drafted rounds only
     assert out.summary["speedup"] > 0
 
 

@@ -273,7 +273,11 @@ def test_bad_policy_is_refused_before_loading(capsys):
 
 def test_generate_with_the_scheduler_policy(tmp_path, monkeypatch, capsys):
     """--policy scheduler works with no cached SPS(B) table: the library profiles on first use."""
+    from generation import profiling
+
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
+    # timings taken under other load may be refused (not cached; tests/test_profiling.py): count them plausible
+    monkeypatch.setattr(profiling, "timing_problem", lambda times: None)
     rc = main(["generate", "--prompt", "What is 2 + 2?", "--max-new-tokens", "4", "--json", "--policy", "scheduler",
                "--dtype", "float32", "--threads", "1"])
     cap = capsys.readouterr()
@@ -316,3 +320,43 @@ def test_stats_line_says_what_it_measured():
     rec.update(rounds=3, tau=2.0, baseline_tokens_per_s=1.0, speedup=2.0, identical=False, do_sample=True)
     assert "tau=2.00" in _stats_line(rec) and "outputs differ (sampled)" in _stats_line(rec)
     assert "outputs DIFFER" in _stats_line(dict(rec, do_sample=False))
+
+
+def test_every_environment_variable_is_documented():
+    """Each DSPARK_* variable the code or tests read has a row in the README's table."""
+    import re
+
+    names = set()
+    for path in REPO.glob("**/*.py"):
+        if ".venv" in path.parts:
+            continue
+        names |= set(re.findall(r"\bDSPARK_[A-Z_]+\b", path.read_text(errors="replace")))
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    assert {"DSPARK_CACHE", "DSPARK_PROFILE_DIR", "DSPARK_SCHEDULER"} <= names
+    assert not [n for n in names if f"`{n}`" not in table]
+
+
+def test_an_empty_cache_variable_counts_as_unset(monkeypatch):
+    from modeling_dspark.target import cache_dir
+
+    monkeypatch.setenv("DSPARK_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "dspark"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval"], ["bench", "serve"],
+                                     ["calibrate", "--drafter", str(REPO / "drafters" / "smollm2-135m-dspark")],
+                                     ["profile"]])
+def test_a_target_directory_without_a_model_config_is_refused_first(command, tmp_path, no_target_load, capsys):
+    """A directory that is not a model (no config.json) is named as such, not as a tokenizer or drafter problem."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main([*command, "--target", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--target {str(tmp_path)!r} is not a model directory: it has no config.json" in err, err
+
+
+def test_load_target_names_a_directory_without_a_model_config(tmp_path):
+    from modeling_dspark.target import load_target
+
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_target(tmp_path)

@@ -616,3 +616,17 @@ def test_lookup_option_errors(tiny):
     target, drafter, *_ = tiny
     with pytest.raises(ValueError, match="lookup must be True or False"):
         DSparkEngine(target, drafter, "full", lookup="yes")
+
+
+def test_a_drafter_bound_to_another_target_is_refused_like_generate():
+    """The engine does not re-bind a drafter that another target is using; generate() refuses the same way."""
+    from .conftest import tiny_target
+
+    first, second = tiny_target(vocab_size=64, seed=0), tiny_target(vocab_size=64, seed=1)
+    drafter = make_drafter(first, block_size=4)
+    with pytest.raises(ValueError, match="bound to another target instance"):
+        DSparkEngine(second, drafter, "full")
+    with pytest.raises(ValueError, match="bound to another target instance"):
+        second.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, max_new_tokens=4, do_sample=False)
+    assert drafter._target["model"] is first  # still bound to its target
+    DSparkEngine(first, drafter, "full")

@@ -177,7 +177,26 @@ def test_eval_writes_json_md_png(drafter_dir, tmp_path, capsys):
     assert rep["summary"]["n_identical"] == rep["summary"]["n_compared"] == 2
     md = (out / "eval.md").read_text()
     assert "| gsm8k | 2 |" in md and "τ greedy" in md and "k=4" in md
+    # two prompts timed once: the speed-ups are marked as noise, in the table, the overall line and the JSON
+    assert md.count("× (noise)") == 4 and "(noise): a speed-up from fewer than 8 prompts" in md
+    assert rep["summary"]["speedup_is_noise"] is True
     assert (out / "tau_per_position.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_eval_speedups_from_enough_prompts_are_not_marked():
+    from dspark_cli.eval_cmd import markdown
+
+    row = {"n_prompts": 8, "greedy": {"tau": 2.0, "speedup": 1.3, "n_identical": 8, "n_prompts": 8,
+                                      "per_position": {"conditional_accept_rate": [0.5]}},
+           "prompt_lookup": {"speedup": 1.1}}
+    cfg = {"drafter": "d", "target": "t", "dtype": "float32", "device": "cpu", "block_size": 1, "policy": "full",
+           "max_new_tokens": 8, "limit": 8, "machine": {"torch_threads": 1}, "command": "dspark eval"}
+    summary = {"speedup": 1.3, "prompt_lookup_speedup": 1.1, "n_compared": 8}
+    md = markdown({"config": cfg, "results": {"gsm8k": row}, "summary": summary})
+    assert "1.30×" in md and "noise" not in md
+    md = markdown({"config": cfg, "results": {"gsm8k": {**row, "n_prompts": 7}}, "summary": {**summary,
+                                                                                          "n_compared": 7}})
+    assert "1.30× (noise)" in md and "1.10× (noise)" in md
 
 
 def test_eval_usage_errors(capsys):

@@ -321,6 +321,7 @@ def test_cli_target_without_drafter_is_an_error(tmp_path, capsys):
     from dspark_cli.main import main
 
     (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text('{"model_type": "llama"}')  # a model directory, not the default
     assert main(["generate", "--prompt", "hi", "--target", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "--drafter" in err and "--no-draft" in err and "random" in err
@@ -354,3 +355,60 @@ def test_cli_unsupported_target_family(tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--drafter", "random"]) == 2
     assert "family 'gpt2' is not supported" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- options at the call
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"policy": "bogus"}, r"unknown verify policy 'bogus'"),
+        ({"policy": "fixed:x"}, r"fixed:N"),
+        ({"block_size": 0}, r"block_size must be None or an int >= 1"),
+        ({"block_size": 2.5}, r"block_size must be None or an int >= 1"),
+        ({"sps": "fast"}, r"sps must be None, a mapping"),
+        ({"draft_gate": "yes"}, r"draft_gate must be True or False"),
+        ({"lookup": 1}, r"lookup must be True or False"),
+    ],
+)
+def test_dspark_options_refuses_a_bad_spec_at_the_call(kwargs, message):
+    """A bad option fails when dspark_options(...) is called, before (and without) any `with`."""
+    with pytest.raises(ValueError, match=message):
+        dspark_options(**kwargs)
+
+
+def test_options_and_stats_never_entered_warn():
+    """A plain call (no `with`) changes nothing, so it says so instead of passing silently."""
+    with pytest.warns(UserWarning, match=r"dspark_options\(\.\.\.\) was created but never entered"):
+        dspark_options(policy="full")
+    with pytest.warns(UserWarning, match=r"collect_stats\(\) was created but never entered"):
+        collect_stats()
+
+
+def test_options_in_a_with_block_do_not_warn_and_nest(tiny, recwarn):
+    """Entered objects never warn; nested blocks restore the outer options; the parsed policy reaches generate()."""
+    target, drafter_dir = tiny
+    drafter = AutoModel.from_pretrained(drafter_dir)
+    with dspark_options(policy="fixed:1", lookup=False), collect_stats() as outer:
+        with dspark_options(policy="fixed:2", lookup=False), collect_stats() as inner:
+            _generate(target, drafter, max_new_tokens=8)
+        _generate(target, drafter, max_new_tokens=8)
+    assert {r.drafted for r in inner[-1].rounds} == {2}
+    assert len(outer) == 1 and {r.drafted for r in outer[-1].rounds} == {1}
+    assert not [w for w in recwarn if "never entered" in str(w.message)]
+
+
+def test_one_generate_checks_and_binds_once(tiny, monkeypatch):
+    """generate() checks the request (and binds an unbound drafter) once, in the candidate generator."""
+    import generation.candidate_generator as cg
+
+    target, drafter_dir = tiny
+    drafter = AutoModel.from_pretrained(drafter_dir)
+    checks, binds = [], []
+    real_check, real_bind = cg.check_drafter, type(drafter).bind_target
+    monkeypatch.setattr(cg, "check_drafter", lambda *a, **k: checks.append(a[3:]) or real_check(*a, **k))
+    monkeypatch.setattr(type(drafter), "bind_target", lambda self, t: binds.append(t) or real_bind(self, t))
+    with dspark_options(policy="fixed:2", lookup=False):
+        _generate(target, drafter, max_new_tokens=6)
+    assert len(checks) == 1 and binds == [target]
+    _generate(target, drafter, max_new_tokens=6)  # bound now: checked again, not re-bound
+    assert len(checks) == 2 and binds == [target]

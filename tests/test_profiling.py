@@ -133,9 +133,11 @@ def test_save_load_roundtrip_and_loader(tiny, measured, tmp_path):
 
 
 def _count_profile_calls(monkeypatch) -> list:
-    """Replace profile_target by a quick (no warm-up, one repeat) version that records its keyword arguments."""
+    """Replace profile_target by a quick (no warm-up, one repeat) version that records its keyword arguments; its
+    timings count as plausible (a tiny target's forwards are dominated by noise on a busy machine)."""
     calls = []
     real = profiling.profile_target
+    monkeypatch.setattr(profiling, "timing_problem", lambda times: None)
 
     def counting(*a, **kw):
         calls.append(kw)
@@ -150,6 +152,7 @@ def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch, caplog):
     prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
     assert len(calls) == 1 and isinstance(prof, SPSProfile)
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "dspark profile" in caplog.text  # not silent
+    assert str(profiling.default_profile_path()) in caplog.text  # says where it writes
     assert sorted(prof.tables[4][1]) == [1, 2, 3]
     caplog.clear()
     again = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
@@ -206,14 +209,42 @@ def test_sps_for_generate(tiny, monkeypatch):
 
 
 def test_sps_for_generate_profiles_when_asked(tiny, monkeypatch):
-    monkeypatch.setattr(profiling, "QUICK_TOKENS", (1, 2))
+    """Asked for the scheduler with nothing cached: a few B values are measured and cached, marked first use, and
+    the default policy (no profile_if_missing) does not take that table up."""
     monkeypatch.setattr(profiling, "DEFAULT_CONTEXTS", (4,))
-    drafter = make_drafter(tiny, block_size=2)
-    real = profiling.profile_target
-    monkeypatch.setattr(profiling, "profile_target", lambda *a, **kw: real(*a, **{**kw, "warmup": 0, "repeats": 1}))
+    drafter = make_drafter(tiny, block_size=8)
+    calls = _count_profile_calls(monkeypatch)
     curve = profiling.sps_for_generate(tiny, drafter, threads=1, profile_if_missing=True)
-    assert curve is not None and curve.max_batch >= 3
-    assert profiling.default_profile_path().exists()
+    assert calls[0]["tokens"] == profiling.first_use_tokens(8) == (1, 2, 3, 5, 9)  # a few B: seconds, not minutes
+    assert curve is not None and curve.max_batch == 9 and curve(4) > 0  # the loader interpolates between them
+    data = json.loads(profiling.default_profile_path().read_text())
+    assert {m["origin"] for m in data["meta"].values()} == {profiling.FIRST_USE}
+    assert profiling.sps_for_generate(tiny, drafter, threads=1) is None  # first use changes no default
+    assert profiling.sps_for_generate(tiny, drafter, threads=1, profile_if_missing=True) is not None
+    assert len(calls) == 1  # cached for the next explicit request
+
+
+def test_timing_problem_spread_and_order():
+    """The plausibility criterion of a measurement {B: [seconds, ...]}, on fake timings."""
+    good = {1: [0.010, 0.011, 0.0105], 2: [0.011, 0.012, 0.0115], 5: [0.013, 0.014, 0.013]}
+    assert profiling.timing_problem(good) is None
+    assert profiling.timing_problem({1: [0.010, 0.0098, 0.0101], 2: [0.0095, 0.0097, 0.0096]}) is None  # within 25 %
+    spread = {**good, 2: [0.011, 0.030, 0.012]}  # one repeat disturbed: (0.030 - 0.011) / 0.012 > 50 %
+    assert "repeats at B=2 spread" in profiling.timing_problem(spread)
+    order = {**good, 5: [0.006, 0.0061, 0.0062]}  # B=5 twice as fast as B=2
+    assert "B=5 ran 47% faster than B=2" in profiling.timing_problem(order)  # 1 - 0.0061 / 0.0115
+
+
+def test_implausible_first_use_profile_is_used_once_not_cached(tiny, monkeypatch, caplog):
+    def noisy(target, requests, tokens, context_len, warmup=1, repeats=5, seed=0):
+        return {q: [0.01 / q, 0.011 / q, 0.0105 / q] for q in tokens}  # larger B faster: a disturbed run
+
+    monkeypatch.setattr(profiling, "measure_verify", noisy)
+    prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
+    assert "not cached" in caplog.text and "faster than" in caplog.text
+    assert not profiling.default_profile_path().exists()
+    curve = prof.curve(1, 4)  # this caller still gets a (non-increasing) curve
+    assert curve.max_batch == 3 and curve(1) >= curve(2) >= curve(3)
 
 
 def test_scheduler_generate_greedy_identical_with_profiled_curve(tiny, measured):

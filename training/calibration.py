@@ -452,8 +452,8 @@ def _reliability_curve(scores: np.ndarray, labels: np.ndarray, n_bins: int):
 
 
 def _survival_pair(logits: np.ndarray, temps: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    before = np.cumprod(_sigmoid(logits), axis=1)
-    after = np.cumprod(_sigmoid(logits / temps[None, :] + biases[None, :]), axis=1)
+    before = survival_from_confidences(_sigmoid(logits))
+    after = survival_from_confidences(_sigmoid(logits / temps[None, :] + biases[None, :]))
     return before, after
 
 

@@ -1,4 +1,5 @@
-"""LoRA adaptation of an existing DSpark drafter to a new domain (🤗 ``peft``), through :class:`DSparkTrainer`.
+"""LoRA adaptation of an existing DSpark drafter to a new domain (🤗 ``peft``), through
+:class:`~training.trainer.DSparkTrainer`.
 
 A trained drafter is wrapped with LoRA adapters on its draft layers (attention q/k/v/o and MLP gate/up/down
 projections by default); every other drafter weight is frozen. The wrapped model goes to the same
