@@ -20,7 +20,6 @@ the caller passed it, so 20 reads as unset (the drafter's γ); ``dspark_options(
 from __future__ import annotations
 
 import contextvars
-import warnings
 from collections.abc import Mapping
 
 from transformers import GenerationConfig
@@ -29,11 +28,12 @@ from modeling_dspark.modeling_dspark import DSparkDraftModel
 
 from .candidate_generator import DSparkCandidateGenerator
 from .policies import Policy, parse_policy
+from .stats import ScopedValue
 
 _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options", default={})
 
 
-class dspark_options:
+class dspark_options(ScopedValue):
     """Set, for `generate()` calls made inside a ``with`` block (this thread / task only): the verify policy (a spec
     of :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler
     when the drafter has a confidence head and an SPS(B) table made by ``dspark profile`` is cached, else ``full``),
@@ -67,21 +67,12 @@ class dspark_options:
             raise ValueError(f"sps must be None, a mapping {{B: steps/s}} or a callable B -> steps/s; got {sps!r}")
         self.options = {"policy": None if policy is None else parse_policy(policy), "block_size": block_size,
                         "sps": sps, "draft_gate": draft_gate, "lookup": lookup}
-        self._tokens: list[contextvars.Token] = []
-        self._entered = False
+        super().__init__(_options, self.options, "dspark_options(...)", "changed nothing",
+                         "with dspark_options(...): target.generate(...)")
 
     def __enter__(self) -> dspark_options:
-        self._entered = True
-        self._tokens.append(_options.set(self.options))
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc) -> None:
-        _options.reset(self._tokens.pop())
-
-    def __del__(self):
-        if not getattr(self, "_entered", True):
-            warnings.warn("dspark_options(...) was created but never entered, so it changed nothing; use it as "
-                          "`with dspark_options(...): target.generate(...)`", UserWarning, stacklevel=2)
 
 
 def _transformers_default(name: str):

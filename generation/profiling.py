@@ -32,9 +32,10 @@ measurement that fails :func:`timing_problem` (repeats spread too wide, or a big
 one: another program was competing for the cores) is used for that call only and not cached. A table measured on
 first use is marked ``"origin": "first use"`` and never changes the default policy of later programs: only a table
 from an explicit act (``dspark profile``, or a program calling :func:`profile_target` and :func:`save_profile`)
-turns the scheduler on by default. (Tables written before origins were recorded count as explicit.) :func:`auto_dtype` (the
-``--dtype auto`` of every command) times ``generate()`` in float32 and bfloat16 where the processor leaves the choice
-open and caches the result in the same file (``"dtype"``).
+turns the scheduler on by default. (Tables written before origins were recorded count as explicit.)
+
+:func:`auto_dtype` (the ``--dtype auto`` of every command) times ``generate()`` in float32 and bfloat16 where the
+processor leaves the choice open and caches the result in the same file (``"dtype"``).
 """
 
 from __future__ import annotations

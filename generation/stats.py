@@ -79,7 +79,31 @@ class GenerationStats:
 _collector: contextvars.ContextVar[list | None] = contextvars.ContextVar("dspark_stats", default=None)
 
 
-class collect_stats:
+class ScopedValue:
+    """Sets a context variable to ``value`` inside a ``with`` block (this thread / task only) and restores it after;
+    ``as`` gives ``value``. Nothing happens outside a ``with``, so an object discarded without ever being entered
+    warns (``UserWarning``: "NAME was created but never entered, so it EFFECT; use it as `USAGE`")."""
+
+    def __init__(self, var: contextvars.ContextVar, value, name: str, effect: str, usage: str):
+        self._var, self._value = var, value
+        self._why_unused = f"{name} was created but never entered, so it {effect}; use it as `{usage}`"
+        self._tokens: list[contextvars.Token] = []
+        self._entered = False
+
+    def __enter__(self):
+        self._entered = True
+        self._tokens.append(self._var.set(self._value))
+        return self._value
+
+    def __exit__(self, *exc) -> None:
+        self._var.reset(self._tokens.pop())
+
+    def __del__(self):
+        if not getattr(self, "_entered", True):
+            warnings.warn(self._why_unused, UserWarning, stacklevel=2)
+
+
+class collect_stats(ScopedValue):
     """Collect the :class:`GenerationStats` of every DSpark `generate()` call inside a ``with`` block; the block's
     ``as`` target is the list they are appended to, one per call.
 
@@ -94,21 +118,8 @@ class collect_stats:
 
     def __init__(self):
         self.runs: list[GenerationStats] = []
-        self._tokens: list[contextvars.Token] = []
-        self._entered = False
-
-    def __enter__(self) -> list[GenerationStats]:
-        self._entered = True
-        self._tokens.append(_collector.set(self.runs))
-        return self.runs
-
-    def __exit__(self, *exc) -> None:
-        _collector.reset(self._tokens.pop())
-
-    def __del__(self):
-        if not getattr(self, "_entered", True):
-            warnings.warn("collect_stats() was created but never entered, so it collected nothing; use it as "
-                          "`with collect_stats() as runs: target.generate(...)`", UserWarning, stacklevel=2)
+        super().__init__(_collector, self.runs, "collect_stats()", "collected nothing",
+                         "with collect_stats() as runs: target.generate(...)")
 
 
 def register(stats: GenerationStats) -> None:
