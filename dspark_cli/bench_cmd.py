@@ -162,16 +162,15 @@ def _drafter_spec(args) -> tuple[str, str]:
     return spec, (spec if spec == "random" else drafter_dir(spec))
 
 
-def _load(args):
-    """``(target, tokenizer, drafter, drafter spec)``; a wrong ``--drafter`` is reported before the target loads."""
+def _load(args, spec: str, path: str):
+    """``(target, tokenizer, drafter)`` for the drafter :func:`_drafter_spec` resolved (``spec``, ``path``)."""
     import torch
 
-    spec, path = _drafter_spec(args)
     target, tok = load_target_checked(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     if spec == "random":
         print("dspark bench serve: WARNING: using a random (untrained) drafter: outputs are exact but few drafts are "
               "accepted, so speculation cannot pay off; pass --drafter PATH for meaningful numbers", file=sys.stderr)
-    return target, tok, load_drafter(path, target, target.dtype), spec
+    return target, tok, load_drafter(path, target, target.dtype)
 
 
 def _prompts(args, tok) -> list[dict]:
@@ -444,11 +443,11 @@ def _serve_command(args) -> int:
     set_threads(args.threads)
     threads = torch.get_num_threads()
     args.device = resolve_device(args.device)
-    drafter_path = _drafter_spec(args)[1]
+    drafter_spec, drafter_path = _drafter_spec(args)  # a wrong --drafter is reported before the target loads
     args.dtype = resolve_dtype(args.dtype, args.device, announce="dspark bench serve", target=args.target,
                                drafter=None if drafter_path == "random" else drafter_path)
     log = (lambda *a, **k: None) if args.no_progress else print
-    target, tok, drafter, drafter_spec = _load(args)
+    target, tok, drafter = _load(args, drafter_spec, drafter_path)
     gamma = args.block_size or drafter.config.block_size
     if not 1 <= gamma <= drafter.config.block_size:
         raise CLIError(f"--block-size must be in [1, {drafter.config.block_size}]")

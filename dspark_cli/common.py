@@ -103,6 +103,16 @@ def add_hidden_alias(p, flag: str, dest: str, const=None) -> None:
         p.add_argument(flag, dest=dest, action="store_const", const=const, help=argparse.SUPPRESS)
 
 
+def shipped_drafter_for(target: str | None) -> str | None:
+    """The shipped drafter's directory when ``target`` (``--target``) is the default target and the drafter is
+    present, else None."""
+    from modeling_dspark.target import DEFAULT_TARGET
+
+    if target in (None, DEFAULT_TARGET) and (SHIPPED_DRAFTER / "config.json").is_file():
+        return str(SHIPPED_DRAFTER)
+    return None
+
+
 def resolve_device(spec: str | None) -> str:
     """``--device``: None gives ``"cuda"`` if available else ``"cpu"``.
 

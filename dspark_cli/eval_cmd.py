@@ -36,24 +36,26 @@ from pathlib import Path
 
 from .calibrate_cmd import acceptance_matrix, eos_token_ids
 
-from .common import (  # noqa: F401
+from .common import (
+    CLIError,
     REPO_ROOT,
     SHIPPED_DRAFTER,
-    CLIError,
+    # noqa: F401,
     add_device_option,
     add_dtype_option,
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
     check_min,
+    check_target,
     drafter_dir,
     load_drafter,
-    check_target,
     load_target_checked,
     reports_cli_errors,
     resolve_device,
     resolve_dtype,
     set_threads,
+    shipped_drafter_for,
 )
 
 DEFAULT_SETS = "gsm8k,humaneval,mtbench"
@@ -108,12 +110,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _resolve_drafter(spec: str | None, target: str | None) -> str:
     """``--drafter``: a drafter directory (:func:`drafter_dir`), ``"random"``, or for None the shipped drafter when
     ``target`` is the default target (else random)."""
-    from modeling_dspark.target import DEFAULT_TARGET
-
     if spec is None:
-        if (SHIPPED_DRAFTER / "config.json").is_file() and target in (None, DEFAULT_TARGET):
-            return str(SHIPPED_DRAFTER)
-        return "random"
+        return shipped_drafter_for(target) or "random"
     if spec == "random":
         return spec
     return drafter_dir(spec)

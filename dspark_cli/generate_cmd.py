@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from .common import (
+    CLIError,
     RANDOM_DRAFTER_SEED,
     REPO_ROOT,
     SHIPPED_DRAFTER,
-    CLIError,
     add_device_option,
     add_dtype_option,
     add_threads_option,
@@ -42,6 +42,7 @@ from .common import (
     resolve_device,
     resolve_dtype,
     set_threads,
+    shipped_drafter_for,
 )
 
 
@@ -153,13 +154,12 @@ def _resolve_drafter(args) -> str | None:
     if args.no_draft:
         return None
     if args.drafter is None:
-        default_target = args.target is None
-        if not default_target:
-            from modeling_dspark.target import DEFAULT_TARGET
+        shipped = shipped_drafter_for(args.target)
+        if shipped is not None:
+            return shipped
+        from modeling_dspark.target import DEFAULT_TARGET
 
-            default_target = args.target == DEFAULT_TARGET
-        if default_target and (SHIPPED_DRAFTER / "config.json").is_file():
-            return str(SHIPPED_DRAFTER)
+        default_target = args.target in (None, DEFAULT_TARGET)
         which = "the default target (none shipped)" if default_target else "this target"
         raise CLIError(
             f"no drafter for {which}: give --drafter DIR|HUB_ID (a DSpark drafter trained for it), --drafter random "

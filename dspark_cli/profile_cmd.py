@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 from .common import (
-    SHIPPED_DRAFTER,
     CLIError,
     add_device_option,
     add_dtype_option,
@@ -28,6 +27,7 @@ from .common import (
     check_target,
     resolve_device,
     resolve_dtype,
+    shipped_drafter_for,
 )
 
 
@@ -97,7 +97,7 @@ def run(args) -> int:
     import torch
 
     from generation import profiling
-    from modeling_dspark.target import DEFAULT_TARGET, load_target
+    from modeling_dspark.target import load_target
 
     threads = args.threads or torch.get_num_threads()
     try:
@@ -107,10 +107,8 @@ def run(args) -> int:
         return _fail(str(err))
     # auto: the dtype `dspark generate` picks for this target by default (with the shipped drafter on the default
     # target), since that is the job the SPS(B) table serves
-    default_target = args.target in (None, DEFAULT_TARGET)
-    drafter = str(SHIPPED_DRAFTER) if default_target and (SHIPPED_DRAFTER / "config.json").is_file() else None
     args.dtype = resolve_dtype(args.dtype, device, announce=None if args.show else "dspark profile",
-                               target=args.target, drafter=drafter)
+                               target=args.target, drafter=shipped_drafter_for(args.target))
     try:
         target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
     except (FileNotFoundError, OSError) as err:
