@@ -25,6 +25,7 @@ from .common import (
     check_min,
     check_out_dir,
     check_target,
+    drafter_dir,
     load_data_dir,
     load_target_checked,
     parse_ints,
@@ -89,6 +90,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-from-target", nargs="?", const="last", default=None, metavar="LAYER_IDS",
                    help="initialise the draft layers from target layers; without a value the last "
                         "--num-draft-layers (default: random initialisation)")
+    g.add_argument("--init-from-drafter", default=None, metavar="DIR",
+                   help="start from a trained drafter's weights wherever names and shapes match, e.g. to give it "
+                        "Qwen3-style layers and --mask-token-id for export; pass its --block-size, --markov-rank, "
+                        "--num-draft-layers and --draft-vocab-size (default: none)")
     l = p.add_argument_group("loss (docs/method.md eqs. 11-14)")
     l.add_argument("--ce-weight", type=float, default=0.1, help="weight of the cross-entropy term (default: 0.1)")
     l.add_argument("--tv-weight", type=float, default=0.9, help="weight of the L1 (TV) term (default: 0.9)")
@@ -187,6 +192,10 @@ def _check_args(args) -> tuple[list[int] | None, list[int] | None]:
     layer_ids = parse_ints("--target-layer-ids", args.target_layer_ids) if args.target_layer_ids else None
     init_layers = (None if args.init_from_target in (None, "", "last")
                    else parse_ints("--init-from-target", args.init_from_target))
+    if args.init_from_drafter is not None and args.init_from_target is not None:
+        raise CLIError("--init-from-drafter and --init-from-target both initialise the draft layers: give one")
+    if args.init_from_drafter is not None:
+        args.init_from_drafter = drafter_dir(args.init_from_drafter)
     check_target(args.target)
     check_out_dir(args.out_dir, args.resume)
     return layer_ids, init_layers
@@ -243,8 +252,17 @@ def run(args) -> int:
         except ValueError as err:
             raise CLIError(f"--init-from-target: {err}") from None
         print(f"initialised {len(copied)} drafter tensors from target layers {init_layers or 'last'}")
+    if args.init_from_drafter is not None and resume is None:
+        from training.trainer import init_from_drafter
 
-    if args.draft_vocab_size:
+        try:
+            copied, kept, dropped = init_from_drafter(drafter, DSparkDraftModel.from_pretrained(args.init_from_drafter))
+        except ValueError as err:
+            raise CLIError(f"--init-from-drafter {args.init_from_drafter}: {err}") from None
+        print(f"initialised {len(copied)} drafter tensors from {args.init_from_drafter}; left at init: "
+              f"{', '.join(kept) or 'none'}; dropped: {', '.join(dropped) or 'none'}")
+
+    if args.draft_vocab_size and args.init_from_drafter is None:  # else the source's draft vocabulary is kept
         from training.trainer import select_draft_vocab
 
         eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else 0
@@ -304,6 +322,7 @@ def run(args) -> int:
             "blocks_per_s_mean": round(sum(bps) / len(bps), 2) if bps else None,
             "last_log": logs[-1] if logs else None,
             "init_from_target": args.init_from_target,
+            "init_from_drafter": args.init_from_drafter,
             "machine": _machine(),
             "data_manifest": data_manifests.get(args.data[0]) if len(args.data) == 1 else (data_manifests or None),
         }

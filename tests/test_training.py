@@ -18,6 +18,7 @@ from training.trainer import (
     DSparkCollator,
     DSparkTrainer,
     anchor_range,
+    init_from_drafter,
     init_from_target,
     prepare_dataset,
 )
@@ -171,7 +172,11 @@ def test_frozen_target_unchanged_drafter_changed_checkpoint_drafter_only(target,
     logged = tr.state.log_history[0]
     assert {"loss", "ce", "tv", "conf", "blocks_per_s"} <= set(logged)
     metrics = tr.evaluate(eval_dataset=data.select(range(4)))
-    assert {"eval_loss", "eval_ce", "eval_tv", "eval_conf"} <= set(metrics)
+    assert {"eval_loss", "eval_ce", "eval_tv", "eval_conf", "eval_tau"} <= set(metrics)
+    # greedy acceptance on the data: survival a_k non-increasing in [0, 1], τ = 1 + Σ a_k
+    survival = [metrics[f"eval_a{k}"] for k in range(1, GAMMA + 1)]
+    assert all(0 <= b <= a <= 1 for a, b in zip([1.0] + survival, survival))
+    assert metrics["eval_tau"] == pytest.approx(1 + sum(survival), abs=1e-4)
     loaded = md.DSparkDraftModel.from_pretrained(ckpt)
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, drafter.state_dict()[k])
@@ -223,6 +228,24 @@ def test_init_from_target(target):
     torch.testing.assert_close(drafter.layers[0].self_attn.k_proj.weight, target.model.layers[2].self_attn.k_proj.weight)
     with pytest.raises(ValueError):
         init_from_target(drafter, target, [0])
+
+
+def test_init_from_drafter_changes_the_layout(target):
+    """A trained target-style drafter with a learned mask seeds a Qwen3-style one with a mask token id."""
+    source = make_drafter(target, seed=1, draft_layer_style="target", draft_vocab_size=16)
+    source.draft_vocab_ids.copy_(torch.arange(16) * 2)
+    new = make_drafter(target, seed=2, mask_token_id=3, draft_vocab_size=16)
+    copied, kept, dropped = init_from_drafter(new, source)
+    assert kept == ["layers.0.self_attn.k_norm.weight", "layers.0.self_attn.q_norm.weight"]
+    assert dropped == ["mask_embedding"]
+    assert "draft_vocab_ids" in copied and "fc.weight" in copied
+    for name, t in source.state_dict().items():
+        if name != "mask_embedding":
+            assert torch.equal(new.state_dict()[name], t), name
+    with pytest.raises(ValueError, match="markov-rank"):
+        init_from_drafter(make_drafter(target, markov_rank=4, draft_vocab_size=16), source)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        init_from_drafter(make_drafter(target, target_layer_ids=[1, 2], draft_vocab_size=16), source)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
@@ -392,6 +415,8 @@ def run_cli(argv, capsys) -> tuple[int, str]:
     (["--target-layer-ids", "1,x"], "--target-layer-ids must be comma-separated whole numbers"),
     (["--target", "/nonexistent"], "--target '/nonexistent' is not a local model directory"),
     (["--resume", "/nonexistent"], "--resume /nonexistent: checkpoint directory not found"),
+    (["--init-from-drafter", "/nonexistent"], "'/nonexistent'"),
+    (["--init-from-target", "--init-from-drafter", "d"], "give one"),
 ])
 def test_train_refuses_bad_options_before_loading(extra, message, tmp_path, no_target_load, capsys):
     rc, err = run_cli(["train", "--data", tmp_path / "data", "--out-dir", tmp_path / "out", *extra], capsys)

@@ -10,6 +10,8 @@
   confidence logits, and optimises :func:`training.losses.dspark_loss` (eqs. 11–14). ce / tv / conf / loss
   are logged separately. Checkpoints hold only the drafter (``model.safetensors`` + ``config.json``).
 * :func:`init_from_target` copies target decoder layers into the draft layers where shapes match.
+* :func:`init_from_drafter` starts a new drafter from a trained one (e.g. to give it Qwen3-style layers and a mask
+  token id, which export needs, without training from scratch).
 
 Alignment (docs/method.md §2): a block whose anchor x_0 is at position p has slots at positions p..p+γ−1; slot i predicts the
 token at position p+i+1, so its label is ``input_ids[p+i+1]``, its target distribution is the target's logit at
@@ -32,7 +34,8 @@ from modeling_dspark.common import block_attention_mask, block_positions, gather
 from .losses import dspark_loss, position_weights
 from modeling_dspark.target import context_features, decoder_of, hidden_state_indices
 
-__all__ = ["DSparkCollator", "DSparkTrainer", "init_from_target", "default_init_layer_ids", "prepare_dataset"]
+__all__ = ["DSparkCollator", "DSparkTrainer", "init_from_target", "init_from_drafter", "default_init_layer_ids",
+           "prepare_dataset"]
 
 
 # --------------------------------------------------------------------------- data collation
@@ -156,7 +159,7 @@ class DSparkTrainer(Trainer):
         model.bind_target(target)
         super().__init__(model, *args, **kwargs)
         self.target = target.to(self.args.device)
-        self._sums: dict[str, dict[str, float]] = {"train": {}, "eval": {}}
+        self._sums: dict[str, dict[str, tuple[float, int]]] = {"train": {}, "eval": {}}
         self._last_log_time = time.perf_counter()
         self._blocks_since_log = 0
         self.add_callback(_EpochCallback(self.data_collator))
@@ -287,11 +290,18 @@ class DSparkTrainer(Trainer):
                 "conf": terms["conf"].item(),
                 "acc_k1": (top1[..., 0].sum() / first.sum().clamp_min(1)).item(),
             }
-        mode = "train" if model.training else "eval"
-        acc = self._sums[mode]
-        for k, v in stats.items():
-            acc[k] = acc.get(k, 0.0) + v
-        acc["_n"] = acc.get("_n", 0.0) + 1
+            # greedy acceptance on the data (target-greedy responses): slot k is accepted when slots 1..k match.
+            # Over blocks with all γ labels, survival a_k = P(first k accepted) and τ = 1 + Σ_k a_k (the bonus token)
+            whole = loss_mask.all(-1)
+            if whole.any():
+                survival = top1.long().cumprod(-1)[whole].float().mean(0)
+                stats["tau"] = 1.0 + survival.sum().item()
+                if not model.training:
+                    stats.update({f"a{k + 1}": a for k, a in enumerate(survival.tolist())})
+        acc = self._sums["train" if model.training else "eval"]
+        for k, v in stats.items():  # (sum, batches) per key: τ and a_k are missing from batches without a whole block
+            total, n = acc.get(k, (0.0, 0))
+            acc[k] = (total + v, n + 1)
         if model.training:
             self._blocks_since_log += int(valid.sum())
         return (terms["loss"], out) if return_outputs else terms["loss"]
@@ -306,13 +316,10 @@ class DSparkTrainer(Trainer):
         """Add the mean ce / tv / conf / loss terms (and blocks/s) since the last log to ``logs``."""
         is_eval = any(k.startswith("eval_") for k in logs)
         mode = "eval" if is_eval else "train"
-        acc = self._sums[mode]
-        if acc.get("_n"):
-            prefix = "eval_" if is_eval else ""
-            for k, v in acc.items():
-                if k != "_n":
-                    logs[prefix + k] = round(v / acc["_n"], 5)
-            self._sums[mode] = {}
+        prefix = "eval_" if is_eval else ""
+        for k, (total, n) in self._sums[mode].items():
+            logs[prefix + k] = round(total / n, 5)
+        self._sums[mode] = {}
         if not is_eval and "loss" in logs:
             now = time.perf_counter()
             logs["blocks_per_s"] = round(self._blocks_since_log / max(now - self._last_log_time, 1e-9), 2)
@@ -420,3 +427,41 @@ def init_from_target(drafter, target, layer_ids: Sequence[int] | None = None, co
         drafter.lm_head.weight.copy_(head if rows is None else head[rows.to(head.device)])
         copied += ["embed_tokens.weight", "lm_head.weight"]
     return copied
+
+
+@torch.no_grad()
+def init_from_drafter(drafter, source) -> tuple[list[str], list[str], list[str]]:
+    """Copy every tensor of the trained drafter ``source`` into ``drafter`` where names and shapes match.
+
+    For continuing training with a changed layout: ``source`` with "target"-style layers and a learned mask
+    embedding can seed a drafter with Qwen3-style layers and a ``mask_token_id`` (the layout every serving format
+    needs). The new q/k RMSNorms keep their init (weight 1) and the mask embedding is dropped; everything else,
+    the draft vocabulary ``draft_vocab_ids`` included, is copied. The STS calibration (``sts_*``) is not: calibrate
+    the trained result again.
+
+    Returns:
+        ``(copied, kept_init, dropped)``: names copied, names of ``drafter`` left at their init, names of ``source``
+        with no place in ``drafter``.
+
+    Raises:
+        ValueError: the two drafters belong to different targets (hidden or vocabulary size, target layers) or a
+            tensor both have differs in shape (another block size, rank, draft vocabulary size or layer count).
+    """
+    a, b = drafter.config, source.config
+    for key in ("hidden_size", "vocab_size", "target_layer_ids", "target_num_hidden_layers"):
+        if getattr(a, key) != getattr(b, key):
+            raise ValueError(f"the source drafter has {key}={getattr(b, key)}, this drafter {getattr(a, key)}: "
+                             "it was trained for another target or with other target layers")
+    src = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+    dst = {**dict(drafter.named_parameters()), **dict(drafter.named_buffers())}
+    bad = [f"{n} {tuple(src[n].shape)} vs {tuple(t.shape)}" for n, t in dst.items()
+           if n in src and src[n].shape != t.shape]
+    if bad:
+        raise ValueError("tensor shapes differ (pass the source's --block-size, --markov-rank, --num-draft-layers and "
+                         "--draft-vocab-size): " + "; ".join(bad))
+    copied = []
+    for name, t in dst.items():
+        if name in src:
+            t.copy_(src[name].to(t.device, t.dtype))
+            copied.append(name)
+    return copied, sorted(set(dst) - set(src)), sorted(set(src) - set(dst))

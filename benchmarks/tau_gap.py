@@ -1,0 +1,92 @@
+"""Benchmark: a drafter's greedy acceptance on sequences it was trained on against held-out ones of the same kind.
+
+Both sets are target-generated (``dspark data build``), so the drafter's greedy acceptance on them needs no
+generation: :class:`training.trainer.DSparkTrainer`'s evaluation drafts a block at random anchors of every
+sequence and counts the slots that match the target's own next tokens (survival a_k, τ = 1 + Σ a_k, block size
+γ, full-block verification). A τ much higher on the training sequences than on held-out ones means the drafter
+has memorised its data (more data helps); equal τ means data is not what binds (capacity or training does).
+
+    python benchmarks/tau_gap.py --drafter drafters/smollm2-135m-dspark \\
+        --data train=/work/data/old-train heldout=/work/data/v6 --exclude-plans DIR [DIR ...] --rows 256 \\
+        --out benchmarks/results/tau-gap.json
+
+``--exclude-plans``: builds (their ``plan.json``) whose prompt ids are dropped from every set but the first, so a
+"held-out" set holds no training prompt. Writes JSON to ``--out`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--drafter", nargs="+", default=[str(REPO_ROOT / "drafters" / "smollm2-135m-dspark")])
+    p.add_argument("--data", nargs="+", required=True, metavar="NAME=DIR", help="labelled data builds")
+    p.add_argument("--exclude-plans", nargs="*", default=[], metavar="DIR")
+    p.add_argument("--rows", type=int, default=256, help="sequences per set (the first ones)")
+    p.add_argument("--anchors-per-seq", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import TrainingArguments
+
+    from modeling_dspark import DSparkDraftModel
+    from modeling_dspark.target import load_target
+    from training.data import load_data, read_plans
+    from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    excluded = {str(r["id"]) for r in read_plans(args.exclude_plans)}
+    sets = {}
+    for i, spec in enumerate(args.data):
+        name, _, path = spec.partition("=")
+        data = load_data(path)
+        if i > 0 and excluded:
+            data = data.filter(lambda ids: str(ids) not in excluded, input_columns=["id"])
+        sets[name] = (path, prepare_dataset(data.select(range(min(args.rows, len(data))))))
+    target, tok = load_target(None, dtype=dtype)
+    results = {"rows": args.rows, "anchors_per_seq": args.anchors_per_seq, "dtype": args.dtype, "drafters": {}}
+    for d in args.drafter:
+        drafter = DSparkDraftModel.from_pretrained(d).to(dtype)
+        gamma = drafter.config.block_size
+        collator = DSparkCollator(gamma, args.anchors_per_seq, tok.pad_token_id or 0, seed=0)
+        with tempfile.TemporaryDirectory() as tmp:
+            targs = TrainingArguments(output_dir=tmp, per_device_eval_batch_size=8, report_to="none",
+                                      use_cpu=True, bf16=args.dtype == "bfloat16", remove_unused_columns=False)
+            trainer = DSparkTrainer(model=drafter, target=target, args=targs, data_collator=collator)
+            row = {}
+            for name, (path, data) in sets.items():
+                t0 = time.perf_counter()
+                m = trainer.evaluate(eval_dataset=data)
+                row[name] = {"path": path, "sequences": len(data), "tau": m["eval_tau"],
+                             "survival": [m[f"eval_a{k}"] for k in range(1, gamma + 1)],
+                             "acc_k1": m["eval_acc_k1"], "wall_s": round(time.perf_counter() - t0, 1)}
+                print(d, name, json.dumps(row[name]), flush=True)
+        results["drafters"][d] = row
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    names = list(sets)
+    print("| drafter | " + " | ".join(f"τ {n}" for n in names) + " | " + " | ".join(f"a1..a3 {n}" for n in names) + " |")
+    print("|---|" + "---:|" * (2 * len(names)))
+    for d, row in results["drafters"].items():
+        print(f"| {Path(d).name} | " + " | ".join(f"{row[n]['tau']:.2f}" for n in names) + " | "
+              + " | ".join(" ".join(f"{a:.2f}" for a in row[n]["survival"][:3]) for n in names) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
