@@ -4,18 +4,14 @@
     dspark bench serve --requests 1 4 --max-new-tokens 16 --limit 2 --repeats 2 --out-dir runs/bench-small
 
 For every concurrency R and verify policy it serves the same held-out prompts (MT-Bench first turns and GSM8K, chat
-template applied) with at most R requests in flight, greedy, and reports total throughput, steady-state throughput
-and per-user speed; what is served, in which order, and the statistics: :mod:`evaluation.serving`. Policies: no
-speculation; static verify length 1 (the MTP-1 analogue); static full block; DeepSpec-style confidence threshold;
-the DSpark scheduler (Algorithm 1 over all running requests); the two-round-lag budget variant. Every policy but no
-speculation (plain decoding) runs the n-gram lookup proposer beside the drafter, as the engine does by default
-(``--no-lookup``: without it). The scheduler's SPS(B) table is profiled on first use for this target / dtype /
-thread count and cached (see ``dspark profile``).
-
-The table prints per cell ``median ±half-range`` over ``--repeats`` interleaved repetitions, and the
-scheduler-vs-best-static rows the ratio of medians with the combined relative half-range of the two cells (a ratio
-within it is a tie), the range of the paired per-repetition ratios, how many of them exceed 1 and a one-sided sign
-test's p-value (``comparisons`` in the JSON).
+template applied) with at most R requests in flight, greedy, ``--repeats`` times interleaved, and reports total
+throughput, steady-state throughput and per-user speed; what is served, in which order, and the statistics (medians,
+half-ranges, paired ratios, sign test): :mod:`evaluation.serving`. Policies: no speculation; static verify length 1
+(the MTP-1 analogue); static full block; DeepSpec-style confidence threshold; the DSpark scheduler (Algorithm 1 over
+all running requests); the two-round-lag budget variant. Every policy but no speculation (plain decoding) runs the
+n-gram lookup proposer beside the drafter, as the engine does by default (``--no-lookup``: without it). The
+scheduler's SPS(B) table is profiled on first use for this target / dtype / thread count and cached (see ``dspark
+profile``).
 
 Writes ``serve.json`` and a Pareto plot ``serve.png`` (throughput vs per-user speed) into ``--out-dir`` (default
 ``runs/bench-serve``; ``--out`` and ``--plot`` name the files instead) and prints a markdown table.

@@ -114,14 +114,10 @@ def _check_args(args) -> None:
     # --write writes into the drafter's directory (no Hub cache); a refit from --pairs reads only its config
     args.drafter_path = drafter_dir(args.drafter, hub=not args.write, weights=args.pairs is None)
     if args.pairs is None:
-        from training.prompts import TRAIN_SOURCES
-
-        srcs = [s.strip() for s in args.prompts.split(",") if s.strip()]
-        is_file = len(srcs) == 1 and (srcs[0].endswith(".jsonl") or Path(srcs[0]).is_file())
-        bad = [] if is_file else [s for s in srcs if s not in TRAIN_SOURCES]
-        if not srcs or bad:
-            raise CLIError(f"--prompts: unknown source(s) {bad or srcs}; "
-                           f"choose from {', '.join(TRAIN_SOURCES)} or give a .jsonl file")
+        try:
+            calibration.parse_sources(args.prompts)
+        except ValueError as err:
+            raise CLIError(f"--prompts: {err}") from None
     if args.after < 0 or (args.after and args.after >= args.limit):
         raise CLIError(f"--after must be >= 0 and below --limit ({args.limit}), got {args.after}")
     if args.pairs is not None and args.after:

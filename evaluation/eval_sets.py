@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["MODES", "MIN_SPEED_PROMPTS", "ForwardCounter", "timed_generate", "per_position", "evaluate", "markdown",
-           "plot"]
+__all__ = ["MODES", "MIN_SPEED_PROMPTS", "ForwardCounter", "timed_generate", "evaluate", "markdown", "plot"]
 
 MODES = ("greedy", "sample")
 MIN_SPEED_PROMPTS = 8
@@ -94,31 +93,6 @@ def timed_generate(target, ids, drafter, gen_kwargs: dict, seed: int | None = No
     return out[0, ids.shape[1]:].tolist(), dt, stats
 
 
-def per_position(acc: np.ndarray, valid: np.ndarray) -> dict:
-    """Per-position statistics of :func:`training.calibration.acceptance_matrix` rows.
-
-    Args:
-        acc: ``[N, γ]`` 0/1 labels; valid: ``[N, γ]`` bool (made prefix-closed here).
-
-    Returns:
-        lists of γ values: ``conditional_accept_rate`` (P(x_k accepted | x_<k accepted), None without rows) and
-        its row counts ``n_conditional``, ``survival`` (P(x_1..x_k accepted), None without rows) and ``n_valid``,
-        and ``implied_tau_at_block_size`` (1 + Σ_{j≤k} survival_j).
-    """
-    ok = np.logical_and.accumulate(valid, axis=1) if valid.size else valid
-    cond, n_cond, surv, n_valid = [], [], [], []
-    for k in range(acc.shape[1]):
-        rows = ok[:, k]
-        c = rows & (acc[:, k - 1] == 1) if k > 0 else rows
-        n_cond.append(int(c.sum()))
-        cond.append(float(acc[c, k].mean()) if c.any() else None)
-        n_valid.append(int(rows.sum()))
-        surv.append(float(acc[rows, k].mean()) if rows.any() else None)
-    implied = (1.0 + np.cumsum([s or 0.0 for s in surv])).tolist()
-    return {"conditional_accept_rate": cond, "n_conditional": n_cond, "survival": surv, "n_valid": n_valid,
-            "implied_tau_at_block_size": implied}
-
-
 def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
@@ -137,7 +111,7 @@ def _summarise_speed(records: list[dict]) -> dict:
 
 
 def _summarise_dspark(records: list[dict], gamma: int, eos: list[int]) -> dict:
-    from training.calibration import acceptance_matrix, ends_with_committed_eos
+    from training.calibration import acceptance_by_position, acceptance_matrix, ends_with_committed_eos
 
     rounds = [r["rounds"] or [] for r in records]
     labels = [acceptance_matrix(rs, gamma, eos, ends_with_committed_eos(r["ids"], rs, eos))
@@ -151,7 +125,7 @@ def _summarise_dspark(records: list[dict], gamma: int, eos: list[int]) -> dict:
                tau_mean_per_prompt=_mean([sum(x.committed for x in rs) / len(rs) for rs in rounds if rs]),
                drafted=int(sum(x.drafted for x in flat)), accepted=int(sum(x.accepted for x in flat)),
                t_draft_ms=_mean([x.t_draft_ms for x in flat]), t_verify_ms=_mean([x.t_verify_ms for x in flat]),
-               per_position=per_position(acc, valid))
+               per_position=acceptance_by_position(acc, valid))
     return out
 
 
@@ -173,7 +147,7 @@ def evaluate(target, tok, drafter, sets: list[str], modes: list[str], limit: int
     Returns:
         ``{"results": {set: {"n_prompts", "greedy", "sample", "plain", "prompt_lookup"}}, "summary": {...}}``:
         per mode the tokens, seconds, tokens/s, target forwards, τ, drafted/accepted counts, mean draft and
-        verify ms per round and :func:`per_position`; greedy adds ``speedup``, ``n_identical``,
+        verify ms per round and :func:`training.calibration.acceptance_by_position`; greedy adds ``speedup``, ``n_identical``,
         ``all_identical`` and ``differing_prompts``. The summary holds macro τ per mode, tokens/s per row,
         speed-ups, identity counts and ``speedup_is_noise`` (fewer than :data:`MIN_SPEED_PROMPTS` prompts).
 

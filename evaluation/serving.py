@@ -124,25 +124,11 @@ def serve(engine, prompts: list[dict], num_requests: int, concurrency: int, max_
     outs.sort(key=lambda o: o.request_id)
     tokens = sum(o.num_tokens for o in outs)
     summ = engine.stats.summary()
-    return {
-        "throughput_tok_s": tokens / wall,
-        "steady_tok_s": steady[0] / steady[1],
-        "steady_tokens": steady[0],
-        "per_user_tok_s": statistics.fmean(o.tokens_per_s for o in outs),
-        "tokens": tokens,
-        "wall_s": wall,
-        "rounds": summ["rounds"],
-        "tau": summ["tau"],
-        "mean_verified": summ["mean_verified"],
-        "mean_accepted": summ["mean_accepted"],
-        "mean_batch_tokens": summ["mean_batch_tokens"],
-        "t_draft_ms": summ["t_draft_ms"],
-        "t_verify_ms": summ["t_verify_ms"],
-        "skipped_draft_rounds": summ["skipped_draft_rounds"],
-        "gated_request_rounds": summ["gated_request_rounds"],
-        "probe_rounds": summ["probe_rounds"],
-        "lookup_request_rounds": summ["lookup_request_rounds"],
-    }, [o.output_ids for o in outs]
+    keys = ("rounds", "tau", "mean_verified", "mean_accepted", "mean_batch_tokens", "t_draft_ms", "t_verify_ms",
+            "skipped_draft_rounds", "gated_request_rounds", "probe_rounds", "lookup_request_rounds")
+    return {"throughput_tok_s": tokens / wall, "steady_tok_s": steady[0] / steady[1], "steady_tokens": steady[0],
+            "per_user_tok_s": statistics.fmean(o.tokens_per_s for o in outs), "tokens": tokens, "wall_s": wall,
+            **{k: summ[k] for k in keys}}, [o.output_ids for o in outs]
 
 
 def bench_serve(engines: dict, prompts: list[dict], levels: list[int], *, waves: int, min_requests: int,

@@ -58,6 +58,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+from scipy.optimize import minimize
 from scipy.special import expit as _sigmoid  # numerically stable σ
 from scipy.stats import mannwhitneyu
 
@@ -71,8 +72,10 @@ __all__ = [
     "apply_sts",
     "calibration_report",
     "plot_reliability",
+    "parse_sources",
     "calibration_prompts",
     "acceptance_matrix",
+    "acceptance_by_position",
     "collect_pairs",
     "save_pairs",
     "load_pairs",
@@ -123,18 +126,32 @@ def _prepare(
     return logits, acc, ok
 
 
+def _check_per_position(values: Sequence[float], gamma: int, what: str, positive: bool) -> np.ndarray:
+    """``values`` as a float64 [γ] array of finite numbers (> 0 with ``positive``); ValueError naming ``what``."""
+    v = np.asarray([float(x) for x in values], dtype=np.float64)
+    if v.shape != (gamma,):
+        raise ValueError(f"expected {gamma} {what}, got {v.shape[0] if v.ndim else 0}")
+    if not np.all(np.isfinite(v)) or (positive and not np.all(v > 0)):
+        raise ValueError(f"{what} must be finite{' and > 0' if positive else ''}, got {v.tolist()}")
+    return v
+
+
 def _check_temperatures(temperatures: Sequence[float], gamma: int) -> np.ndarray:
-    t = np.asarray([float(x) for x in temperatures], dtype=np.float64)
-    if t.shape != (gamma,):
-        raise ValueError(f"expected {gamma} temperatures, got {t.shape[0] if t.ndim else 0}")
-    if not np.all(t > 0) or not np.all(np.isfinite(t)):
-        raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
-    return t
+    return _check_per_position(temperatures, gamma, "temperatures", positive=True)
+
+
+def _check_biases(biases: Sequence[float] | None, gamma: int) -> np.ndarray:
+    return np.zeros(gamma, dtype=np.float64) if biases is None else _check_per_position(biases, gamma, "biases", False)
 
 
 def _bin_index(scores: np.ndarray, n_bins: int) -> np.ndarray:
     # Equal-width bins on [0, 1]: [0, 1/n), [1/n, 2/n), ..., [(n−1)/n, 1].
     return np.minimum((scores * n_bins).astype(np.int64), n_bins - 1)
+
+
+def _reaching(ok: np.ndarray, acc: np.ndarray, k: int) -> np.ndarray:
+    """[N] bool: the rows valid at position k (0-based) whose tokens before k all survived, the rows c_k speaks for."""
+    return ok[:, k] & (acc[:, k - 1] == 1) if k else ok[:, 0]
 
 
 def _ece_rows(scores: np.ndarray, labels: np.ndarray, n_bins: int) -> np.ndarray:
@@ -309,54 +326,27 @@ def fit_sts(
     return _fit_sequential(logits, acc, ok, grid_arr, n_bins)
 
 
-def _logistic_fit(x: np.ndarray, y: np.ndarray, min_slope: float, max_slope: float,
-                  iters: int = 100) -> tuple[float, float]:
-    """Platt's fit of P(y = 1 | x) = σ(w·x + c): Newton's method on the log-loss with Platt's smoothed targets
-    (positives (N₊+1)/(N₊+2), negatives 1/(N₋+2); keeps separable and one-class data finite), x divided by its
-    standard deviation internally; then w is clamped to [min_slope, max_slope] (c refitted alone if it was). Convex, so the clamped
-    result is the constrained optimum."""
+def _logistic_fit(x: np.ndarray, y: np.ndarray, min_slope: float, max_slope: float) -> tuple[float, float]:
+    """Platt's fit of P(y = 1 | x) = σ(w·x + c): the log-loss with Platt's smoothed targets (positives
+    (N₊+1)/(N₊+2), negatives 1/(N₋+2); keeps separable and one-class data finite), w kept in [min_slope, max_slope].
+    Convex; minimised by L-BFGS-B on x divided by its standard deviation."""
     n_pos = float(y.sum())
     n_neg = float(y.size) - n_pos
     t = np.where(y > 0.5, (n_pos + 1.0) / (n_pos + 2.0), 1.0 / (n_neg + 2.0))
     scale = float(np.std(x)) or 1.0
     u = x / scale
 
-    def loss(w: float, c: float) -> float:
-        z = w * u + c
-        return float(np.mean(np.logaddexp(0.0, z) - t * z))
-
-    def newton(w: float, c: float, fit_w: bool) -> tuple[float, float]:
-        f = loss(w, c)
-        for _ in range(iters):
-            p = _sigmoid(w * u + c)
-            r, h = p - t, np.maximum(p * (1.0 - p), 1e-12)
-            g = np.array([np.mean(r * u), np.mean(r)])
-            hess = np.array([[np.mean(h * u * u), np.mean(h * u)], [np.mean(h * u), np.mean(h)]])
-            if fit_w:
-                step = np.linalg.lstsq(hess, g, rcond=None)[0]
-            else:
-                step = np.array([0.0, g[1] / hess[1, 1]])
-            eta, f_new = 1.0, f
-            while eta > 1e-10:
-                w_new, c_new = w - eta * step[0], c - eta * step[1]
-                f_new = loss(w_new, c_new)
-                if f_new <= f:
-                    break
-                eta *= 0.5
-            else:
-                break  # no descent left: at the optimum up to rounding
-            converged = f - f_new < 1e-13
-            w, c, f = w_new, c_new, f_new
-            if converged:
-                break
-        return w, c
+    def loss_and_grad(p: np.ndarray) -> tuple[float, np.ndarray]:
+        z = p[0] * u + p[1]
+        r = _sigmoid(z) - t
+        return float(np.mean(np.logaddexp(0.0, z) - t * z)), np.array([np.mean(r * u), np.mean(r)])
 
     prior = (n_pos + 1.0) / (y.size + 2.0)
-    w, c = newton(0.0, math.log(prior / (1.0 - prior)), fit_w=True)  # start: no slope, the smoothed base rate
     lo, hi = min_slope * scale, max_slope * scale  # slope bounds in the standardised units
-    if not lo <= w <= hi:
-        w, c = newton(min(max(w, lo), hi), c, fit_w=False)
-    return float(w / scale), float(c)
+    start = [min(max(0.0, lo), hi), math.log(prior / (1.0 - prior))]  # no slope, the smoothed base rate
+    res = minimize(loss_and_grad, start, jac=True, method="L-BFGS-B", bounds=[(lo, hi), (None, None)],
+                   options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 1000})
+    return float(res.x[0] / scale), float(res.x[1])
 
 
 def fit_sts_bias(
@@ -394,7 +384,7 @@ def fit_sts_bias(
     temps: list[float] = []
     biases: list[float] = []
     for k in range(logits.shape[1]):
-        rows = ok[:, k] & (acc[:, k - 1] == 1) if k else ok[:, 0]
+        rows = _reaching(ok, acc, k)
         if not rows.any():
             temps.append(1.0)
             biases.append(0.0)
@@ -403,17 +393,6 @@ def fit_sts_bias(
         temps.append(1.0 / w)
         biases.append(c)
     return temps, biases
-
-
-def _check_biases(biases: Sequence[float] | None, gamma: int) -> np.ndarray:
-    if biases is None:
-        return np.zeros(gamma, dtype=np.float64)
-    b = np.asarray([float(x) for x in biases], dtype=np.float64)
-    if b.shape != (gamma,):
-        raise ValueError(f"expected {gamma} biases, got {b.shape[0] if b.ndim else 0}")
-    if not np.all(np.isfinite(b)):
-        raise ValueError(f"biases must be finite, got {b.tolist()}")
-    return b
 
 
 def apply_sts(confidence_logits: Any, temperatures: Sequence[float], biases: Sequence[float] | None = None) -> Any:
@@ -499,7 +478,7 @@ def calibration_report(
     for k in range(logits.shape[1]):
         rows = ok[:, k]
         entry: dict[str, Any] = {"position": k + 1, "n": int(rows.sum())}
-        cond = rows & (acc[:, k - 1] == 1) if k > 0 else rows
+        cond = _reaching(ok, acc, k)
         entry["n_conditional"] = int(cond.sum())
         if rows.any():
             y = acc[rows, k]
@@ -598,6 +577,25 @@ def plot_reliability(
 # ----------------------------------------------------------------------------- held-out prompts
 
 
+def parse_sources(sources: Sequence[str] | str) -> tuple[list[str], bool]:
+    """``(names, is_file)``: the prompt sources of :func:`calibration_prompts` as a list (a comma-separated string is
+    split), and whether they are one JSON-lines file (a ``.jsonl`` name or an existing file).
+
+    Raises:
+        ValueError: no source, or a name that is neither a file nor a training prompt source.
+    """
+    from training.prompts import TRAIN_SOURCES
+
+    if isinstance(sources, str):
+        sources = [s.strip() for s in sources.split(",") if s.strip()]
+    is_file = len(sources) == 1 and (sources[0].endswith(".jsonl") or Path(sources[0]).is_file())
+    bad = [] if is_file else [s for s in sources if s not in TRAIN_SOURCES]
+    if not sources or bad:
+        raise ValueError(f"unknown source(s) {bad or list(sources)}; choose from {', '.join(TRAIN_SOURCES)} or give "
+                         "a .jsonl file")
+    return list(sources), is_file
+
+
 def _source_candidates(source: str, start: int, count: int) -> list[dict]:
     """Candidates ``start .. start+count`` of a source's held-out order: ``gsm_symbolic`` problems generated with
     :data:`HELD_OUT_GSM_SEED`, else the tail of the seed-0 shuffle whose head ``dspark data build`` trains on."""
@@ -605,9 +603,6 @@ def _source_candidates(source: str, start: int, count: int) -> list[dict]:
 
     if source == "gsm_symbolic":
         return list(P.iter_train_prompts("gsm_symbolic", seed=HELD_OUT_GSM_SEED, limit=start + count))[start:]
-    if source not in P.TRAIN_SOURCES:
-        raise ValueError(f"unknown prompt source {source!r}; choose from {', '.join(P.TRAIN_SOURCES)} or give a "
-                         ".jsonl file")
     pool = list(P.iter_train_prompts(source, seed=TRAIN_SHUFFLE_SEED))[::-1]  # tail of the training shuffle first
     return pool[start:start + count]
 
@@ -642,18 +637,15 @@ def calibration_prompts(
         ``(records, info)``: records ``{"id", "prompt", "source"[, "prompt_ids"]}``; info counts what was dropped.
 
     Raises:
-        ValueError: no source, an unknown source, ``limit < 1``, ``after`` out of range, a bad prompts file
-            (:func:`training.prompts.read_prompts_jsonl`).
+        ValueError: no source or an unknown one (:func:`parse_sources`), ``limit < 1``, ``after`` out of range, a bad
+            prompts file (:func:`training.prompts.read_prompts_jsonl`).
         FileNotFoundError: a prompts file or an ``exclude_data`` directory's ``plan.json`` that does not exist.
     """
     from modeling_dspark.target import apply_chat_template
     from training import prompts as P
     from training.data import read_plans
 
-    if isinstance(sources, str):
-        sources = [s.strip() for s in sources.split(",") if s.strip()]
-    if not sources:
-        raise ValueError("no prompt source given")
+    sources, is_file = parse_sources(sources)
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     if not 0 <= after < limit:
@@ -695,7 +687,7 @@ def calibration_prompts(
             out.append(r)
         return out
 
-    if len(sources) == 1 and (sources[0].endswith(".jsonl") or Path(sources[0]).is_file()):
+    if is_file:
         path = Path(sources[0])
         if not path.is_file():
             raise FileNotFoundError(f"prompts file not found: {str(path)!r}")
@@ -757,6 +749,30 @@ def ends_with_committed_eos(new_ids: Sequence[int], rounds, eos_ids: Sequence[in
     """Whether a ``generate()`` call's last new token is an EOS that its last round committed (not the prefill's
     token): the ``last_round_hit_eos`` of :func:`acceptance_matrix`."""
     return bool(new_ids) and new_ids[-1] in eos_ids and sum(r.committed for r in rounds) + 1 == len(new_ids)
+
+
+def acceptance_by_position(accepted: np.ndarray, valid: np.ndarray) -> dict:
+    """Per-position statistics of :func:`acceptance_matrix` rows.
+
+    Args:
+        accepted: ``[N, γ]`` 0/1 labels; valid: ``[N, γ]`` bool (made prefix-closed here).
+
+    Returns:
+        lists of γ values: ``conditional_accept_rate`` (P(x_k accepted | x_<k accepted), None without rows) and
+        its row counts ``n_conditional``, ``survival`` (P(x_1..x_k accepted), None without rows) and ``n_valid``,
+        and ``implied_tau_at_block_size`` (1 + Σ_{j≤k} survival_j).
+    """
+    ok = np.logical_and.accumulate(valid, axis=1) if valid.size else valid
+    cond, n_cond, surv, n_valid = [], [], [], []
+    for k in range(accepted.shape[1]):
+        rows, c = ok[:, k], _reaching(ok, accepted, k)
+        n_cond.append(int(c.sum()))
+        cond.append(float(accepted[c, k].mean()) if c.any() else None)
+        n_valid.append(int(rows.sum()))
+        surv.append(float(accepted[rows, k].mean()) if rows.any() else None)
+    implied = (1.0 + np.cumsum([s or 0.0 for s in surv])).tolist()
+    return {"conditional_accept_rate": cond, "n_conditional": n_cond, "survival": surv, "n_valid": n_valid,
+            "implied_tau_at_block_size": implied}
 
 
 @contextlib.contextmanager
