@@ -35,6 +35,7 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_eval_sets,
     check_target,
     drafter_dir,
     load_models,
@@ -148,7 +149,6 @@ def run(args) -> int:
 @reports_cli_errors("dspark bench serve")
 def _serve_command(args) -> int:
     from generation.policies import parse_policy
-    from training.prompts import EVAL_SETS
 
     if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
             or args.repeats < 1 or args.waves < 1):
@@ -160,9 +160,7 @@ def _serve_command(args) -> int:
             parse_policy(pol)
         except ValueError as err:
             raise CLIError(str(err)) from None
-    bad = [name for name in args.datasets if name not in EVAL_SETS]
-    if bad:
-        raise CLIError(f"--datasets: unknown eval set(s) {bad}; choose from {', '.join(EVAL_SETS)}")
+    check_eval_sets("--datasets", args.datasets)
     draft_cost = _draft_cost_ms(args.draft_cost)
     check_target(args.target)
 

@@ -334,6 +334,20 @@ def check_target(spec: str | None) -> None:
             raise CLIError(f"--{err}") from None
 
 
+def check_eval_sets(flag: str, names: list[str]) -> list[str]:
+    """``names`` (of option ``flag``), refused unless a non-empty list of :data:`training.prompts.EVAL_SETS`.
+
+    Raises:
+        CLIError: no name, or an unknown one.
+    """
+    from training.prompts import EVAL_SETS
+
+    bad = [s for s in names if s not in EVAL_SETS]
+    if not names or bad:
+        raise CLIError(f"{flag}: unknown eval set(s) {bad or names}; choose from {', '.join(EVAL_SETS)}")
+    return names
+
+
 def load_target_checked(spec: str | None, **kwargs):
     """``modeling_dspark.target.load_target(spec, **kwargs)``.
 

@@ -32,6 +32,7 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_eval_sets,
     check_min,
     check_target,
     drafter_dir,
@@ -100,21 +101,15 @@ def _resolve_drafter(spec: str | None, target: str | None) -> str:
 
 
 def _check_args(args) -> tuple[list[str], list[str]]:
-    from training.prompts import EVAL_SETS
-
-    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
-    bad = [s for s in sets if s not in EVAL_SETS]
-    if not sets or bad:
-        raise CLIError(f"--sets: unknown eval set(s) {bad or sets}; choose from {', '.join(EVAL_SETS)}")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     from evaluation.eval_sets import MODES
+    from generation.policies import parse_policy
 
+    sets = check_eval_sets("--sets", [s.strip() for s in args.sets.split(",") if s.strip()])
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise CLIError(f"--modes must be a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
     check_min(args, {"max_new_tokens": 1, "pld_num_tokens": 1, "limit": 1, "block_size": 1})
     check_target(args.target)
-    from generation.policies import parse_policy
-
     try:
         args.policy = parse_policy(args.policy).name
     except ValueError as err:

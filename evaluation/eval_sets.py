@@ -19,6 +19,7 @@ is not a round), ``tokens_per_target_forward`` = new tokens / target forward cal
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -74,22 +75,18 @@ def timed_generate(target, ids, drafter, gen_kwargs: dict, seed: int | None = No
 
     if seed is not None:
         torch.manual_seed(seed)
-    mask = torch.ones_like(ids)
-    stats = None
-    with torch.inference_mode():
+    kw = dict(gen_kwargs, attention_mask=torch.ones_like(ids))
+    options = contextlib.nullcontext()
+    if drafter is not None:
+        kw["assistant_model"] = drafter
+        options = dspark_options(policy=policy, block_size=block_size, lookup=lookup)
+    with torch.inference_mode(), collect_stats() as runs, options:
         _sync(ids.device)
-        if drafter is None:
-            t0 = time.perf_counter()
-            out = target.generate(ids, attention_mask=mask, **gen_kwargs)
-            _sync(ids.device)
-            dt = time.perf_counter() - t0
-        else:
-            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size, lookup=lookup):
-                t0 = time.perf_counter()
-                out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **gen_kwargs)
-                _sync(ids.device)
-                dt = time.perf_counter() - t0
-            stats = runs[-1] if runs else None
+        t0 = time.perf_counter()
+        out = target.generate(ids, **kw)
+        _sync(ids.device)
+        dt = time.perf_counter() - t0
+    stats = runs[-1] if runs and drafter is not None else None
     return out[0, ids.shape[1]:].tolist(), dt, stats
 
 

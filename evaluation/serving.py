@@ -132,7 +132,7 @@ def serve(engine, prompts: list[dict], num_requests: int, concurrency: int, max_
 
 
 def bench_serve(engines: dict, prompts: list[dict], levels: list[int], *, waves: int, min_requests: int,
-                max_new_tokens: int, repeats: int, warmup_repeats: int, log=None) -> list[dict]:
+                max_new_tokens: int, repeats: int, warmup_repeats: int, log=lambda line: None) -> list[dict]:
     """Serve every (R, policy) cell ``repeats`` times after ``warmup_repeats`` untimed repetitions, interleaved as
     the module doc says.
 
@@ -141,7 +141,7 @@ def bench_serve(engines: dict, prompts: list[dict], levels: list[int], *, waves:
         prompts: the pool (:func:`prompt_pool`); levels: the concurrencies R, ascending.
         waves, min_requests: a cell serves max(``waves`` × R, ``min_requests``) requests.
         max_new_tokens: per request.
-        log: called with one line per served cell (None: silent).
+        log: called with a progress line (str) per served cell.
 
     Returns:
         one row per (R, policy), R-major: ``{"R", "policy", "requests", **aggregate_reps(...),
@@ -158,16 +158,14 @@ def bench_serve(engines: dict, prompts: list[dict], levels: list[int], *, waves:
             for pol in policies[shift:] + policies[:shift]:
                 res, outs = serve(engines[pol], prompts, n, R, max_new_tokens, first=n if rep < 0 else 0)
                 if rep < 0:
-                    if log:
-                        log(f"warm-up R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total")
+                    log(f"warm-up R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total")
                     continue
                 outputs.setdefault((R, pol), outs)
                 reps.setdefault((R, pol), []).append(res)
-                if log:
-                    log(f"rep {rep + 1}/{repeats} R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total  "
-                        f"{res['per_user_tok_s']:6.1f} tok/s/user  tau {res['tau']:.2f}  verified "
-                        f"{res['mean_verified']:.2f}  B {res['mean_batch_tokens']:.1f}  skipped-draft rounds "
-                        f"{res['skipped_draft_rounds']}/{res['rounds']}")
+                log(f"rep {rep + 1}/{repeats} R={R:<3} {pol:<14} {res['throughput_tok_s']:7.1f} tok/s total  "
+                    f"{res['per_user_tok_s']:6.1f} tok/s/user  tau {res['tau']:.2f}  verified "
+                    f"{res['mean_verified']:.2f}  B {res['mean_batch_tokens']:.1f}  skipped-draft rounds "
+                    f"{res['skipped_draft_rounds']}/{res['rounds']}")
     results = []
     for R in levels:
         for pol in policies:
@@ -185,7 +183,8 @@ def _half_range(r: dict, key: str = "throughput_tok_s") -> float:
 
 
 def aggregate_reps(reps: list[dict]) -> dict:
-    """One cell from its repetitions: medians of every number, min / max and the per-rep lists of the two speeds."""
+    """One cell from its repetitions (:func:`serve`'s dicts, in the order they ran): the median of every number, and
+    min / max and the per-repetition list of the throughput, per-user and steady speeds."""
     out = {}
     for key, value in reps[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
