@@ -1,13 +1,13 @@
 """Ablation of the cost model's draft gate in the serving engine: the same engine with and without it.
 
 Serves the held-out prompts of `dspark bench serve` (its loading, prompt pool and serving loop,
-:mod:`dspark_cli.bench_cmd`) with three engines, one each for the whole run (steady state): ``none`` (no
+:mod:`evaluation.serving`) with three engines, one each for the whole run (steady state): ``none`` (no
 speculation), ``scheduler`` with the draft gate, ``scheduler`` without it, all three without the lookup proposer
 (the gate prices the drafter alone). Repetitions are paired and interleaved:
 within a repetition, at each R the three engines serve the same requests back to back, in an order rotated every
 repetition, so the machine's drift hits all alike. Reports per R the median throughput of each, the per-repetition
 ratios gate / no gate and each / none, in how many repetitions the first was faster, and the one-sided sign test's
-p-value (:func:`dspark_cli.bench_cmd.sign_test_p`).
+p-value (:func:`evaluation.serving.sign_test_p`).
 
     python benchmarks/ablate_cost_model.py --dtype float32 --requests 1 2 4 --repeats 10 --max-new-tokens 16 \
         --limit 8 --min-requests 4 --threads 2 --out benchmarks/results/ablation-cost-model-fp32-r10.json
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ def parse_args(argv=None):
 
 
 def _paired(a: list[float], b: list[float]) -> dict:
-    from dspark_cli.bench_cmd import sign_test_p
+    from evaluation.serving import sign_test_p
 
     ratios = [x / y for x, y in zip(a, b)]
     faster = sum(r > 1 for r in ratios)
@@ -59,20 +58,19 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from dspark_cli import bench_cmd
+    from dspark_cli.common import load_models, shipped_drafter_for
+    from evaluation import serving
     from generation import profiling
     from generation.engine import DSparkEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    ns = argparse.Namespace(target=args.target, drafter=args.drafter, dtype=args.dtype, datasets=args.datasets,
-                            limit=args.limit, device="cpu")
-    target, tok, drafter, drafter_spec = bench_cmd._load(ns)
-    prompts = bench_cmd._prompts(ns, tok)
+    drafter_spec = args.drafter or shipped_drafter_for(args.target)
+    target, tok, drafter = load_models(args.target, drafter_spec, args.dtype)
+    prompts = serving.prompt_pool(tok, args.datasets, args.limit)
     gamma = drafter.config.block_size
     levels = sorted(set(args.requests))
-    mean_prompt = statistics.fmean(len(p["ids"]) for p in prompts)
-    context = 2 ** max(4, round(math.log2(mean_prompt + args.max_new_tokens / 2)))
+    context = serving.sps_context(prompts, args.max_new_tokens)
     tokens = profiling.first_use_tokens(gamma)
     sps = profiling.ensure_profile(target, contexts=[context], requests=levels, tokens=tokens,
                                    progress=lambda s: print("  " + s, file=sys.stderr))
@@ -87,8 +85,8 @@ def main(argv=None) -> int:
             n = max(2 * R, args.min_requests)
             shift = (rep + li) % len(VARIANTS)
             for name in VARIANTS[shift:] + VARIANTS[:shift]:
-                res, _ = bench_cmd._serve(engines[name], prompts, n, R, args.max_new_tokens,
-                                          first=n if rep < 0 else 0)
+                res, _ = serving.serve(engines[name], prompts, n, R, args.max_new_tokens,
+                                      first=n if rep < 0 else 0)
                 tag = "warm-up" if rep < 0 else f"rep {rep + 1}/{args.repeats}"
                 print(f"{tag} R={R} {name:<15} {res['throughput_tok_s']:7.2f} tok/s  tau {res['tau']:.2f}  "
                       f"skipped-draft rounds {res['skipped_draft_rounds']}/{res['rounds']}", file=sys.stderr)

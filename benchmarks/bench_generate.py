@@ -116,13 +116,6 @@ def load_prompts(args) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- generate()
-def _sign_test_p(faster: int, n: int) -> float:
-    """One-sided sign test: P(at least ``faster`` heads in ``n`` fair coin flips)."""
-    import math
-
-    return sum(math.comb(n, i) for i in range(faster, n + 1)) / 2 ** n
-
-
 def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     """Plain vs DSpark generate() on every prompt, ``--repeats`` passes; one result per draft-gate variant.
 
@@ -130,7 +123,9 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     hits all alike; a variant's per-pass speedups are paired with plain decoding of the same pass."""
     import torch
 
-    from dspark_cli.generate_cmd import load_models, timed_generate
+    from dspark_cli.common import load_models
+    from evaluation.eval_sets import timed_generate
+    from evaluation.serving import sign_test_p
     from generation import collect_stats, dspark_options
     from modeling_dspark.target import apply_chat_template
 
@@ -205,7 +200,7 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
             "speedup": (ds_tok / ds_s) / (plain_tok / plain_s),
             "speedup_per_pass": paired,
             "faster_passes": faster,
-            "sign_p": _sign_test_p(faster, len(paired)),
+            "sign_p": sign_test_p(faster, len(paired)),
             "tau": sum(r.committed for r in rounds) / n_rounds,
             "rounds": len(rounds),
             "skipped_draft_rounds": sum(r.drafted == 0 for r in rounds),

@@ -82,32 +82,16 @@ def measure_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict:
             "read_GBps": nbytes / min(read_s) / 1e9}
 
 
-def _dspark_call(target, ids, drafter, gen, counter, policy, lookup: bool) -> dict:
-    """One `generate(assistant_model=drafter)` call with the lookup proposer on or off."""
-    import torch
-
-    from dspark_cli.eval_cmd import _sync
-    from generation import collect_stats, dspark_options
-
-    mask = torch.ones_like(ids)
-    with torch.inference_mode(), collect_stats() as runs, dspark_options(policy=policy, lookup=lookup):
-        n0 = counter.n
-        t0 = time.perf_counter()
-        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **gen)
-        _sync(ids.device)
-        dt = time.perf_counter() - t0
-    return {"ids": out[0, ids.shape[1]:].tolist(), "seconds": dt, "forwards": counter.n - n0,
-            "rounds": runs[-1].rounds if runs else []}
-
-
 def run_variant(variant, target, ids, drafter, gen, counter, args) -> dict:
-    from dspark_cli.eval_cmd import run_one
+    """One timed call of ``variant``: new ids, seconds, target forwards and rounds (none for plain and lookup)."""
+    from evaluation.eval_sets import timed_generate
 
-    if variant == "plain":
-        return run_one(target, ids, "plain", gen, counter)
+    n0 = counter.n
     if variant == "prompt_lookup":
-        return run_one(target, ids, "pld", dict(gen, _pld_num_tokens=args.pld_tokens), counter)
-    return _dspark_call(target, ids, drafter, gen, counter, args.policy, lookup=variant == "dspark+lookup")
+        gen = dict(gen, prompt_lookup_num_tokens=args.pld_tokens)
+    new, dt, stats = timed_generate(target, ids, None if variant in ("plain", "prompt_lookup") else drafter, gen,
+                                    policy=args.policy, lookup=variant == "dspark+lookup")
+    return {"ids": new, "seconds": dt, "forwards": counter.n - n0, "rounds": stats.rounds if stats else []}
 
 
 def _record(domain, prompt, variant, run, plain_ids) -> dict:
@@ -172,8 +156,8 @@ def summarise(records: list[dict], param_bytes: int) -> dict:
 def bench_dtype(args, dtype_name: str, prompts: dict[str, list[dict]]) -> dict:
     import torch
 
-    from dspark_cli.eval_cmd import ForwardCounter
-    from dspark_cli.generate_cmd import load_models
+    from dspark_cli.common import load_models
+    from evaluation.eval_sets import ForwardCounter
     from modeling_dspark.target import apply_chat_template
 
     target, tok, drafter = load_models(args.target, args.drafter, dtype_name)

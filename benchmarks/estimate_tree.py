@@ -483,7 +483,7 @@ def main(argv=None) -> int:
 
     from benchmarks.bench_generate import result_header, usable_cores, write_result
     from benchmarks.bench_proposers import DOMAINS, load_domain_prompts
-    from dspark_cli.generate_cmd import load_models
+    from dspark_cli.common import load_models
     from generation.profiling import DEFAULT_CONTEXTS, ensure_profile
     from modeling_dspark.target import DEFAULT_TARGET, apply_chat_template
 

@@ -265,36 +265,24 @@ def load_drafter(spec: str, target, dtype):
         raise CLIError(f"could not load drafter: {err}") from None
 
 
-def read_prompts_jsonl(path) -> list[dict]:
-    """Prompts from a JSON-lines file: one object per line with a non-empty ``prompt`` string (``id`` optional).
-
-    Returns ``[{"id", "prompt", "source": "file"}]`` (blank lines skipped).
+def load_models(target_path, drafter_spec: str | None, dtype_name: str, device: str = "cpu"):
+    """Load ``(target, tokenizer, drafter | None)`` in dtype ``dtype_name`` on ``device``: the target as
+    :func:`load_target_checked`, the drafter (None: none) as :func:`load_drafter`, bound to the target.
 
     Raises:
-        CLIError: invalid JSON, a line without a non-empty ``prompt`` string (naming the line), or no prompts.
+        CLIError: a target or drafter that does not load, or a random drafter for a target family DSpark does not
+            support.
     """
-    import json
-    from pathlib import Path
+    import torch
 
-    path = Path(path)
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CLIError(f"{path}: line {lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(obj, dict) or "prompt" not in obj:
-                raise CLIError(f"{path}: line {lineno}: expected a JSON object with a 'prompt' field")
-            prompt = obj["prompt"]
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise CLIError(f"{path}: line {lineno}: empty prompt ('prompt' must be a non-empty string)")
-            out.append({"id": str(obj.get("id", f"file-{lineno}")), "prompt": prompt, "source": "file"})
-    if not out:
-        raise CLIError(f"{path}: no prompts (expected JSON lines with a 'prompt' field)")
-    return out
+    dtype = getattr(torch, dtype_name)
+    target, tok = load_target_checked(target_path, dtype=dtype, device=device)
+    if drafter_spec is None:
+        return target, tok, None
+    try:
+        return target, tok, load_drafter(drafter_spec, target, dtype)
+    except ValueError as err:  # e.g. a target family DSpark does not support (random drafter)
+        raise CLIError(f"could not make a drafter for this target: {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------- input checks
@@ -344,6 +332,20 @@ def check_target(spec: str | None) -> None:
             check_target_dir(spec)
         except FileNotFoundError as err:
             raise CLIError(f"--{err}") from None
+
+
+def check_eval_sets(flag: str, names: list[str]) -> list[str]:
+    """``names`` (of option ``flag``), refused unless a non-empty list of :data:`training.prompts.EVAL_SETS`.
+
+    Raises:
+        CLIError: no name, or an unknown one.
+    """
+    from training.prompts import EVAL_SETS
+
+    bad = [s for s in names if s not in EVAL_SETS]
+    if not names or bad:
+        raise CLIError(f"{flag}: unknown eval set(s) {bad or names}; choose from {', '.join(EVAL_SETS)}")
+    return names
 
 
 def load_target_checked(spec: str | None, **kwargs):

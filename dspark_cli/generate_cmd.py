@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from .common import (
@@ -35,9 +34,7 @@ from .common import (
     check_min,
     check_target,
     drafter_dir,
-    load_drafter,
-    load_target_checked,
-    read_prompts_jsonl,
+    load_models,
     reports_cli_errors,
     resolve_device,
     resolve_dtype,
@@ -112,7 +109,12 @@ def _read_prompts(args) -> list[str]:
     path = Path(args.prompts_file)
     if not path.is_file():
         raise CLIError(f"prompts file not found: {str(path)!r}")
-    return [r["prompt"] for r in read_prompts_jsonl(path)]
+    from training.prompts import read_prompts_jsonl
+
+    try:
+        return [r["prompt"] for r in read_prompts_jsonl(path)]
+    except (OSError, ValueError) as err:
+        raise CLIError(str(err)) from None
 
 
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0}
@@ -171,20 +173,6 @@ def _resolve_drafter(args) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- models
-def load_models(target_path, drafter_spec: str | None, dtype_name: str, device: str = "cpu"):
-    """Load ``(target, tokenizer, drafter | None)``; the drafter is bound to the target."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    target, tok = load_target_checked(target_path, dtype=dtype, device=device)
-    if drafter_spec is None:
-        return target, tok, None
-    try:
-        return target, tok, load_drafter(drafter_spec, target, dtype)
-    except ValueError as err:  # e.g. a target family DSpark does not support (random drafter)
-        raise CLIError(f"could not make a drafter for this target: {err}") from None
-
-
 def _gen_kwargs(args, tok) -> dict:
     kw = {"max_new_tokens": args.max_new_tokens, "do_sample": bool(args.do_sample)}
     if args.do_sample:
@@ -193,30 +181,6 @@ def _gen_kwargs(args, tok) -> dict:
     if pad is not None:
         kw["pad_token_id"] = pad
     return kw
-
-
-def timed_generate(target, ids, drafter, gen_kwargs, seed: int | None, block_size=None, policy=None, lookup=True):
-    """One generate() call: ``(new_token_ids list, seconds, GenerationStats | None)``."""
-    import torch
-
-    from generation import collect_stats, dspark_options
-
-    if seed is not None:
-        torch.manual_seed(seed)
-    mask = torch.ones_like(ids)
-    with torch.inference_mode():
-        if drafter is None:
-            t0 = time.perf_counter()
-            out = target.generate(ids, attention_mask=mask, **gen_kwargs)
-            dt = time.perf_counter() - t0
-            stats = None
-        else:
-            with collect_stats() as runs, dspark_options(policy=policy, block_size=block_size, lookup=lookup):
-                t0 = time.perf_counter()
-                out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **gen_kwargs)
-                dt = time.perf_counter() - t0
-            stats = runs[-1] if runs else None
-    return out[0, ids.shape[1]:].tolist(), dt, stats
 
 
 def _record(index, prompt, tok, new_ids, seconds, stats, drafter_spec) -> dict:
@@ -280,6 +244,7 @@ def run(args) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
+    from evaluation.eval_sets import timed_generate
     from modeling_dspark.target import apply_chat_template
 
     hf_logging.disable_progress_bar()

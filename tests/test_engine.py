@@ -327,8 +327,8 @@ def test_scheduler_skips_drafting_when_no_token_can_pay(tiny):
 
 def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     """`dspark bench serve` end to end at a toy size (no scheduler policy, so no profiling), plus its helpers."""
-    from dspark_cli import bench_cmd
     from dspark_cli.main import main
+    from evaluation import serving
 
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
     out = tmp_path / "serve.json"
@@ -356,27 +356,27 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert "| no speculation |" in capsys.readouterr().out
     rows = [{"R": 1, "policy": p, "throughput_tok_s": t, "per_user_tok_s": t} for p, t in
             [("none", 10.0), ("full", 5.0), ("scheduler", 12.0)]]
-    table = bench_cmd.markdown_table(rows, ["none", "full", "scheduler"], [1])
+    table = serving.markdown_table(rows, ["none", "full", "scheduler"], [1])
     assert "1.20x vs none" in table
     rows = [dict(r, throughput_min=r["throughput_tok_s"] - 1, throughput_max=r["throughput_tok_s"] + 1) for r in rows]
-    table = bench_cmd.markdown_table(rows, ["none", "full", "scheduler"], [1])
+    table = serving.markdown_table(rows, ["none", "full", "scheduler"], [1])
     assert "10.0 ±1.0 / 10.0" in table and "1.20x vs none (±18%)" in table  # 1/12 + 1/10
     assert "| DSpark scheduler / best static, steady | – |" in table  # no steady numbers in these rows
     paired = [dict(r, throughput_reps=[r["throughput_tok_s"] - 1, r["throughput_tok_s"] + 1]) for r in rows]
-    assert "1.20x vs none (±18%; per rep 1.18–1.22, faster in 2/2, sign test p=0.25)" in bench_cmd.markdown_table(
+    assert "1.20x vs none (±18%; per rep 1.18–1.22, faster in 2/2, sign test p=0.25)" in serving.markdown_table(
         paired, ["none", "full", "scheduler"], [1])  # 11/9, 13/11; both faster: p = 1/4
-    comp = bench_cmd.comparisons(paired, ["none", "full", "scheduler"], [1])
+    comp = serving.comparisons(paired, ["none", "full", "scheduler"], [1])
     assert [(c["R"], c["policy"], c["vs"], c["faster"]) for c in comp] == [(1, "scheduler", "none", 2)]
     assert comp[0]["paired"] == pytest.approx([11 / 9, 13 / 11]) and comp[0]["sign_p"] == 0.25
     # the sign test: P(X >= k) for X ~ Binomial(n, 1/2)
-    assert bench_cmd.sign_test_p(10, 10) == 1 / 1024 and bench_cmd.sign_test_p(9, 10) == 11 / 1024
-    assert bench_cmd.sign_test_p(0, 5) == 1.0 and bench_cmd.sign_test_p(3, 4) == 5 / 16
+    assert serving.sign_test_p(10, 10) == 1 / 1024 and serving.sign_test_p(9, 10) == 11 / 1024
+    assert serving.sign_test_p(0, 5) == 1.0 and serving.sign_test_p(3, 4) == 5 / 16
     with pytest.raises(ValueError, match="faster"):
-        bench_cmd.sign_test_p(4, 3)
-    unpaired = bench_cmd.comparisons(rows, ["none", "full", "scheduler"], [1])  # no per-rep lists: no sign test
+        serving.sign_test_p(4, 3)
+    unpaired = serving.comparisons(rows, ["none", "full", "scheduler"], [1])  # no per-rep lists: no sign test
     assert unpaired[0]["paired"] is None and unpaired[0]["sign_p"] is None and unpaired[0]["vs"] == "none"
     rows = [dict(r, steady_tok_s=s) for r, s in zip(rows, (10.0, 11.0, 13.2))]
-    assert "| DSpark scheduler / best static, steady | 1.20x vs full |" in bench_cmd.markdown_table(
+    assert "| DSpark scheduler / best static, steady | 1.20x vs full |" in serving.markdown_table(
         rows, ["none", "full", "scheduler"], [1])
     assert main(["bench", "serve", "--waves", "0"]) == 2
     assert main(["bench", "serve", "--repeats", "0"]) == 2

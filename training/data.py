@@ -118,7 +118,9 @@ def read_plans(build_dirs) -> list[dict]:
     return recs
 
 
-def _eos_ids(target, tokenizer) -> list[int]:
+def eos_token_ids(target, tokenizer) -> list[int]:
+    """The target's EOS token ids: its ``generation_config.eos_token_id`` (an int or a list), else the tokenizer's
+    ``eos_token_id``; ``[]`` when neither is set."""
     eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
@@ -276,7 +278,7 @@ def build_dataset(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         pad_id = 0
-    eos_ids = _eos_ids(target, tokenizer)
+    eos_ids = eos_token_ids(target, tokenizer)
     num_shards = manifest["num_shards"]
     done = sum(1 for s in range(num_shards) if (out / "shards" / f"shard-{s:05d}").exists())
     bar = tqdm(total=len(plan), initial=min(len(plan), done * shard_size), disable=not progress,

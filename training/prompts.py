@@ -104,6 +104,7 @@ __all__ = [
     "check_data_files",
     "data_path",
     "load_eval_prompts",
+    "read_prompts_jsonl",
     "iter_train_prompts",
     "normalize_prompt",
     "find_overlap",
@@ -220,6 +221,35 @@ def _read_jsonl(path: str) -> list[dict]:
 
 def _rec(id_: str, prompt: str, source: str) -> dict:
     return {"id": id_, "prompt": prompt, "source": source}
+
+
+def read_prompts_jsonl(path) -> list[dict]:
+    """Prompts from a JSON-lines file: one object per line with a non-empty ``prompt`` string (``id`` optional).
+
+    Returns ``[{"id", "prompt", "source": "file"}]`` (blank lines skipped; ``id`` defaults to ``file-LINE``).
+
+    Raises:
+        ValueError: invalid JSON, a line without a non-empty ``prompt`` string (naming the line), or no prompts.
+        OSError: the file cannot be read.
+    """
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: line {lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(obj, dict) or "prompt" not in obj:
+                raise ValueError(f"{path}: line {lineno}: expected a JSON object with a 'prompt' field")
+            prompt = obj["prompt"]
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{path}: line {lineno}: empty prompt ('prompt' must be a non-empty string)")
+            out.append(_rec(str(obj.get("id", f"file-{lineno}")), prompt, "file"))
+    if not out:
+        raise ValueError(f"{path}: no prompts (expected JSON lines with a 'prompt' field)")
+    return out
 
 
 # --------------------------------------------------------------------------- eval
