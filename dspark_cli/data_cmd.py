@@ -41,7 +41,8 @@ def _add_build_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts per source: one number for every source, or 'sharegpt=4000,gsm_symbolic=2000,...' "
                         "(default: 1000)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default: 256)")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts per generate() call (default: 32)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="prompts per generate() call (default: 64; benchmarks/bench_data_build.py)")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling / mixing seed (default: 0)")
     add_dtype_option(p)
     add_device_option(p)

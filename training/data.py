@@ -170,7 +170,7 @@ def build_dataset(
     out_dir: str | os.PathLike,
     sources: Mapping[str, int] | None = None,
     max_new_tokens: int = 256,
-    batch_size: int = 32,
+    batch_size: int = 64,
     seed: int = 0,
     *,
     prompts: Iterable | None = None,
