@@ -1,13 +1,12 @@
 """`DSparkCandidateGenerator`: the DSpark drafter as a transformers `CandidateGenerator` (R = 1).
 
 Each round takes the target features that transformers' assisted loop returns (``output_hidden_states``), queues
-those of the newly committed positions for the drafter's context, and calls the shared drafting round
-(:func:`generation.drafting.draft_round`) for one request. transformers then verifies the candidates in one target
-forward and accepts or rejects them (greedy match, or rejection sampling with residual resampling), which keeps the
-output lossless.
+those of the newly committed positions for the drafter's context, and runs the round's decisions for one request
+(:func:`generation.round.propose`, the same function as the batched engine's). transformers then verifies the
+candidates in one target forward and accepts or rejects them (greedy match, or rejection sampling with residual
+resampling), which keeps the output lossless.
 
-The round's decisions are those of the batched engine (:func:`generation.round.propose`, R = 1): the n-gram lookup
-proposer (on unless ``dspark_options(lookup=False)``) proposes, at no model cost, the continuation of the most
+The n-gram lookup proposer (on unless ``dspark_options(lookup=False)``) proposes, at no model cost, the continuation of the most
 recent earlier occurrence of the last committed tokens; a round with a match verifies it and skips the drafter
 forward (the features committed meanwhile wait for the next drafting round), the others draft. A lookup proposal is
 a point mass, returned without candidate logits: transformers then draws the target's token at every position and

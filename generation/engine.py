@@ -39,7 +39,7 @@ from .lookup import NUM_TOKENS as LOOKUP_TOKENS, NGramLookup
 from .packed_target import PackedTarget, RequestKV
 from .policies import Policy, parse_policy
 from .round import RequestState, propose, record
-from .stats import GenerationStats
+from .stats import GenerationStats, RoundStats
 
 __all__ = ["DSparkEngine", "EngineRound", "EngineStats", "RequestOutput", "accept_greedy", "generate_batch"]
 
@@ -89,28 +89,51 @@ class RequestOutput:
 
 @dataclass
 class EngineRound:
-    """One engine round (prefill-only steps are not rounds).
+    """One engine round (prefill-only steps are not rounds): the :class:`~generation.stats.RoundStats` of each request
+    verified in it, in the round's order, and the per-round views of them below.
 
-    Attributes:
-        requests: R, requests verified this round.
-        batch_tokens: B = Σ_r (1 + ℓ_r), tokens in the verify forward.
-        lengths: ℓ_r per request: the tokens of the chain verified (``sources``), beside the anchor.
-        drafted: draft tokens sampled per request (≥ ℓ_r where the draft chain was verified).
-        accepted: accepted chain tokens per request.
-        committed: tokens appended per request.
-        t_draft_ms, t_verify_ms: propose (lookup + draft) time, and verify forward + acceptance time (ms).
-        sources: per request the chain verified: ``"draft"``, ``"lookup"`` or ``""`` (the anchor only).
+    Views: ``requests`` (R), ``batch_tokens`` (B = Σ_r (1 + ℓ_r), tokens in the verify forward), and per request
+    ``lengths`` (ℓ_r, the chain verified beside the anchor), ``drafted``, ``accepted``, ``committed`` and ``sources``
+    (``"draft"``, ``"lookup"`` or ``""``); ``t_draft_ms`` (the round's propose time) and ``t_verify_ms`` (ms).
     """
 
-    requests: int
-    batch_tokens: int
-    lengths: list[int]
-    drafted: list[int]
-    accepted: list[int]
-    committed: list[int]
-    t_draft_ms: float
-    t_verify_ms: float
-    sources: list[str] = field(default_factory=list)
+    members: list[RoundStats]
+
+    @property
+    def requests(self) -> int:
+        return len(self.members)
+
+    @property
+    def batch_tokens(self) -> int:
+        return sum(1 + m.verified for m in self.members)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [m.verified for m in self.members]
+
+    @property
+    def drafted(self) -> list[int]:
+        return [m.drafted for m in self.members]
+
+    @property
+    def accepted(self) -> list[int]:
+        return [m.accepted for m in self.members]
+
+    @property
+    def committed(self) -> list[int]:
+        return [m.committed for m in self.members]
+
+    @property
+    def sources(self) -> list[str]:
+        return [m.source for m in self.members]
+
+    @property
+    def t_draft_ms(self) -> float:
+        return sum(m.t_draft_ms for m in self.members)
+
+    @property
+    def t_verify_ms(self) -> float:
+        return self.members[0].t_verify_ms
 
     @property
     def drafted_any(self) -> bool:
@@ -346,7 +369,6 @@ class DSparkEngine:
     # ------------------------------------------------------------------ the round
     def _round(self, reqs: list[_Request]) -> None:
         """One speculative round over the running requests: propose → verify → accept → record (module doc)."""
-        t0 = time.perf_counter()
         chains = propose(self.drafter, self.policy, reqs, [r.prompt + r.output for r in reqs],
                          [r.remaining - 1 for r in reqs], self.block_size)
         t1 = time.perf_counter()
@@ -367,11 +389,7 @@ class DSparkEngine:
             off += ell + 1
         t2 = time.perf_counter()
         record(reqs, chains, accepted, committed, (t2 - t1) * 1e3)
-        self.stats.rounds.append(EngineRound(
-            requests=len(reqs), batch_tokens=off, lengths=[len(c.tokens) for c in chains],
-            drafted=[len(c.drafted) for c in chains], accepted=accepted, committed=committed,
-            t_draft_ms=(t1 - t0) * 1e3, t_verify_ms=(t2 - t1) * 1e3, sources=[c.source for c in chains],
-        ))
+        self.stats.rounds.append(EngineRound([r.stats.rounds[-1] for r in reqs]))
 
     # ------------------------------------------------------------------ bookkeeping
     def _prefill(self, reqs: list[_Request]) -> None:
