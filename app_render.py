@@ -58,7 +58,7 @@ KINDS = {
     "rejected": ("✗", "rejected: the first drafted token the target did not accept"),
     "discarded": ("–", "discarded: verified, but after a rejected token"),
     "cut": ("✂", "not verified: cut by the scheduler (never drafted)"),
-    "skipped": ("∅", "not drafted: the draft gate skipped the drafter this round (past rounds: drafting does not pay)"),
+    "skipped": ("∅", "not drafted: the drafter did not run this round (nothing would have been verified)"),
     "resampled": ("↻", "resampled: the target's token in place of the rejected one (greedy: its correction)"),
     "bonus": ("★", "bonus: the target's extra token after a fully accepted round"),
     "target": ("•", "target step outside a speculative round (prefill / last step)"),

@@ -16,9 +16,8 @@ beside the drafter, as the engine does by default (``--no-lookup``: without it).
 is profiled on first use for this target / dtype / thread count and cached (see ``dspark profile``).
 
 Steady state: each policy has ONE engine for the whole benchmark (its ``max_batch_size`` set to R per cell), as a
-long-running server would, so what the scheduler's draft gate learns (drafting time per number of drafting
-requests, realized yield per R, measured verify times, probe back-off) carries over from cell to cell;
-``--warmup-repeats`` untimed repetitions of every cell come first (default 1), so no timed cell pays for a cold
+long-running server would (the ``lagged`` budgets carry over from cell to cell); ``--warmup-repeats`` untimed
+repetitions of every cell come first (default 1), so no timed cell pays for a cold
 start. The warm-up serves the next prompts of the pool (the same data sets, other prompts), not the timed ones.
 
 Noise control: every (R, policy) cell is served ``--repeats`` times, interleaved: repetition after repetition, and
@@ -137,15 +136,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--plot", default=None, metavar="FILE.png",
                    help="Pareto plot file (default: the JSON's path with .png)")
     add_progress_option(s)
-    s.add_argument("--no-draft-gate", action="store_true",
-                   help="scheduler / lagged engines without the cost model's draft gate, for an ablation (default: "
-                        "gate on)")
     s.add_argument("--no-lookup", action="store_true",
                    help="engines without the n-gram lookup proposer beside the drafter (default: on in every policy "
                         "but none, which stays plain decoding)")
-    s.add_argument("--draft-cost", default="auto", metavar="auto|none|MS",
-                   help="the drafting time scheduler / lagged price: measured (auto), not priced (none, as the "
-                        "paper's Algorithm 1) or a fixed number of milliseconds (default: auto)")
     s.add_argument("--profile", default=None, metavar="FILE.json",
                    help="SPS(B) profile file (default: the profile cache, see `dspark profile`)")
     s.set_defaults(func=run)
@@ -192,32 +185,14 @@ def _prompts(args, tok) -> list[dict]:
     return pool
 
 
-def _draft_cost_ms(text: str):
-    """``--draft-cost``: ``"auto"``, None for ``"none"``, or milliseconds (>= 0).
-
-    Raises:
-        CLIError: anything else.
-    """
-    if text in ("auto", "none"):
-        return None if text == "none" else "auto"
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0:
-        raise CLIError(f"--draft-cost must be auto, none or a number of milliseconds >= 0, got {text!r}")
-    return ms
-
-
-def _engine(target, drafter, policy, block_size, sps, draft_gate: bool = True, draft_cost_ms="auto",
-            lookup: bool = True):
+def _engine(target, drafter, policy, block_size, sps, lookup: bool = True):
     """One serving engine per policy, kept for the whole benchmark (steady state, see the module doc); ``none`` is
     plain decoding (no drafter, no lookup)."""
     from generation.engine import DSparkEngine
 
     plain = policy == "none"
     return DSparkEngine(target, None if plain else drafter, policy, block_size=block_size, sps=sps,
-                        draft_gate=draft_gate, draft_cost_ms=draft_cost_ms, lookup=lookup and not plain)
+                        lookup=lookup and not plain)
 
 
 def _committed(engine) -> int:
@@ -261,8 +236,6 @@ def _serve(engine, prompts, num_requests, concurrency, max_new, first=0):
         "t_draft_ms": summ["t_draft_ms"],
         "t_verify_ms": summ["t_verify_ms"],
         "skipped_draft_rounds": summ["skipped_draft_rounds"],
-        "gated_request_rounds": summ["gated_request_rounds"],
-        "probe_rounds": summ["probe_rounds"],
         "lookup_request_rounds": summ["lookup_request_rounds"],
     }, [o.output_ids for o in outs]
 
@@ -433,7 +406,6 @@ def _serve_command(args) -> int:
             parse_policy(pol)
         except ValueError as err:
             raise CLIError(str(err)) from None
-    draft_cost = _draft_cost_ms(args.draft_cost)
     check_target(args.target)
 
     import torch
@@ -465,10 +437,9 @@ def _serve_command(args) -> int:
             progress=lambda s: log("  " + s, file=sys.stderr),
         )
 
-    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_draft_gate, draft_cost,
-                            not args.no_lookup) for pol in args.policies}
+    engines = {pol: _engine(target, drafter, pol, gamma, sps, not args.no_lookup) for pol in args.policies}
     # interleaved: repetition by repetition; within one, each R's policies back to back in a rotated order; the
-    # first --warmup-repeats repetitions are not timed (new shapes' first forwards, the gate's learned state)
+    # first --warmup-repeats repetitions are not timed (new shapes' first forwards)
     reps: dict[tuple[int, str], list[dict]] = {}
     outputs = {}
     for rep in range(-args.warmup_repeats, args.repeats):
@@ -507,7 +478,7 @@ def _serve_command(args) -> int:
             "engines": "one per policy for the whole run (steady state)",
             "order": "interleaved: repeat > R > policies (rotated per repeat)",
             "requests": levels, "policies": args.policies, "sps_context": context,
-            "draft_gate": not args.no_draft_gate, "draft_cost": args.draft_cost, "lookup": not args.no_lookup,
+            "lookup": not args.no_lookup,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "processor": profiling.device_model(target.device),
         },
