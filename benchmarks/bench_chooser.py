@@ -15,6 +15,9 @@ Arms:
   pointed at an empty directory, so the default policy does not depend on what this machine has profiled.
 - ``scheduler`` (with ``--scheduler``): ``dspark_options(policy="scheduler", sps=TABLE)`` in both, with one SPS(B)
   table (R = 1) measured once by the head worker before the timed passes.
+- ``engine`` (``--engine-batch R``, instead of the two above): ``DSparkEngine(target, drafter)`` with its defaults,
+  serving the prompts R at a time (one batch is one pair); plain decoding is the engine with policy ``none`` and no
+  lookup.
 
 Greedy float32 decoding is token-exact in both checkouts: every arm's output is compared with plain `generate()`.
 
@@ -54,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="timed passes over all prompts")
     p.add_argument("--threads", type=int, default=1, help="torch threads in each worker")
     p.add_argument("--scheduler", action="store_true", help="add the scheduler arm (one measured SPS(B) table)")
+    p.add_argument("--engine-batch", type=int, default=0, metavar="R",
+                   help="time the batched engine instead, R prompts per batch (default 0: generate())")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "chooser-ab.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -79,6 +84,17 @@ def worker(args) -> None:
             res = profile_target(target, contexts=[256], requests=[1], tokens=list(range(1, cmd["max_b"] + 1)),
                                  repeats=5)
             reply = {"sps": {str(b): v for b, v in res["tables"][256][1].items()}}
+        elif cmd["op"] == "engine":
+            from generation import DSparkEngine
+
+            plain = cmd["arm"] == "plain"
+            engine = DSparkEngine(target, None if plain else drafter, "none" if plain else "full", lookup=not plain,
+                                  max_batch_size=len(cmd["prompts"]))
+            for prompt in cmd["prompts"]:
+                engine.add_request(apply_chat_template(tok, prompt), cmd["max_new_tokens"])
+            t0 = time.perf_counter()
+            outs = engine.run()
+            reply = {"seconds": time.perf_counter() - t0, "ids": [o.output_ids for o in outs]}
         else:
             ids = torch.tensor([apply_chat_template(tok, cmd["prompt"])])
             kwargs = {"max_new_tokens": cmd["max_new_tokens"], "do_sample": False}
@@ -142,24 +158,25 @@ def sign_test(wins: int, n: int) -> float:
     return float(binomtest(wins, n, 0.5).pvalue) if n else 1.0
 
 
-def summarize(times: dict, prompts: list[dict], arms: list[str]) -> list[dict]:
-    """Per arm: base vs head per prompt (median seconds over repeats), the sign test and speed-ups over plain."""
+def summarize(times: dict, units: list[dict], arms: list[str]) -> list[dict]:
+    """Per arm: base vs head per unit (a prompt, or an engine batch; median seconds over repeats), the sign test and
+    speed-ups over plain."""
     rows = []
-    plain = [statistics.median(times[("plain", i)]) for i in range(len(prompts))]
+    plain = [statistics.median(times[("plain", i)]) for i in range(len(units))]
     for arm in arms:
-        base = [statistics.median(times[("base-" + arm, i)]) for i in range(len(prompts))]
-        head = [statistics.median(times[("head-" + arm, i)]) for i in range(len(prompts))]
+        base = [statistics.median(times[("base-" + arm, i)]) for i in range(len(units))]
+        head = [statistics.median(times[("head-" + arm, i)]) for i in range(len(units))]
         ratios = [b / h for b, h in zip(base, head)]
         wins, losses = sum(r > 1 for r in ratios), sum(r < 1 for r in ratios)
         rows.append({
-            "arm": arm, "prompts": len(prompts), "head_faster": wins, "base_faster": losses,
+            "arm": arm, "units": len(units), "head_faster": wins, "base_faster": losses,
             "sign_p": sign_test(wins, wins + losses),
             "geomean_base_over_head": math.exp(statistics.fmean(math.log(r) for r in ratios)),
             "median_base_over_head": statistics.median(ratios),
             "base_speedup_vs_plain": math.exp(statistics.fmean(math.log(p / b) for p, b in zip(plain, base))),
             "head_speedup_vs_plain": math.exp(statistics.fmean(math.log(p / h) for p, h in zip(plain, head))),
-            "per_prompt": [{"id": pr["id"], "plain_s": p, "base_s": b, "head_s": h}
-                           for pr, p, b, h in zip(prompts, plain, base, head)],
+            "per_unit": [{"id": pr["id"], "plain_s": p, "base_s": b, "head_s": h}
+                           for pr, p, b, h in zip(units, plain, base, head)],
         })
     return rows
 
@@ -173,41 +190,49 @@ def main(argv=None) -> int:
         print("--base is required", file=sys.stderr)
         return 2
     prompts = load_prompts(args.per_set, args.offset)
-    arms = ["default"] + (["scheduler"] if args.scheduler else [])
+    op, size = ("engine", args.engine_batch) if args.engine_batch else ("generate", 1)
+    units = [{"id": "+".join(p["id"] for p in prompts[i : i + size]),
+              "prompts": [p["prompt"] for p in prompts[i : i + size]]}
+             for i in range(0, len(prompts) - size + 1, size)]  # one pair each
+    arms = ["engine"] if args.engine_batch else ["default"] + (["scheduler"] if args.scheduler else [])
+
+    def ask(w, arm, unit, max_new_tokens):
+        prompt = {"prompts": unit["prompts"]} if args.engine_batch else {"prompt": unit["prompts"][0]}
+        return w.ask(op=op, arm=arm, max_new_tokens=max_new_tokens, sps=sps, **prompt)
+
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as profile_dir:
         base, head = Worker(args.base, args, profile_dir), Worker(args.head, args, profile_dir)
         try:
             sps = None
-            if args.scheduler:
+            if args.scheduler and not args.engine_batch:
                 sps = head.ask(op="profile", max_b=18)["sps"]
                 print(f"SPS(B): {json.dumps({b: round(v, 1) for b, v in sps.items()})}", file=sys.stderr)
             for w in (base, head):  # warm-up: one call per arm
                 for arm in arms:
-                    w.ask(op="generate", arm=arm, prompt=prompts[0]["prompt"], max_new_tokens=8, sps=sps)
-            head.ask(op="generate", arm="plain", prompt=prompts[0]["prompt"], max_new_tokens=8)
+                    ask(w, arm, units[0], 8)
+            ask(head, "plain", units[0], 8)
             times: dict = {}
             outputs: dict = {}
             identical = {f"{side}-{arm}": 0 for side in ("base", "head") for arm in arms}
             for rep in range(args.repeats):
-                for i, pr in enumerate(prompts):
+                for i, unit in enumerate(units):
                     order = [("plain", head, "plain")]
                     for arm in arms:
                         pair = [("base-" + arm, base, arm), ("head-" + arm, head, arm)]
                         order += pair if (rep + i) % 2 == 0 else pair[::-1]
                     for key, w, arm in order:
-                        res = w.ask(op="generate", arm=arm, prompt=pr["prompt"], max_new_tokens=args.max_new_tokens,
-                                    sps=sps)
+                        res = ask(w, arm, unit, args.max_new_tokens)
                         times.setdefault((key, i), []).append(res["seconds"])
                         outputs[(key, i)] = res["ids"]
                     for key in identical:
                         identical[key] += rep == 0 and outputs[(key, i)] == outputs[("plain", i)]
-                    print(f"rep {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompts)} " + " ".join(
+                    print(f"rep {rep + 1}/{args.repeats} unit {i + 1}/{len(units)} " + " ".join(
                         f"{k}={times[(k, i)][-1]:.2f}s" for k, _, _ in order), file=sys.stderr, flush=True)
         finally:
             base.close()
             head.close()
-    rows = summarize(times, prompts, arms)
+    rows = summarize(times, units, arms)
     report = {
         "benchmark": "bench_chooser",
         "command": " ".join(["python", "benchmarks/bench_chooser.py"] + (argv if argv is not None else sys.argv[1:])),
@@ -216,20 +241,21 @@ def main(argv=None) -> int:
         "head": {"path": str(args.head), "commit": git_rev(args.head)},
         "config": {"drafter": args.drafter, "dtype": "float32", "greedy": True, "threads": args.threads,
                    "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "sets": SETS,
-                   "per_set": args.per_set, "offset": args.offset, "sps": sps, "host": platform.node(),
+                   "per_set": args.per_set, "offset": args.offset, "engine_batch": args.engine_batch, "sps": sps,
+                   "host": platform.node(),
                    "load_avg_end": os.getloadavg()},
-        "identical_to_plain": {k: f"{v}/{len(prompts)}" for k, v in identical.items()},
+        "identical_to_plain": {k: f"{v}/{len(units)}" for k, v in identical.items()},
         "seconds": round(time.perf_counter() - t_start, 1),
         "results": rows,
         "raw_times": {f"{k}|{i}": v for (k, i), v in times.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print("| arm | prompts | head faster | base faster | sign test p | base/head (geomean) | base vs plain | "
+    print("| arm | pairs | head faster | base faster | sign test p | base/head (geomean) | base vs plain | "
           "head vs plain |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arm']} | {r['prompts']} | {r['head_faster']} | {r['base_faster']} | {r['sign_p']:.3g} | "
+        print(f"| {r['arm']} | {r['units']} | {r['head_faster']} | {r['base_faster']} | {r['sign_p']:.3g} | "
               f"{r['geomean_base_over_head']:.3f} | {r['base_speedup_vs_plain']:.2f}x | "
               f"{r['head_speedup_vs_plain']:.2f}x |")
     print(f"identical to plain: {report['identical_to_plain']}; wrote {args.out}", file=sys.stderr)
