@@ -221,6 +221,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             sampler = Sampler(self.do_sample, self.logits_processor, input_ids)
         chain = propose(self.drafter, self.policy, [self.state], [input_ids], [room], self.block_size, sampler)[0]
         chain.cut(self._stop_cut(input_ids, chain.tokens))
+        if not chain.tokens and not (self.policy.drafts and room > 0):
+            return input_ids, None  # nothing could be proposed: one plain step, not a speculative round (no record)
         self._chain = (chain, time.perf_counter())
         if not chain.tokens:
             return input_ids, None

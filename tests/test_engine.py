@@ -297,11 +297,11 @@ def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
     for p, n in zip(prompts, max_new):
         with dspark_options(policy="threshold:0.0", lookup=False), collect_stats() as runs:
             target.generate(torch.tensor([p]), assistant_model=drafter, max_new_tokens=n, do_sample=False)
-        expected.append([r for r in runs[-1].rounds if r.drafted])
+        expected.append(runs[-1].rounds)
     engine = DSparkEngine(target, drafter, "threshold:0.0", max_batch_size=4, lookup=False)
     outs = _run_with_join(engine, prompts, max_new, join_after=2)
     for o, exp in zip(outs, expected):
-        got = [r for r in o.stats.rounds if r.drafted]  # the rounds where the drafter ran
+        got = [r for r in o.stats.rounds if r.drafted]  # generate() records no round when nothing can be drafted
         assert len(got) == len(exp)
         for g, e in zip(got, exp):
             assert g.draft_tokens == e.draft_tokens
