@@ -6,9 +6,10 @@ those of the newly committed positions for the drafter's context, and runs the r
 candidates in one target forward and accepts or rejects them (greedy match, or rejection sampling with residual
 resampling), which keeps the output lossless.
 
-The n-gram lookup proposer (on unless ``dspark_options(lookup=False)``) proposes, at no model cost, the continuation of the most
-recent earlier occurrence of the last committed tokens; a round with a match verifies it and skips the drafter
-forward (the features committed meanwhile wait for the next drafting round), the others draft. A lookup proposal is
+The n-gram lookup proposer (on unless ``dspark_options(lookup=False)``) proposes, at no model cost, the
+continuation of the most recent earlier occurrence of the last committed tokens; a round with a match verifies it
+and skips the drafter forward (the features committed meanwhile wait for the next drafting round), the others
+draft. A lookup proposal is
 a point mass, returned without candidate logits: transformers then draws the target's token at every position and
 keeps the candidates while they agree, which is its rejection rule for a one-hot proposal, so greedy and sampled
 outputs stay lossless.
