@@ -14,8 +14,8 @@ generated token ids and labels every slot of every round:
 ``rejected``   drafted, verified, the first draft the target did not accept (k = n + 1)
 ``discarded``  drafted and verified, but after a rejected one, so thrown away (k > n + 1)
 ``cut``        not verified: the policy stopped at ℓ < γ' (in DSpark it is then not drafted either)
-``skipped``    not drafted: the scheduler's draft gate skipped the drafter this round (:class:`generation.cost_model.CostModel`)
-               or the lookup chain was chosen instead
+``skipped``    not drafted: the drafter did not run this round and nothing was verified (no room left, or not
+               even drafts certain to be accepted would have been verified)
 ``resampled``  the target's token that replaced the rejected draft
 ``bonus``      the target's extra token after a fully accepted round (or a round with ℓ = 0)
 ``target``     a token from a target step that is not a speculative round (the prefill, the last step)
@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from generation.scheduler import survival_row
-from generation.stats import SKIP_REASONS
 
 __all__ = [
     "KINDS",
@@ -59,7 +58,7 @@ KINDS = {
     "rejected": ("✗", "rejected: the first drafted token the target did not accept"),
     "discarded": ("–", "discarded: verified, but after a rejected token"),
     "cut": ("✂", "not verified: cut by the scheduler (never drafted)"),
-    "skipped": ("∅", "not drafted: the draft gate skipped the drafter this round (past rounds: drafting does not pay)"),
+    "skipped": ("∅", "not drafted: the drafter did not run this round (nothing would have been verified)"),
     "resampled": ("↻", "resampled: the target's token in place of the rejected one (greedy: its correction)"),
     "bonus": ("★", "bonus: the target's extra token after a fully accepted round"),
     "target": ("•", "target step outside a speculative round (prefill / last step)"),
@@ -165,7 +164,7 @@ def round_views(
                 confs[k - 1] if k - 1 < len(confs) else None,
                 surv[k - 1] if k - 1 < len(surv) else None,
             ))
-        gap = "skipped" if getattr(r, "gate", "") in SKIP_REASONS else "cut"
+        gap = "skipped" if ell == 0 and not getattr(r, "ingested", 0) else "cut"
         for k in range(ell + 1, max(slots, ell) + 1):
             cells.append(TokenCell(k, gap))
         committed = new_ids[p : p + max(1, int(r.committed))]

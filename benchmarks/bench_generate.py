@@ -9,8 +9,8 @@ the default rank). Greedy decoding, one warm-up call per path before measuring.
     python benchmarks/bench_generate.py                       # random (untrained) drafter, 4 prompts, 64 tokens
     python benchmarks/bench_generate.py --drafter drafters/smollm2-135m-dspark --num-prompts 8
     python benchmarks/bench_generate.py --num-prompts 2 --max-new-tokens 32 --out /tmp/g.json
-    python benchmarks/bench_generate.py --drafter drafters/smollm2-135m-dspark --policy scheduler --draft-gate both \
-        --repeats 3 --ranks ""                                # the draft gate's ablation (docs/benchmarks.md)
+    python benchmarks/bench_generate.py --drafter drafters/smollm2-135m-dspark --policy scheduler --repeats 3 \
+        --ranks ""                                            # paired passes, no Markov-head timing
 
 Writes JSON to ``--out`` (default ``benchmarks/results/generate.json``) and prints a markdown table.
 """
@@ -53,9 +53,6 @@ def parse_args(argv=None):
     p.add_argument("--policy", default=None,
                    help="verify policy (generation.policies; default: generate()'s default, the scheduler when an SPS "
                         "table is cached and the drafter has a confidence head, else full)")
-    p.add_argument("--draft-gate", choices=("on", "off", "both"), default="on",
-                   help="the cost model's draft gate (generation.cost_model): on, off, or both (an ablation: every "
-                        "prompt runs plain, gated and ungated back to back)")
     p.add_argument("--lookup", choices=("on", "off"), default="off",
                    help="the n-gram lookup proposer beside the drafter (generate()'s default is on; default here: off, "
                         "the drafter alone)")
@@ -117,10 +114,10 @@ def load_prompts(args) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- generate()
 def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
-    """Plain vs DSpark generate() on every prompt, ``--repeats`` passes; one result per draft-gate variant.
+    """Plain vs DSpark generate() on every prompt, ``--repeats`` passes.
 
-    Every prompt runs plain and each variant back to back (the order rotated per prompt), so drift of the machine
-    hits all alike; a variant's per-pass speedups are paired with plain decoding of the same pass."""
+    Every prompt runs plain and DSpark back to back (the order rotated per prompt), so drift of the machine hits both
+    alike; DSpark's per-pass speedups are paired with plain decoding of the same pass."""
     import torch
 
     from dspark_cli.common import load_models
@@ -134,19 +131,19 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False,
            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
     encoded = [torch.tensor([apply_chat_template(tok, p)]) for p in prompts]
-    variants = {"on": [True], "off": [False], "both": [True, False]}[args.draft_gate]
+    variants = ["dspark"]
 
-    def options(gate):
-        opts = {"policy": args.policy, "block_size": args.block_size, "draft_gate": gate}
+    def options():
+        opts = {"policy": args.policy, "block_size": args.block_size}
         if args.lookup == "off":  # the drafter alone, no second proposer
             opts["lookup"] = False
         return dspark_options(**opts)
 
-    def run(ids, gate, kw=gen):
+    def run(ids, key, kw=gen):
         """One greedy generate() call: (new token ids, seconds, GenerationStats or None)."""
-        if gate is None:
+        if key is None:
             return timed_generate(target, ids, None, kw, None)
-        with torch.inference_mode(), options(gate), collect_stats() as stats:
+        with torch.inference_mode(), options(), collect_stats() as stats:
             t0 = time.perf_counter()
             out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, **kw)
             seconds = time.perf_counter() - t0
@@ -169,8 +166,8 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     plain_s = sum(r[3] for r in plain)
     s_per_token = plain_s / max(1, plain_tok)
     results = []
-    for gate in variants:
-        mine = runs[gate]
+    for key in variants:
+        mine = runs[key]
         rounds = [rd for r in mine for rd in r[4].rounds]
         n_rounds = max(1, len(rounds))
         ds_tok, ds_s = sum(len(r[2]) for r in mine), sum(r[3] for r in mine)
@@ -182,7 +179,6 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
         faster = sum(x > 1 for x in paired)
         results.append({
             "dtype": dtype_name,
-            "draft_gate": gate,
             "policy": args.policy,
             "lookup": args.lookup,
             "target_param_bytes": param_bytes,
@@ -265,13 +261,13 @@ def markdown(result: dict) -> str:
             f"{g0['prompts']} prompts × {result['settings']['max_new_tokens']} new tokens, greedy, "
             f"torch threads: {result['machine']['torch_threads']}, CPU: {result['machine']['cpu']}.",
             "",
-            "| dtype | draft gate | plain tok/s | plain ms/tok | plain GB/s | DSpark tok/s | speedup | faster passes "
+            "| dtype | plain tok/s | plain ms/tok | plain GB/s | DSpark tok/s | speedup | faster passes "
             "(sign p) | τ | rounds without drafting | T_draft ms | T_verify ms | identical |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in gen:
             lines.append(
-                f"| {g['dtype']} | {'on' if g['draft_gate'] else 'off'} | {g['plain_tokens_per_s']:.1f} | "
+                f"| {g['dtype']} | {g['plain_tokens_per_s']:.1f} | "
                 f"{g['plain_ms_per_token']:.1f} | {g['plain_bandwidth_GBps']:.2f} | {g['dspark_tokens_per_s']:.1f} | "
                 f"{g['speedup']:.2f}× | {g['faster_passes']}/{g['repeats']} (p={g['sign_p']:.2g}) | {g['tau']:.2f} | "
                 f"{g['skipped_draft_rounds']}/{g['rounds']} | {g['t_draft_ms']:.1f} | {g['t_verify_ms']:.1f} | "
@@ -346,7 +342,7 @@ def main(argv=None) -> int:
         "target": args.target or DEFAULT_TARGET,
         "settings": {"max_new_tokens": args.max_new_tokens, "greedy": True, "warmup_calls_per_path": 1,
                      "block_size": args.block_size, "dtypes": dtypes, "policy": args.policy,
-                     "draft_gate": args.draft_gate, "lookup": args.lookup, "repeats": args.repeats},
+                     "lookup": args.lookup, "repeats": args.repeats},
         "generate": [],
         "markov_head": [],
     }

@@ -8,14 +8,14 @@ the same tiny target, drafter, prompt, processing, seed and N. Each mutation bre
   norm(max(0, p − q)) (the verify rule, transformers' ``_speculative_sampling``, patched);
 - ``q_without_temperature``: the candidate logits handed to the verify lack the temperature (the drafts are still
   drawn from the processed q);
-- ``peek``: the chain chooser looks at the drafted token: the drafted chain is verified (its first token) only where
-  that token agrees with the lookup's first, else the lookup's first token is (the cut to one token alone is
-  lossless; the case with the lookup proposer only).
+- ``peek``: the choice of chain looks at the drafted token: in a round that drafted, the drafted chain is verified
+  (its first token) only where that token agrees with the lookup's first, else the lookup's first token is (the
+  cut to one token alone is lossless; the case with the lookup proposer only).
 
 For each (case, mutation) the script reports the smallest χ² p-value over the five marginals (the tests' check, with
 probability-0 cells: fail below ``ALPHA``), the largest deviation of a cell over a per-cell bound of 4.5 standard
 errors + 2/N (compared: fail above 1), and the rounds of the N calls by the chain they verified. One run per pair,
-at the tests' seeds and on their steady clock (a rerun draws the same sample). Each pair runs in its own process
+at the tests' seeds (a rerun draws the same sample). Each pair runs in its own process
 (the mutations patch modules).
 
     python benchmarks/sampling_test_power.py --jobs 2 --out benchmarks/results/sampling-test-power.json
@@ -59,8 +59,7 @@ def _mutate(mutation: str, case: str) -> None:
     import transformers.generation.utils as tgu
 
     import generation.candidate_generator as cg
-    from generation.lookup import LookupChain
-    from generation.scheduler import ChainChoice
+    from generation.round import Chain
 
     if mutation == "residual_from_p":
         def speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, new_logits, **_):
@@ -82,18 +81,20 @@ def _mutate(mutation: str, case: str) -> None:
 
         cg.DSparkCandidateGenerator.get_candidates = unscaled
     elif mutation == "peek":
-        real_round, seen = cg.draft_round, {}
+        real_propose = cg.propose
 
-        def draft_round(*args, **kwargs):
-            seen["out"] = real_round(*args, **kwargs)
-            return seen["out"]
+        def propose(drafter, policy, states, committed, rooms, num_slots, sampler=None):
+            chains = real_propose(drafter, policy, states, committed, rooms, num_slots, sampler)
+            chain, lookup = chains[0], states[0].lookup
+            match = lookup.propose(rooms[0]).tokens if lookup is not None else []
+            if chain.source == "draft" and match and chain.tokens[:1] != match[:1]:
+                chains[0] = Chain(match[:1], "lookup", drafted=chain.drafted, confidences=chain.confidences,
+                                  ingested=chain.ingested)
+            elif chain.source == "draft":
+                chain.cut(1)
+            return chains
 
-        def after_drafting(self, confidences, length, budget, sps, draft_seconds, greedy=False):
-            agree = seen["out"].tokens[0][:1] == self.proposal.tokens[:1]
-            return ChainChoice("draft" if agree else "lookup", 1, 1.0, 1.0)
-
-        cg.draft_round = draft_round
-        LookupChain.after_drafting = after_drafting
+        cg.propose = propose
     elif mutation != "none":
         raise ValueError(f"unknown mutation {mutation!r}")
 

@@ -96,15 +96,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--plot", default=None, metavar="FILE.png",
                    help="Pareto plot file (default: the JSON's path with .png)")
     add_progress_option(s)
-    s.add_argument("--no-draft-gate", action="store_true",
-                   help="scheduler / lagged engines without the cost model's draft gate, for an ablation (default: "
-                        "gate on)")
     s.add_argument("--no-lookup", action="store_true",
                    help="engines without the n-gram lookup proposer beside the drafter (default: on in every policy "
                         "but none, which stays plain decoding)")
-    s.add_argument("--draft-cost", default="auto", metavar="auto|none|MS",
-                   help="the drafting time scheduler / lagged price: measured (auto), not priced (none, as the "
-                        "paper's Algorithm 1) or a fixed number of milliseconds (default: auto)")
     s.add_argument("--profile", default=None, metavar="FILE.json",
                    help="SPS(B) profile file (default: the profile cache, see `dspark profile`)")
     s.set_defaults(func=run)
@@ -119,23 +113,6 @@ def _drafter_spec(args) -> tuple[str, str]:
     if spec is None:
         spec = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
     return spec, (spec if spec == "random" else drafter_dir(spec))
-
-
-def _draft_cost_ms(text: str):
-    """``--draft-cost``: ``"auto"``, None for ``"none"``, or milliseconds (>= 0).
-
-    Raises:
-        CLIError: anything else.
-    """
-    if text in ("auto", "none"):
-        return None if text == "none" else "auto"
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0:
-        raise CLIError(f"--draft-cost must be auto, none or a number of milliseconds >= 0, got {text!r}")
-    return ms
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -161,7 +138,6 @@ def _serve_command(args) -> int:
         except ValueError as err:
             raise CLIError(str(err)) from None
     check_eval_sets("--datasets", args.datasets)
-    draft_cost = _draft_cost_ms(args.draft_cost)
     check_target(args.target)
 
     import torch
@@ -197,8 +173,8 @@ def _serve_command(args) -> int:
         sps = profiling.ensure_profile(target, contexts=[context], requests=levels,
                                        tokens=profiling.first_use_tokens(gamma), threads=threads, path=args.profile,
                                        progress=lambda s: log("  " + s))
-    engines = {pol: serving.serving_engine(target, drafter, pol, gamma, sps, not args.no_draft_gate, draft_cost,
-                                           not args.no_lookup) for pol in args.policies}
+    engines = {pol: serving.serving_engine(target, drafter, pol, gamma, sps, not args.no_lookup)
+               for pol in args.policies}
     results = serving.bench_serve(engines, prompts, levels, waves=args.waves, min_requests=args.min_requests,
                                   max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                                   warmup_repeats=args.warmup_repeats, log=log)
@@ -215,7 +191,7 @@ def _serve_command(args) -> int:
             "engines": "one per policy for the whole run (steady state)",
             "order": "interleaved: repeat > R > policies (rotated per repeat)",
             "requests": levels, "policies": args.policies, "sps_context": context,
-            "draft_gate": not args.no_draft_gate, "draft_cost": args.draft_cost, "lookup": not args.no_lookup,
+            "lookup": not args.no_lookup,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "processor": profiling.device_model(target.device),
         },

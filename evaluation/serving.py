@@ -8,7 +8,7 @@ batch ends in a drain where speculation makes requests finish at different times
 and per-user speed (mean over requests of tokens / seconds from admission to finish).
 
 Steady state: each policy has ONE engine for the whole benchmark (its ``max_batch_size`` set to R per cell), as a
-long-running server would, so what the scheduler's draft gate learns carries over from cell to cell;
+long-running server would (the ``lagged`` budgets carry over from cell to cell);
 ``warmup_repeats`` untimed repetitions of every cell come first, serving the next prompts of the pool, not the
 timed ones.
 
@@ -80,8 +80,7 @@ def sps_context(prompts: list[dict], max_new_tokens: int) -> int:
     return 2 ** max(4, round(math.log2(mean_prompt + max_new_tokens / 2)))
 
 
-def serving_engine(target, drafter, policy: str, block_size: int, sps, draft_gate: bool = True,
-                   draft_cost_ms="auto", lookup: bool = True):
+def serving_engine(target, drafter, policy: str, block_size: int, sps, lookup: bool = True):
     """The engine of one policy, kept for the whole benchmark (steady state, see the module doc): a
     :class:`generation.engine.DSparkEngine` with these arguments; ``none`` is plain decoding (no drafter, no
     lookup)."""
@@ -89,7 +88,7 @@ def serving_engine(target, drafter, policy: str, block_size: int, sps, draft_gat
 
     plain = policy == "none"
     return DSparkEngine(target, None if plain else drafter, policy, block_size=block_size, sps=sps,
-                        draft_gate=draft_gate, draft_cost_ms=draft_cost_ms, lookup=lookup and not plain)
+                        lookup=lookup and not plain)
 
 
 def _committed(engine) -> int:
@@ -125,7 +124,7 @@ def serve(engine, prompts: list[dict], num_requests: int, concurrency: int, max_
     tokens = sum(o.num_tokens for o in outs)
     summ = engine.stats.summary()
     keys = ("rounds", "tau", "mean_verified", "mean_accepted", "mean_batch_tokens", "t_draft_ms", "t_verify_ms",
-            "skipped_draft_rounds", "gated_request_rounds", "probe_rounds", "lookup_request_rounds")
+            "skipped_draft_rounds", "lookup_request_rounds")
     return {"throughput_tok_s": tokens / wall, "steady_tok_s": steady[0] / steady[1], "steady_tokens": steady[0],
             "per_user_tok_s": statistics.fmean(o.tokens_per_s for o in outs), "tokens": tokens, "wall_s": wall,
             **{k: summ[k] for k in keys}}, [o.output_ids for o in outs]

@@ -1,11 +1,10 @@
-"""DSpark inference: the drafting round, verify policies, Algorithm 1, the cost model, `generate()` integration,
-the batched engine, SPS(B) profiling and statistics.
+"""DSpark inference: the drafting round, the round's decisions, verify policies, Algorithm 1, `generate()`
+integration, the batched engine, SPS(B) profiling and statistics.
 
 Never imports training code.
 """
 
 from .candidate_generator import DSparkCandidateGenerator
-from .cost_model import CostModel
 from .drafting import draft_round
 from .engine import DSparkEngine, RequestOutput, generate_batch
 from .integration import dspark_options
@@ -15,7 +14,6 @@ from .stats import GenerationStats, RoundStats, collect_stats
 
 __all__ = [
     "DSparkCandidateGenerator",
-    "CostModel",
     "draft_round",
     "DSparkEngine",
     "RequestOutput",

@@ -7,7 +7,7 @@ A round, read top to bottom (docs/method.md §2 and §4):
 2. ONE drafter forward over [anchor, mask × (γ'−1)] for all drafting requests → h_k and the base logits U_k
    (docs/method.md eqs. 2–4);
 3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) → the verify
-   policy decides from c_1..c_k whether x_k is verified (:func:`generation.policies.verify_lengths`; x_k is not
+   policy decides from c_1..c_k whether x_k is verified (:meth:`generation.policies.Policy.lengths`; x_k is not
    sampled yet, so the decision cannot anticipate it) → correction B_k (eq. 5 or 6) → logits processors → argmax,
    or a sample from exactly the distribution returned as the candidate logits.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .packed_target import RequestKV
-from .policies import Policy, verify_lengths
+from .policies import Policy
 
 __all__ = ["DraftContext", "DraftResult", "Sampler", "draft_round"]
 
@@ -161,8 +161,6 @@ def draft_round(
     policy: Policy,
     *,
     num_slots: int,
-    sps=None,
-    lag_budget: int | None = None,
     sampler: Sampler | None = None,
 ) -> DraftResult:
     """Draft for R requests and choose their verify lengths ℓ_r (module doc).
@@ -174,41 +172,34 @@ def draft_round(
         anchor_positions: per request the anchor's position (committed tokens − 1).
         budgets: per request the most draft tokens it may verify this round (0: it does not draft, its pending
             features wait for its next drafting round).
-        policy: the verify policy (:func:`generation.policies.parse_policy`).
+        policy: the run's verify policy, its round begun (:meth:`generation.policies.Policy.begin_round`).
         num_slots: γ' ≤ γ, slots of the block forward.
-        sps: SPS(B) (steps/s) for ``scheduler`` / ``lagged``, the draft-time term included where the caller prices
-            it (:meth:`generation.cost_model.CostModel.round_sps`).
-        lag_budget: K of a ``lagged`` round (:class:`generation.policies.LaggedBudget`).
         sampler: R = 1 with logits processors or sampling (None: greedy argmax, no logits kept).
 
     Returns:
         :class:`DraftResult`.
-
-    Raises:
-        ValueError: a sampler with R > 1; errors of :func:`generation.policies.verify_lengths`.
     """
     num = len(contexts)
-    if sampler is not None and num != 1:
-        raise ValueError(f"a Sampler drafts for one request; got {num}")
+    assert sampler is None or num == 1, "a Sampler drafts for one request"
     tokens: list[list[int]] = [[] for _ in range(num)]
     conf: list[list[float]] = [[] for _ in range(num)]
     kept: list[list[torch.Tensor]] = [[] for _ in range(num)]
     ingested = [0] * num
     active = [i for i in range(num) if budgets[i] > 0] if policy.drafts else []
-    if active and not any(verify_lengths(policy, [[1.0] * b for b in budgets], budgets, sps, lag_budget)):
+    if active and not any(policy.lengths([[1.0] * b for b in budgets], budgets)):
         active = []  # not even drafts certain to be accepted (every c_k = 1) would be verified: skip the drafter
     if active:
         ingested = [contexts[i].num_pending if i in active else 0 for i in range(num)]
         h = _block_forward(drafter, [contexts[i] for i in active], [anchors[i] for i in active],
                            [anchor_positions[i] for i in active], num_slots)  # [A, γ', H]
-        _sequential(drafter, h, active, anchors, budgets, policy, sps, lag_budget, sampler, tokens, conf, kept)
-    lengths = verify_lengths(policy, conf, budgets, sps, lag_budget)
+        _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, kept)
+    lengths = policy.lengths(conf, budgets)
     lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
     logits = [torch.cat(k, dim=0) if k else None for k in kept]
     return DraftResult(tokens, lengths, conf, logits, ingested)
 
 
-def _sequential(drafter, h, active, anchors, budgets, policy, sps, lag_budget, sampler, tokens, conf, kept) -> None:
+def _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, kept) -> None:
     """Step 3 of the module doc, batched over the requests still drafting at slot k (fills tokens, conf, kept)."""
     d, device = drafter, drafter.device
     row_of = {i: a for a, i in enumerate(active)}
@@ -229,7 +220,7 @@ def _sequential(drafter, h, active, anchors, budgets, policy, sps, lag_budget, s
         if cl is not None:
             for i, c in zip(alive, d.calibrated_confidence(cl, k).tolist()):
                 conf[i].append(float(c))
-        lengths = verify_lengths(policy, conf, budgets, sps, lag_budget)
+        lengths = policy.lengths(conf, budgets)
         admit = [n for n, i in enumerate(alive) if lengths[i] > k]
         if not admit:
             break

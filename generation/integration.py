@@ -38,9 +38,8 @@ class dspark_options(ScopedValue):
     of :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler
     when the drafter has a confidence head and an SPS(B) table made by ``dspark profile`` is cached, else ``full``),
     the block size γ', the SPS(B) table (``scheduler`` / ``lagged`` profile one on first use when none is given or
-    cached) and whether the cost model's draft gate may skip drafting (:class:`~generation.cost_model.CostModel`)
-    and whether the n-gram lookup proposer runs beside the drafter (:mod:`generation.lookup`; ``policy="none"``
-    with ``lookup=True`` is lookup alone)::
+    cached) and whether the n-gram lookup proposer runs beside the drafter (:mod:`generation.lookup`;
+    ``policy="none"`` with ``lookup=True`` is lookup alone)::
 
         with dspark_options(policy="fixed:3", block_size=4):
             target.generate(ids, assistant_model=drafter)
@@ -50,14 +49,12 @@ class dspark_options(ScopedValue):
 
     Raises:
         ValueError: a bad policy spec, ``block_size`` not an int ≥ 1 (its upper bound, the drafter's γ, is checked
-            when `generate()` starts), ``sps`` neither a mapping ``{B: steps/s}`` nor a callable, ``draft_gate`` or
-            ``lookup`` not a bool.
+            when `generate()` starts), ``sps`` neither a mapping ``{B: steps/s}`` nor a callable, ``lookup`` not a
+            bool.
     """
 
     def __init__(self, policy: str | Policy | None = None, block_size: int | None = None, sps=None,
-                 draft_gate: bool = True, lookup: bool = True):
-        if not isinstance(draft_gate, bool):
-            raise ValueError(f"draft_gate must be True or False; got {draft_gate!r}")
+                 lookup: bool = True):
         if not isinstance(lookup, bool):
             raise ValueError(f"lookup must be True or False; got {lookup!r}")
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
@@ -66,7 +63,7 @@ class dspark_options(ScopedValue):
         if sps is not None and not (isinstance(sps, Mapping) or callable(sps)):
             raise ValueError(f"sps must be None, a mapping {{B: steps/s}} or a callable B -> steps/s; got {sps!r}")
         self.options = {"policy": None if policy is None else parse_policy(policy), "block_size": block_size,
-                        "sps": sps, "draft_gate": draft_gate, "lookup": lookup}
+                        "sps": sps, "lookup": lookup}
         super().__init__(_options, self.options, "dspark_options(...)", "changed nothing",
                          "with dspark_options(...): target.generate(...)")
 
@@ -146,5 +143,4 @@ def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_con
     block_size = _assistant_options(generation_config, opts.get("block_size"), drafter.config.block_size)
     return DSparkCandidateGenerator(drafter, target, generation_config, logits_processor=logits_processor,
                                     input_ids=input_ids, policy=opts.get("policy"), block_size=block_size,
-                                    sps=opts.get("sps"), draft_gate=opts.get("draft_gate", True),
-                                    tokenizer=tokenizer, lookup=opts.get("lookup", True))
+                                    sps=opts.get("sps"), tokenizer=tokenizer, lookup=opts.get("lookup", True))

@@ -12,7 +12,11 @@ One vocabulary, one parser (:func:`parse_policy`), used by `generate()`, the bat
                     earlier, filled by the current round's a_{r,j} ranking
 ==================  =====================================================================================
 
-:func:`verify_lengths` turns the confidences known so far into ℓ_r. The drafting round
+A :class:`Policy` is parsed and checked once, where the user hands it over (``dspark_options``, the engine, the
+CLI); :meth:`Policy.start` gives the object one run uses, which owns the run's state: the SPS(B) table the
+``scheduler`` and ``lagged`` rounds are priced with, and the ``lagged`` budgets of earlier rounds.
+
+:meth:`Policy.lengths` turns the confidences known so far into ℓ_r. The drafting round
 (:func:`generation.drafting.draft_round`) asks it before sampling slot k, with c_{r,1..k} known and later
 confidences unknown (0), so whether x_{r,k} is verified never depends on x_{r,k} itself (non-anticipation,
 docs/method.md §4): the output stays lossless whatever the policy.
@@ -20,12 +24,13 @@ docs/method.md §4): the output stays lossless whatever the policy.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .scheduler import SPSLike, budget_from_confidences, fill_budget, prefix_schedule, survival_row
+from .scheduler import budget_from_confidences, fill_budget, prefix_schedule, survival_row
 
-__all__ = ["POLICY_NAMES", "Policy", "parse_policy", "verify_lengths", "LaggedBudget"]
+__all__ = ["POLICY_NAMES", "Policy", "parse_policy"]
 
 POLICY_NAMES = ("none", "full", "fixed:N", "threshold:P", "scheduler", "lagged[:LAG]")
 """The policy vocabulary, as the CLI's help text shows it."""
@@ -33,21 +38,29 @@ POLICY_NAMES = ("none", "full", "fixed:N", "threshold:P", "scheduler", "lagged[:
 _KINDS = ("none", "full", "fixed", "threshold", "scheduler", "lagged")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Policy:
-    """A parsed verify policy (see the module doc). Build it with :func:`parse_policy`.
+    """A verify policy (see the module doc). Build it with :func:`parse_policy`; bind it to one run with
+    :meth:`start`. Two policies are equal when their specs are (the run state is not compared).
 
     Attributes:
         kind: ``none``, ``full``, ``fixed``, ``threshold``, ``scheduler`` or ``lagged``.
         length: N of ``fixed:N`` (draft tokens verified per round, ≥ 0).
         threshold: P of ``threshold:P`` (a survival in [0, 1]).
         lag: LAG of ``lagged:LAG`` (rounds, ≥ 1).
+        sps: the run's SPS(B) in steps/s (``scheduler`` / ``lagged``): a table ``{B: steps/s}``, a callable, or an
+            :class:`~generation.profiling.SPSProfile` (then the curve for the round's R and mean context is used).
     """
 
     kind: str
     length: int = 0
     threshold: float = 0.0
     lag: int = 2
+    sps: object = field(default=None, compare=False, repr=False)
+    _curves: dict = field(default_factory=dict, compare=False, repr=False)  # (R, context bucket) -> SPS curve
+    _round_sps: object = field(default=None, compare=False, repr=False)  # this round's SPS(B)
+    _budgets: deque = field(default_factory=deque, compare=False, repr=False)  # lagged: K of later rounds
+    _budget: int = field(default=0, compare=False, repr=False)  # lagged: this round's K
 
     @property
     def name(self) -> str:
@@ -77,6 +90,78 @@ class Policy:
 
     def __str__(self) -> str:
         return self.name
+
+    # ------------------------------------------------------------------ one run
+    def start(self, sps=None) -> Policy:
+        """A fresh copy of this policy for one run (a `generate()` call, an engine), with its SPS(B) table.
+
+        Raises:
+            ValueError: ``scheduler`` / ``lagged`` without ``sps``.
+        """
+        if self.needs_sps and sps is None:
+            raise ValueError(f"verify policy {self.name!r} needs an SPS(B) table (generation.profiling)")
+        return dataclasses.replace(self, sps=sps, _curves={}, _round_sps=None, _budgets=deque(), _budget=0)
+
+    def begin_round(self, num_requests: int, context_len: float) -> None:
+        """Set this round's SPS(B) curve (for R = ``num_requests`` at mean context ``context_len`` tokens) and,
+        for ``lagged``, take the budget K computed LAG rounds earlier (R, one draft token per request, before)."""
+        if not self.needs_sps:
+            return
+        sps = self.sps
+        if hasattr(sps, "curve"):
+            key = (num_requests, sps.context_bucket(context_len))
+            if key not in self._curves:
+                self._curves[key] = sps.curve(requests=num_requests, context_len=context_len)
+            sps = self._curves[key]
+        self._round_sps = sps
+        if self.kind == "lagged":
+            self._budget = self._budgets.popleft() if len(self._budgets) >= self.lag else num_requests
+
+    def lengths(self, confidences: list[list[float]], budgets: list[int]) -> list[int]:
+        """ℓ_r for every request from the confidences known so far.
+
+        Args:
+            confidences: R rows of calibrated c_{r,k} (any length; a slot not drafted yet, or beyond the row's
+                budget, counts as 0). Ignored by ``none``, ``full`` and ``fixed``.
+            budgets: per request, the most draft tokens it may verify this round (0 = it does not draft).
+
+        Returns:
+            R ints, 0 ≤ ℓ_r ≤ budgets[r]. ``threshold``: the longest prefix with a_k ≥ P (docs/method.md eq. 9);
+            ``scheduler``: Algorithm 1 with its early stop (:func:`generation.scheduler.prefix_schedule`);
+            ``lagged``: the top-K pooled a_{r,j} (:func:`generation.scheduler.fill_budget`).
+        """
+        kind = self.kind
+        if kind == "none":
+            return [0] * len(budgets)
+        if kind == "full":
+            return list(budgets)
+        if kind == "fixed":
+            return [min(self.length, b) for b in budgets]
+        rows = _rows(confidences, budgets)
+        if rows is None:
+            return [0] * len(budgets)
+        if kind == "threshold":
+            return [sum(a >= self.threshold for a in survival_row(row)[:b]) for row, b in zip(rows, budgets)]
+        assert self._round_sps is not None, "begin_round() sets the SPS(B) curve before lengths()"
+        lengths = prefix_schedule(rows, self._round_sps) if kind == "scheduler" else fill_budget(rows, self._budget)
+        return [min(ell, b) for ell, b in zip(lengths, budgets)]
+
+    def end_round(self, confidences: list[list[float]], budgets: list[int]) -> None:
+        """``lagged``: fold this round's confidences into the budget of LAG rounds ahead (a full Θ(B) search
+        without early stop, :func:`generation.scheduler.budget_from_confidences`). K never depends on the round
+        it is spent on."""
+        if self.kind != "lagged":
+            return
+        rows = _rows(confidences, budgets)
+        self._budgets.append(0 if rows is None else budget_from_confidences(rows, self._round_sps))
+
+
+def _rows(confidences: list[list[float]], budgets: list[int]) -> list[list[float]] | None:
+    """R rows of width max(budgets): c_{r,k} where k < budgets[r] and known, else 0; None when every budget is 0."""
+    width = max(budgets, default=0)
+    if width == 0:
+        return None
+    return [[(row[k] if k < len(row) and k < b else 0.0) for k in range(width)] for row, b in zip(confidences, budgets)]
 
 
 def parse_policy(spec: str | Policy | None) -> Policy:
@@ -115,83 +200,3 @@ def parse_policy(spec: str | Policy | None) -> Policy:
     if sep and not (arg.isdigit() and int(arg) >= 1):
         raise ValueError(f"verify policy 'lagged:LAG' needs an integer LAG >= 1 (rounds); got {spec!r}")
     return Policy("lagged", lag=int(arg) if sep else 2)
-
-
-def verify_lengths(policy: Policy, confidences: list[list[float]], budgets: list[int], sps: SPSLike | None = None,
-                   lag_budget: int | None = None) -> list[int]:
-    """ℓ_r for every request from the confidences known so far.
-
-    Args:
-        policy: a :class:`Policy`.
-        confidences: R rows of calibrated c_{r,k} (any length; a slot not drafted yet, or beyond the row's budget,
-            counts as 0). Ignored by ``none``, ``full`` and ``fixed``.
-        budgets: per request, the most draft tokens it may verify this round (0 = it does not draft).
-        sps: SPS(B) in steps/s for ``scheduler`` and ``lagged`` (table or callable).
-        lag_budget: K, the extra verify slots of a ``lagged`` round (:class:`LaggedBudget`).
-
-    Returns:
-        R ints, 0 ≤ ℓ_r ≤ budgets[r]. ``threshold``: the longest prefix with a_k ≥ P (docs/method.md eq. 9);
-        ``scheduler``: Algorithm 1 with its early stop (:func:`generation.scheduler.prefix_schedule`);
-        ``lagged``: the top-K pooled a_{r,j} (:func:`generation.scheduler.fill_budget`).
-
-    Raises:
-        ValueError: ``scheduler`` / ``lagged`` without ``sps`` (or ``lagged`` without ``lag_budget``), or an SPS
-            table that lacks a batch size B the scan reaches.
-    """
-    kind = policy.kind
-    if kind == "none":
-        return [0] * len(budgets)
-    if kind == "full":
-        return list(budgets)
-    if kind == "fixed":
-        return [min(policy.length, b) for b in budgets]
-    width = max(budgets, default=0)
-    rows = [[(row[k] if k < len(row) and k < b else 0.0) for k in range(width)] for row, b in zip(confidences, budgets)]
-    if width == 0:
-        return [0] * len(budgets)
-    if kind == "threshold":
-        return [sum(a >= policy.threshold for a in survival_row(row)[:b]) for row, b in zip(rows, budgets)]
-    if sps is None:
-        raise ValueError(f"verify policy {policy.name!r} needs an SPS(B) table (generation.profiling)")
-    if kind == "scheduler":
-        lengths = prefix_schedule(rows, sps)
-    else:
-        if lag_budget is None:
-            raise ValueError("verify policy 'lagged' needs this round's budget K (LaggedBudget.take)")
-        lengths = fill_budget(rows, lag_budget)
-    return [min(ell, b) for ell, b in zip(lengths, budgets)]
-
-
-class LaggedBudget:
-    """The ``lagged`` policy's state: verify budgets K computed from the confidences of earlier rounds.
-
-    Each round takes the budget computed ``lag`` rounds earlier (:meth:`take`), then pushes the budget that this
-    round's confidences give (:meth:`push`, a full Θ(B) search without early stop,
-    :func:`generation.scheduler.budget_from_confidences`). K never depends on the current round's draft tokens.
-    Until ``lag`` budgets are known the budget is ``default`` (R, one draft token per request, when None).
-    """
-
-    def __init__(self, lag: int, default: int | None = None):
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
-            raise ValueError(f"lag must be an int >= 1 (a budget may not use the current round); got {lag!r}")
-        if default is not None and (isinstance(default, bool) or not isinstance(default, int) or default < 0):
-            raise ValueError(f"default_budget must be None or an int >= 0; got {default!r}")
-        self.lag, self.default = lag, default
-        self._pending: deque[int] = deque()
-
-    def take(self, num_requests: int) -> int:
-        """K for this round (extra verify slots beyond the R anchors)."""
-        if len(self._pending) >= self.lag:
-            return self._pending.popleft()
-        return num_requests if self.default is None else self.default
-
-    def push(self, confidences: list[list[float]], budgets: list[int], sps: SPSLike) -> None:
-        """Fold in this round's confidences (slots beyond a request's budget count as 0)."""
-        width = max(budgets, default=0)
-        if width == 0:
-            self._pending.append(0)
-            return
-        rows = [[(row[k] if k < len(row) and k < b else 0.0) for k in range(width)]
-                for row, b in zip(confidences, budgets)]
-        self._pending.append(budget_from_confidences(rows, sps))
-

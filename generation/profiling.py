@@ -231,7 +231,7 @@ class SPSCurve:
 
     Between measured B the step time 1/SPS is interpolated linearly; a B outside ``[min_batch, max_batch]``
     raises a ValueError that names the range. Also usable as the ``sps`` of
-    :func:`generation.scheduler.prefix_schedule` and :func:`generation.policies.verify_lengths`.
+    :func:`generation.scheduler.prefix_schedule` and :meth:`generation.policies.Policy.start`.
     """
 
     def __init__(self, points: Mapping[int, float], description: str = ""):

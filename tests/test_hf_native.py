@@ -366,7 +366,6 @@ def test_cli_unsupported_target_family(tmp_path, capsys):
         ({"block_size": 0}, r"block_size must be None or an int >= 1"),
         ({"block_size": 2.5}, r"block_size must be None or an int >= 1"),
         ({"sps": "fast"}, r"sps must be None, a mapping"),
-        ({"draft_gate": "yes"}, r"draft_gate must be True or False"),
         ({"lookup": 1}, r"lookup must be True or False"),
     ],
 )

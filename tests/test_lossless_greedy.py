@@ -206,14 +206,15 @@ def test_greedy_drafting_equals_the_processed_logits_path(head, draft_vocab):
     specs = ["full", "fixed:2", "threshold:0.3", "scheduler"] + (["lagged:1"] if head != "none" else [])
     lengths = set()
     for spec in specs:
-        policy = parse_policy(spec)
+        policy = parse_policy(spec).start(sps if parse_policy(spec).needs_sps else None)
         if policy.needs_confidence and head == "none":
             continue
         for budget in (1, 3, 6):
             outs = []
             for sampler in (None, Sampler(False, None, ids)):
+                policy.begin_round(1, 4)
                 outs.append(draft_round(drafter, [context(0)], anchors[:1], positions[:1], [budget], policy,
-                                        num_slots=6, sps=sps, lag_budget=2, sampler=sampler))
+                                        num_slots=6, sampler=sampler))
             fast, slow = outs
             assert fast.tokens == slow.tokens and fast.lengths == slow.lengths, (spec, budget)
             assert fast.confidences[0] == pytest.approx(slow.confidences[0], abs=1e-6)

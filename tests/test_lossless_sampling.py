@@ -6,9 +6,7 @@ enumerated. N samples from `generate(assistant_model=drafter)` must fit it: for 
 (x1, x2), (x2, x3)) no sample falls in a cell of probability 0, and Pearson's χ² goodness-of-fit test (cells pooled
 to an expected count ≥ 5) gives a p-value ≥ ALPHA. With ALPHA = 1e-4 a correct sampler fails a given check (five
 marginals) with a nominal probability (χ² approximation) < 5e-4, so < 1 % over this suite's 11 checks. The seeds are
-fixed and the drafter's path runs on a steady fake clock (`steady_clock`): the scheduler and the lookup chooser price
-their choices with measured drafting and verify times, and with a real clock a seeded sample would differ between
-runs and a failure could not be replayed. As a control for the enumeration itself, plain `generate()` sampling is
+fixed (no choice of the round reads a clock), so a failure can be replayed. As a control for the enumeration itself, plain `generate()` sampling is
 checked against the exact table of every processing used here the same way: N independent samples drawn in one
 batched call of N copies of the prompt (the drafter's path is batch size 1).
 
@@ -21,11 +19,7 @@ docs/benchmarks.md, "Power of the sampling tests").
 
 from __future__ import annotations
 
-import itertools
 import math
-import types
-from contextlib import contextmanager
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -34,7 +28,7 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import modeling_dspark as md
-from generation import candidate_generator, collect_stats, dspark_options
+from generation import collect_stats, dspark_options
 
 from .conftest import tiny_target
 
@@ -79,24 +73,11 @@ def _counts(new_tokens: torch.LongTensor, v: int) -> torch.Tensor:
     return torch.bincount(cells, minlength=v**3).double().view(v, v, v)
 
 
-@contextmanager
-def steady_clock(step_s: float = 1e-3):
-    """Every ``time.perf_counter()`` read by the candidate generator advances a fake clock by ``step_s`` seconds, so
-    the times it measures (t_draft, t_verify), and with them the scheduler's and the lookup chooser's choices, are
-    the same in every run: a seeded sample replays exactly."""
-    ticks = itertools.count()
-    clock = types.SimpleNamespace(perf_counter=lambda: next(ticks) * step_s)
-    with mock.patch.object(candidate_generator, "time", clock):
-        yield
-
-
-def _sample_counts(target, drafter, seed, policy=None, sps=None, draft_gate=True, **gen):
-    """N calls of `generate(assistant_model=drafter)` (batch size 1) on a steady clock → (joint counts, their
-    statistics)."""
+def _sample_counts(target, drafter, seed, policy=None, sps=None, **gen):
+    """N calls of `generate(assistant_model=drafter)` (batch size 1) → (joint counts, their statistics)."""
     torch.manual_seed(seed)
     firsts = []
-    with (dspark_options(block_size=4, policy=policy, sps=sps, draft_gate=draft_gate), collect_stats() as runs,
-          steady_clock()):
+    with dspark_options(block_size=4, policy=policy, sps=sps), collect_stats() as runs:
         for _ in range(N):
             out = target.generate(
                 PROMPT, max_new_tokens=4, do_sample=True, assistant_model=drafter, pad_token_id=0, **gen
@@ -201,11 +182,8 @@ DRAFTER_CASES = [
 def sample_drafter_case(target, drafters, gen, drafter_name, policy):
     """One case of DRAFTER_CASES: (exact joint, sample counts, run statistics)."""
     exact = exact_joint(target, gen.get("temperature", 1.0), gen.get("top_k"), gen.get("top_p"))
-    # the draft gate off: over N calls it would learn to skip most drafting here (rounds it skips are tested in
-    # tests/test_lookup_generate.py)
     counts, runs = _sample_counts(target, drafters[drafter_name], seed=1234, policy=policy,
-                                  sps=SCHEDULER_SPS if policy == "scheduler" else None, draft_gate=False,
-                                  **_generate_kwargs(gen))
+                                  sps=SCHEDULER_SPS if policy == "scheduler" else None, **_generate_kwargs(gen))
     return exact, counts, runs
 
 

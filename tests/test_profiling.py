@@ -288,7 +288,9 @@ def test_profile_cli(tmp_path, capsys):
 
 def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
     """generate(assistant_model=drafter) with no policy: the DSpark scheduler when a profile for this target is
-    cached, the full block otherwise (or with DSPARK_SCHEDULER=off). Greedy output identical either way."""
+    cached, the full block otherwise (or with DSPARK_SCHEDULER=off). Greedy output identical either way. The lookup
+    proposer is off: its chains are verified whatever the policy."""
+    from generation import dspark_options
     from generation.stats import collect_stats
 
     drafter = make_drafter(tiny, block_size=4)
@@ -296,7 +298,7 @@ def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
     ref = tiny.generate(ids, max_new_tokens=12, do_sample=False)
 
     def verified():
-        with collect_stats() as runs:
+        with dspark_options(lookup=False), collect_stats() as runs:
             out = tiny.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
         assert torch.equal(out, ref)
         return [r.verified for r in runs[-1].rounds]

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from generation.policies import LaggedBudget, parse_policy, verify_lengths
+from generation.policies import parse_policy
 from generation.scheduler import (
     ScheduleResult,
     budget_from_confidences,
@@ -22,18 +22,20 @@ from generation.scheduler import (
 )
 
 class LaggedScheduler:
-    """The ``lagged`` policy over whole rounds: LaggedBudget's budget, filled by verify_lengths."""
+    """The ``lagged`` policy over whole rounds (:meth:`Policy.begin_round`, :meth:`Policy.lengths`,
+    :meth:`Policy.end_round`)."""
 
-    def __init__(self, sps, lag=2, default_budget=None):
-        self.sps, self.state, self.last_budget = sps, LaggedBudget(lag, default_budget), None
+    def __init__(self, sps, lag=2):
+        self.policy, self.last_budget = parse_policy(f"lagged:{lag}").start(sps), None
 
     def schedule(self, confidences):
         rows = [[float(c) for c in row] for row in (confidences.tolist() if hasattr(confidences, "tolist")
                                                     else confidences)]
         budgets = [len(row) for row in rows]
-        self.last_budget = self.state.take(len(rows))
-        lengths = verify_lengths(parse_policy("lagged"), rows, budgets, self.sps, self.last_budget)
-        self.state.push(rows, budgets, self.sps)
+        self.policy.begin_round(len(rows), 0)
+        self.last_budget = self.policy._budget
+        lengths = self.policy.lengths(rows, budgets)
+        self.policy.end_round(rows, budgets)
         return lengths
 
 
@@ -224,7 +226,7 @@ def test_lagged_scheduler_uses_budget_from_lag_rounds_ago():
         expected_budget = 3 if t < 2 else budget_from_confidences(rounds[t - 2], sps)  # fallback K = R
         assert scheduler.last_budget == expected_budget
         assert lengths == fill_budget(confidences, expected_budget)
-    assert list(scheduler.state._pending) == [budget_from_confidences(c, sps) for c in rounds[-2:]]
+    assert list(scheduler.policy._budgets) == [budget_from_confidences(c, sps) for c in rounds[-2:]]
 
 
 def test_lagged_budget_ignores_current_confidences():
@@ -232,7 +234,7 @@ def test_lagged_budget_ignores_current_confidences():
     history = [[[0.9, 0.9, 0.9], [0.9, 0.9, 0.1]], [[0.5, 0.5, 0.5], [0.2, 0.2, 0.2]]]
     totals = set()
     for current in ([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], [[0.0, 0.0, 0.0], [0.01, 0.0, 0.0]]):
-        scheduler = LaggedScheduler(sps, lag=2, default_budget=0)
+        scheduler = LaggedScheduler(sps, lag=2)
         for past in history:
             scheduler.schedule(past)
         totals.add(sum(scheduler.schedule(current)))
@@ -382,83 +384,7 @@ def test_bad_sps_type_budget_and_lag():
         fill_budget(TWO_REQ_C, -1)
     with pytest.raises(ValueError, match=r"verify budget K .* got 1.5"):
         fill_budget(TWO_REQ_C, 1.5)
-    with pytest.raises(ValueError, match=r"lag must be an int >= 1"):
-        LaggedBudget(lag=0)
-    with pytest.raises(ValueError, match=r"default_budget"):
-        LaggedBudget(2, default=-2)
-
-
-# --------------------------------------------------------------------------
-# draft cost (effective SPS) and the draft gate
-# --------------------------------------------------------------------------
-from generation.scheduler import effective_sps  # noqa: E402
-
-
-def test_effective_sps_adds_draft_time():
-    sps = {1: 10.0, 2: 5.0}
-    eff = effective_sps(sps, 0.1)
-    assert eff(1) == pytest.approx(1 / (0.1 + 0.1)) and eff(2) == pytest.approx(1 / (0.2 + 0.1))
-    assert effective_sps(sps, 0.0)(2) == 5.0
-    with pytest.raises(ValueError, match="draft cost"):
-        effective_sps(sps, -1.0)
-    with pytest.raises(ValueError, match="draft cost"):
-        effective_sps(sps, float("nan"))
-
-
-def test_draft_cost_changes_algorithm_1():
-    """Priced draft time (a fixed cost per round) makes verifying more tokens worth it once drafting happened."""
-    conf = [[0.6, 0.5]]
-    sps = {1: 1.0, 2: 0.6, 3: 0.5}
-    assert prefix_schedule(conf, sps) == [0]  # 1.6 * 0.6 = 0.96 < 1
-    # SPS_eff = 1 / (1/SPS + 1): 1 / 2 = 0.5, 1.6 / (1/0.6 + 1) = 0.6, 1.9 / (1/0.5 + 1) = 0.633
-    assert prefix_schedule(conf, effective_sps(sps, 1.0)) == [2]
-
-
-from generation.scheduler import yield_gate  # noqa: E402
-
-YIELD_SPS = {2: 10.0, 3: 9.5, 4: 9.0, 5: 8.5, 6: 8.0, 7: 7.5}
-
-
-def test_yield_gate_prices_realized_yield():
-    # Θ_0 = 2 · 10 = 20; request 0 alone: (2 + 2) / (1/8.5 + 0.01) = 31.34 > both: 4.1 / (1/7.5 + 0.01) = 28.6
-    res = yield_gate([2.0, 0.1], [3.0, 2.0], YIELD_SPS, 0.01)
-    assert res.theta_none == pytest.approx(20.0)
-    assert res.draft == [True, False] and res.budget == 3
-    assert res.theta_draft == pytest.approx(4.0 / (1 / 8.5 + 0.01))
-    # drafting costs more than it returns: nothing drafts
-    res = yield_gate([2.0, 0.1], [3.0, 2.0], YIELD_SPS, 0.2)
-    assert res.draft == [False, False] and res.budget == 0 and res.theta_draft == res.theta_none
-    # a request that cannot draft is never chosen; the other alone does not pay: 2.1 / (1/9 + 0.01) = 17.3 < 20
-    assert yield_gate([2.0, 0.1], [3.0, 2.0], YIELD_SPS, 0.01, max_lengths=[0, 2]).draft == [False, False]
-    # a draft cost per row keeps the second request out that a per-round cost lets in
-    flat = {b: 1.0 for b in range(1, 20)}
-    assert yield_gate([1.0, 0.5], [2.0, 1.0], flat, 0.3).draft == [True, True]  # 3.5 / 1.3 > 3 / 1.3 > 2
-    assert yield_gate([1.0, 0.5], [2.0, 1.0], flat, lambda n: 0.3 * n).draft == [True, False]  # 3/1.3 > 3.5/1.6
-
-
-def test_yield_gate_errors():
-    with pytest.raises(ValueError, match="same length"):
-        yield_gate([1.0], [1.0, 2.0], YIELD_SPS, 0.0)
-    with pytest.raises(ValueError, match="accepted <= verified"):
-        yield_gate([2.0, 0.0], [1.0, 0.0], YIELD_SPS, 0.0)
-    with pytest.raises(ValueError, match="accepted <= verified"):
-        yield_gate([float("nan"), 0.0], [1.0, 0.0], YIELD_SPS, 0.0)
-    with pytest.raises(ValueError, match="max_lengths"):
-        yield_gate([0.5, 0.5], [1.0, 1.0], YIELD_SPS, 0.0, max_lengths=[1])
-    with pytest.raises(ValueError, match="draft cost"):
-        yield_gate([0.5, 0.5], [1.0, 1.0], YIELD_SPS, lambda n: -1.0)
-    # a table that stops early: larger verify batches are not considered
-    assert yield_gate([1.0, 1.0], [1.0, 6.0], YIELD_SPS, 0.0).draft == [True, False]
-
-
-def test_shifted_sps_reads_the_round_curve_further_on():
-    from generation.scheduler import MissingSPSEntry, shifted_sps
-
-    table = {1: 10.0, 2: 8.0, 3: 5.0}
-    view = shifted_sps(table, 1)  # one request's B tokens in a round where one other token is verified
-    assert (view(1), view(2)) == (8.0, 5.0)
-    with pytest.raises(MissingSPSEntry, match="B = 4"):
-        view(3)
-    assert shifted_sps(table, 0)(3) == 5.0 and shifted_sps(lambda b: 100.0 / b, 3)(2) == 20.0
-    with pytest.raises(ValueError, match="shift"):
-        shifted_sps(table, -1)
+    with pytest.raises(ValueError, match=r"'lagged:LAG' needs an integer LAG >= 1"):
+        parse_policy("lagged:0")
+    with pytest.raises(ValueError, match=r"needs an SPS\(B\) table"):
+        parse_policy("scheduler").start()

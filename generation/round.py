@@ -1,0 +1,148 @@
+"""One speculative round for R ≥ 1 requests: the single sequence of decisions that `generate()` (R = 1,
+:class:`~generation.candidate_generator.DSparkCandidateGenerator`) and the batched engine (R ≥ 1,
+:class:`~generation.engine.DSparkEngine`) both run, so the two paths agree by construction.
+
+A round, read top to bottom (:func:`propose`, then the caller's verify, then :func:`record`):
+
+1. **budget**: the most tokens each request may verify (γ', and the room left before its length limit); the
+   drafter's budget is 0 where the policy does not draft;
+2. **lookup**: each request's n-gram lookup (:class:`~generation.lookup.NGramLookup`) matches the end of its
+   committed text; a request with a match verifies the lookup continuation and skips the drafter this round
+   (the rule of vLLM's hybrid proposer); the features it committed meanwhile wait for its next drafting round;
+3. **draft**: one drafting round for the other requests (:func:`~generation.drafting.draft_round`), which also
+   chooses their verify lengths ℓ_r by the policy (Algorithm 1 over all of them for ``scheduler``);
+4. **verify** (the caller): one target forward over every request's anchor and chain; greedy or rejection-sampling
+   acceptance;
+5. **record**: each request's :class:`~generation.stats.RoundStats`.
+
+Every decision reads only the committed text and the confidences known before a token is sampled, so none can
+change the output (greedy: token for token; sampling: the same distribution).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafting import DraftContext, DraftResult, Sampler, draft_round
+from .lookup import NGramLookup
+from .policies import Policy
+from .stats import GenerationStats, RoundStats
+
+__all__ = ["RequestState", "Chain", "propose", "record"]
+
+
+@dataclass
+class RequestState:
+    """One sequence's speculative state across rounds (a `generate()` call, or one request of the engine).
+
+    Attributes:
+        draft: the drafter's context (None without a drafter).
+        lookup: the n-gram lookup over the committed text (None with the lookup off).
+        stats: the rounds so far.
+    """
+
+    draft: DraftContext | None
+    lookup: NGramLookup | None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass
+class Chain:
+    """What one request verifies this round beside its anchor (outcome of :func:`propose`).
+
+    Attributes:
+        tokens: the chain x_1..x_ℓ (token ids).
+        source: ``"draft"``, ``"lookup"``, or ``""`` (an empty chain: one plain decoding step).
+        logits: ``[ℓ, V]`` float32 processed logits a draft chain was drawn from when the round had a
+            :class:`~generation.drafting.Sampler`; else None (greedy drafts; a lookup chain is a point mass).
+        drafted: the drafter's tokens this round (empty when it did not run for this request).
+        confidences: calibrated c_k of the slots the drafter reached.
+        ingested: target positions the drafter ingested into this request's context this round.
+        t_draft_ms: this request's share of the round's lookup and drafting time (ms).
+    """
+
+    tokens: list[int]
+    source: str
+    logits: torch.Tensor | None = None
+    drafted: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    ingested: int = 0
+    t_draft_ms: float = 0.0
+
+    def cut(self, n: int) -> None:
+        """Keep the first ``n`` tokens (e.g. before a token that would complete a stop string)."""
+        self.tokens = self.tokens[:n]
+        self.logits = self.logits[:n] if self.logits is not None and n else None
+        if not self.tokens:
+            self.source = ""
+
+
+def propose(drafter, policy: Policy, states: list[RequestState], committed: list, rooms: list[int], num_slots: int,
+            sampler: Sampler | None = None) -> list[Chain]:
+    """Steps 1–3 of the module doc: each request's chain for this round.
+
+    Args:
+        drafter: the :class:`~modeling_dspark.DSparkDraftModel` (None only when no state has a drafter context).
+        policy: the run's policy (:meth:`generation.policies.Policy.start`).
+        states: per request its :class:`RequestState`.
+        committed: per request its committed token ids (``[1, L]`` tensor or list, L ≥ 1; the last is the anchor).
+        rooms: per request the most tokens it may verify beside the anchor (≥ 0).
+        num_slots: γ', the drafter's slots per round.
+        sampler: R = 1 with sampling or logits processors (:class:`~generation.drafting.Sampler`).
+
+    Returns:
+        R :class:`Chain` s, each at most ``rooms[r]`` tokens long.
+    """
+    t0 = time.perf_counter()
+    num = len(states)
+    lengths = [ids.shape[-1] if isinstance(ids, torch.Tensor) else len(ids) for ids in committed]
+    policy.begin_round(num, sum(lengths) / num - 1)
+    budgets = [min(num_slots, room) if policy.drafts and s.draft is not None else 0 for s, room in zip(states, rooms)]
+    lookups: list[list[int]] = []
+    for i, (s, ids) in enumerate(zip(states, committed)):
+        tokens = []
+        if s.lookup is not None:
+            s.lookup.update(ids)
+            tokens = s.lookup.propose(rooms[i]).tokens
+        if tokens:
+            budgets[i] = 0  # a lookup match skips the drafter
+        lookups.append(tokens)
+    if any(budgets):
+        anchors = [int(ids[..., -1]) if isinstance(ids, torch.Tensor) else int(ids[-1]) for ids in committed]
+        out = draft_round(drafter, [s.draft for s in states], anchors, [n - 1 for n in lengths], budgets, policy,
+                          num_slots=num_slots, sampler=sampler)
+    else:
+        out = DraftResult([[] for _ in states], [0] * num, [[] for _ in states], [None] * num, [0] * num)
+    policy.end_round(out.confidences, budgets)
+    t_draft_ms = (time.perf_counter() - t0) * 1e3 / num
+    chains = []
+    for i in range(num):
+        if lookups[i]:
+            chains.append(Chain(lookups[i], "lookup", t_draft_ms=t_draft_ms))
+            continue
+        n, logits = out.lengths[i], out.logits[i]
+        chains.append(Chain(out.tokens[i][:n], "draft" if n else "", logits[:n] if logits is not None and n else None,
+                            out.tokens[i], out.confidences[i], out.ingested[i], t_draft_ms))
+    return chains
+
+
+def record(states: list[RequestState], chains: list[Chain], accepted: list[int], committed: list[int],
+           t_verify_ms: float) -> None:
+    """Step 5 of the module doc: append each request's :class:`~generation.stats.RoundStats`.
+
+    Args:
+        accepted: per request the chain tokens the target accepted.
+        committed: per request the tokens appended (accepted + the target's own, cut by EOS / length).
+        t_verify_ms: the verify forward and acceptance time (ms).
+    """
+    for s, c, a, n in zip(states, chains, accepted, committed):
+        ell = len(c.tokens)
+        s.stats.rounds.append(RoundStats(
+            drafted=len(c.drafted), verified=ell, accepted=a, committed=n,
+            confidences=list(c.confidences[:ell]) if c.source == "draft" else [],
+            draft_tokens=list(c.tokens) if c.source == "lookup" else list(c.drafted), t_draft_ms=c.t_draft_ms,
+            t_verify_ms=t_verify_ms, ingested=c.ingested, source=c.source,
+        ))
