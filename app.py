@@ -239,12 +239,15 @@ class ModelBank:
     """Loads the target (per dtype) and drafters (per dtype and path) once and hands them to requests.
 
     ``lock`` guards the shared weights: one generation at a time. Nothing per-request is stored here.
+    ``default_dtype`` is the page's preset and ``dtype_reason`` why it was chosen (``"--dtype"``: on the command
+    line; None: the page asks :func:`auto_dtype` itself).
     """
 
     def __init__(self, target_path: str | None = None, default_drafter: str | None = None,
-                 profile_if_missing: bool = False, default_dtype: str = "float32"):
+                 profile_if_missing: bool = False, default_dtype: str = "float32", dtype_reason: str | None = None):
         self.target_path = target_path
         self.default_dtype = default_dtype
+        self.dtype_reason = dtype_reason
         self.profile_if_missing = profile_if_missing
         self.default_drafter = default_drafter or default_drafter_spec()
         self.lock = threading.Lock()
@@ -623,9 +626,14 @@ def build_ui(bank: ModelBank):
                               else "scheduler: SPS(B) is measured on its first request (a few seconds; "
                                    "`dspark profile` does it ahead)" if sched_reason.startswith("no SPS(B)")
                               else f"scheduler: {sched_reason}"))
-                    fast, why = auto_dtype(bank.default_drafter, bank.target_path)
+                    if bank.dtype_reason == "--dtype":  # chosen on the command line: nothing to time
+                        picked = f"set with --dtype {bank.default_dtype}"
+                    else:
+                        fast, why = ((bank.default_dtype, bank.dtype_reason) if bank.dtype_reason
+                                     else auto_dtype(bank.default_drafter, bank.target_path))
+                        picked = f"picked for this machine: {fast} ({why})"
                     dtype = gr.Radio(list(DTYPES), value=bank.default_dtype, label="dtype", elem_id="dspark-dtype",
-                                     info=f"picked for this machine: {fast} ({why}). float32 is token-exact; "
+                                     info=f"{picked}. float32 is token-exact; "
                                           "bfloat16 may part from plain generate() at a near-tie")
                     drafter = gr.Textbox(value=bank.default_drafter, label="drafter (directory or 'random')")
         with gr.Row():
@@ -716,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    bank = ModelBank(args.target, drafter, profile_if_missing=args.profile, default_dtype=dtype)
+    bank = ModelBank(args.target, drafter, profile_if_missing=args.profile, default_dtype=dtype, dtype_reason=why)
     try:
         bank.get(dtype, drafter)
         if not args.no_warmup:

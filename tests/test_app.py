@@ -484,7 +484,8 @@ def test_browser_submit_prompt_renders_tokens_and_stats(tmp_path):
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(url, wait_until="domcontentloaded")
-                assert "picked for this machine" in page.locator("#dspark-dtype").inner_text()
+                # --dtype float32 was given: the page says so and times no dtype at start
+                assert "set with --dtype float32" in page.locator("#dspark-dtype").inner_text()
                 page.locator("#dspark-prompt textarea").fill("Explain speculative decoding in one sentence.")
                 max_new = page.locator("#dspark-max-new input[type=number]")
                 max_new.fill("16")
