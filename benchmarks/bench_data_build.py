@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from generation.profiling import cpu_model
     from modeling_dspark.target import apply_chat_template, load_target
     from training import prompts as P
     from training.data import eos_token_ids, generate_responses
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                          "tokens_per_s": round(new / wall, 1)})
             print(json.dumps(rows[-1]), flush=True)
     out = {"prompts": len(ids), "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
-           "cpu": platform.processor() or platform.machine(), "rows": rows}
+           "cpu_model": cpu_model(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print("| dtype | batch | tokens/s |\n|---|---:|---:|")
