@@ -62,6 +62,12 @@ def _check_resume_config(checkpoint: str, cfg) -> None:
                        + "; ".join(diff) + "); pass the options it was trained with")
 
 
+def _source_manifest(drafter_dir: str | None) -> dict | None:
+    """The ``training_manifest.json`` of the drafter ``--init-from-drafter`` started from (None: none, or it has none)."""
+    path = Path(drafter_dir) / "training_manifest.json" if drafter_dir else None
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="one or more directories written by `dspark data build` (or save_to_disk dirs), "
@@ -323,6 +329,8 @@ def run(args) -> int:
             "last_log": logs[-1] if logs else None,
             "init_from_target": args.init_from_target,
             "init_from_drafter": args.init_from_drafter,
+            # the source drafter's own manifest, so a drafter's whole training history stays with it
+            "init_from_drafter_manifest": _source_manifest(args.init_from_drafter),
             "machine": _machine(),
             "data_manifest": data_manifests.get(args.data[0]) if len(args.data) == 1 else (data_manifests or None),
         }

@@ -445,13 +445,23 @@ def test_target_config_mismatch_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("fmt", formats.EXPORT_FORMATS)
-def test_shipped_drafter_export_is_refused(tmp_path, fmt):
-    drafter = md.DSparkDraftModel.from_pretrained(SHIPPED_DRAFTER)
-    with pytest.raises(ValueError, match="'target'-style") as err:
-        formats.export_drafter(drafter, tmp_path / "out", format=fmt)
-    assert "learned mask embedding" in str(err.value)
-    assert not (tmp_path / "out").exists()
+def test_shipped_drafter_exports_to_speculators_only(tmp_path, smollm):
+    """The shipped drafter (Qwen3-style layers, mask token id, 8,192-token draft vocabulary) exports to speculators,
+    whose checkpoint loads back tensor for tensor equal with the same calibration; DeepSpec and DFlash, which cannot
+    hold a reduced vocabulary, are refused with nothing written."""
+    target, _ = smollm
+    drafter = md.DSparkDraftModel.from_pretrained(SHIPPED_DRAFTER, target=target)
+    for fmt in ("deepspec", "dflash"):
+        with pytest.raises(ValueError, match="reduced vocabulary"):
+            formats.export_drafter(drafter, tmp_path / fmt, format=fmt)
+        assert not (tmp_path / fmt).exists()
+    out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
+    back = md.DSparkDraftModel.from_pretrained(out, target=target)
+    state = back.state_dict()
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(state[key], value), key
+    for key in ("sts_temperatures", "sts_biases", "mask_token_id", "block_size", "target_layer_ids"):
+        assert getattr(back.config, key) == getattr(drafter.config, key), key
 
 
 @pytest.mark.parametrize("fields,fmt,message", [
@@ -533,7 +543,7 @@ def test_load_refuses_missing_or_invalid_pieces(tmp_path):
 def test_cli_export(tmp_path, capsys):
     rc = cli_main(["export", str(SHIPPED_DRAFTER), str(tmp_path / "refused"), "--format", "deepspec"])
     assert rc == 2 and not (tmp_path / "refused").exists()
-    assert "'target'-style" in capsys.readouterr().err
+    assert "reduced vocabulary" in capsys.readouterr().err
 
     target = tiny_target("qwen3")
     drafter = new_drafter(target, draft_vocab_size=24)

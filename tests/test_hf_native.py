@@ -169,18 +169,25 @@ def test_num_assistant_tokens_and_dspark_options_must_agree(tiny):
 
 
 # ---------------------------------------------------------------------------------------------- pipeline (real target)
-@pytest.mark.parametrize("which", ["shipped", "new"])
+@pytest.mark.parametrize("which", ["shipped", "shipped-exported", "new"])
 def test_auto_model_drafter_in_generate_and_pipeline_equals_plain_greedy(smollm, tmp_path, which):
-    """The shipped drafter (or a new one) from AutoModel, unbound: target.generate and pipeline("text-generation")
-    give plain greedy's output, and pipeline's num_assistant_tokens sets the block size."""
+    """The shipped drafter (its speculators export loaded back, or a new one) from AutoModel, unbound:
+    target.generate and pipeline("text-generation") give plain greedy's output, and pipeline's num_assistant_tokens
+    sets the block size."""
     from transformers import pipeline
 
+    from modeling_dspark import formats
+
     target, tok = smollm
+    shipped = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
     if which == "shipped":
-        path = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
+        drafter = AutoModel.from_pretrained(shipped)
+    elif which == "shipped-exported":  # what vLLM loads, back in transformers
+        out = formats.export_drafter(md.DSparkDraftModel.from_pretrained(shipped, target=target), tmp_path / "spec",
+                                     format="speculators")
+        drafter = md.DSparkDraftModel.from_pretrained(out)  # unbound, as the other cases
     else:
-        path = _save_drafter(target, tmp_path / "d", block_size=4, markov_rank=16)
-    drafter = AutoModel.from_pretrained(path)
+        drafter = AutoModel.from_pretrained(_save_drafter(target, tmp_path / "d", block_size=4, markov_rank=16))
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with collect_stats() as runs:

@@ -212,13 +212,15 @@ def test_round_trip_new_fields(tmp_path, kind):
 
 
 def test_old_config_loads_target_style_layers(tmp_path):
-    """A config saved before draft_layer_style existed (the shipped drafter's) builds the older layers; new configs
-    default to Qwen3-style layers and keep that setting through save / load."""
-    from pathlib import Path
-
-    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dspark"
+    """A config saved before draft_layer_style existed (drafters trained before it, e.g. the first shipped one)
+    builds the older layers; new configs default to Qwen3-style layers and keep that setting through save / load."""
+    shipped = tmp_path / "old"
+    md.DSparkDraftModel(md.DSparkConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        intermediate_size=128, vocab_size=96, target_num_hidden_layers=4,
+                                        draft_layer_style="target")).save_pretrained(shipped)
     old = json.loads((shipped / "config.json").read_text())
-    assert "draft_layer_style" not in old
+    del old["draft_layer_style"]
+    (shipped / "config.json").write_text(json.dumps(old))
     cfg = AutoConfig.from_pretrained(shipped)
     assert cfg.draft_layer_style == "target" and cfg.mask_token_id is None and cfg.anchor_predicts
     assert not cfg.own_embeddings and cfg.confidence_head_with_markov
@@ -227,8 +229,8 @@ def test_old_config_loads_target_style_layers(tmp_path):
     assert md.DSparkConfig.from_dict({k: v for k, v in old.items()}).draft_layer_style == "target"
     new = md.DSparkConfig(**{k: v for k, v in old.items() if k not in ("model_type", "transformers_version")})
     assert new.draft_layer_style == "qwen3"
-    new.save_pretrained(tmp_path)
-    assert md.DSparkConfig.from_pretrained(tmp_path).draft_layer_style == "qwen3"
+    new.save_pretrained(tmp_path / "new")
+    assert md.DSparkConfig.from_pretrained(tmp_path / "new").draft_layer_style == "qwen3"
     with pytest.raises(ValueError, match="draft_layer_style"):
         md.DSparkConfig(**{**new.to_dict(), "draft_layer_style": "llama"})
     with pytest.raises(ValueError, match="mask_token_id"):

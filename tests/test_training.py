@@ -248,6 +248,21 @@ def test_init_from_drafter_changes_the_layout(target):
         init_from_drafter(make_drafter(target, target_layer_ids=[1, 2], draft_vocab_size=16), source)
 
 
+def test_manifest_keeps_the_source_drafters_history(tmp_path):
+    """A drafter trained with --init-from-drafter carries its source's training manifest, so the shipped drafter's
+    manifest records the first drafter's 10,500 steps under the continuation's own."""
+    from pathlib import Path
+
+    from dspark_cli.train_cmd import _source_manifest
+
+    assert _source_manifest(None) is None and _source_manifest(str(tmp_path)) is None
+    (tmp_path / "training_manifest.json").write_text(json.dumps({"global_step": 7}))
+    assert _source_manifest(str(tmp_path)) == {"global_step": 7}
+    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dspark" / "training_manifest.json"
+    manifest = json.loads(shipped.read_text())
+    assert manifest["global_step"] == 2000 and manifest["init_from_drafter_manifest"]["global_step"] == 10500
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_init_from_target_in_half_precision(family, dtype):
