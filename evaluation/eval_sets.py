@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from generation.profiling import synchronize
+
 __all__ = ["MODES", "MIN_SPEED_PROMPTS", "ForwardCounter", "timed_generate", "evaluate", "markdown", "plot"]
 
 MODES = ("greedy", "sample")
@@ -47,11 +49,6 @@ class ForwardCounter:
 
     def remove(self):
         self._handle.remove()
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_generate(target, ids, drafter, gen_kwargs: dict, seed: int | None = None, block_size=None, policy=None,
@@ -81,10 +78,10 @@ def timed_generate(target, ids, drafter, gen_kwargs: dict, seed: int | None = No
         kw["assistant_model"] = drafter
         options = dspark_options(policy=policy, block_size=block_size, lookup=lookup)
     with torch.inference_mode(), collect_stats() as runs, options:
-        _sync(ids.device)
+        synchronize(ids.device)
         t0 = time.perf_counter()
         out = target.generate(ids, **kw)
-        _sync(ids.device)
+        synchronize(ids.device)
         dt = time.perf_counter() - t0
     stats = runs[-1] if runs and drafter is not None else None
     return out[0, ids.shape[1]:].tolist(), dt, stats

@@ -66,6 +66,7 @@ __all__ = [
     "default_profile_path",
     "target_name",
     "dtype_name",
+    "synchronize",
     "measure_verify",
     "profile_target",
     "save_profile",
@@ -347,7 +348,8 @@ class SPSProfile:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def _sync(device) -> None:
+def synchronize(device) -> None:
+    """Wait for ``device``'s queued work (CUDA), so a wall-clock timing covers it; a no-op on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -383,10 +385,10 @@ def measure_verify(
     for rep in range(warmup + repeats):
         for q in tokens:
             segs = [(kv, ids) for kv, ids in zip(caches, new_ids[q])]
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             packed.forward(segs)
-            _sync(device)
+            synchronize(device)
             dt = time.perf_counter() - t0
             for kv in caches:
                 kv.crop(context_len)
@@ -740,10 +742,10 @@ def _time_generate(target, drafter, dtypes, max_new_tokens: int, repeats: int, d
     best: dict[str, float] = {}
     for rep in range(1 + repeats):
         for name, (t, d) in models.items():
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             out = t.generate(ids, assistant_model=d, max_new_tokens=max_new_tokens if rep else 4, **kw)
-            _sync(device)
+            synchronize(device)
             if rep:
                 rate = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
                 best[name] = max(best.get(name, 0.0), rate)
