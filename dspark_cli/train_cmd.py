@@ -314,7 +314,7 @@ def run(args) -> int:
                           for d in args.data if (Path(d) / "manifest.json").exists()}
         manifest = {
             "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
-            "args": vars(args) | {"func": None},
+            "args": {k: v for k, v in vars(args).items() if not callable(v)},
             "target": cfg.target_name_or_path,
             "resumed_from": resume,
             "global_step": trainer.state.global_step,
@@ -334,7 +334,6 @@ def run(args) -> int:
             "machine": _machine(),
             "data_manifest": data_manifests.get(args.data[0]) if len(args.data) == 1 else (data_manifests or None),
         }
-        manifest["args"].pop("func", None)
         (Path(args.output_dir) / "training_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
         print(json.dumps({k: manifest[k] for k in ("global_step", "wall_s_this_run", "blocks_per_s_mean",
                                                     "last_log")}, indent=2, default=str))

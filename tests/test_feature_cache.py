@@ -198,6 +198,7 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread, 
     man = json.loads((out / "training_manifest.json").read_text())
     assert meta["complete"] and meta["num_rows"] == man["sequences"] == 15
     assert man["global_step"] == 2 and man["feature_cache"] == str(cache)
+    assert man["args"]["max_steps"] == 2 and "<function" not in json.dumps(man)  # options only, no callables
     assert set(man["data_manifest"]) == {str(tmp_path / "a"), str(tmp_path / "b")}
     assert train_cmd.main(common + ["--max-steps", "4", "--resume"]) == 0
     man = json.loads((out / "training_manifest.json").read_text())
