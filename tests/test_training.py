@@ -250,7 +250,7 @@ def test_init_from_drafter_changes_the_layout(target):
 
 def test_manifest_keeps_the_source_drafters_history(tmp_path):
     """A drafter trained with --init-from-drafter carries its source's training manifest, so the shipped drafter's
-    manifest records the first drafter's 10,500 steps under the continuation's own."""
+    manifest records its whole history: two 2,000-step continuations over the first drafter's 10,500 steps."""
     from pathlib import Path
 
     from dspark_cli.train_cmd import _source_manifest
@@ -260,7 +260,11 @@ def test_manifest_keeps_the_source_drafters_history(tmp_path):
     assert _source_manifest(str(tmp_path)) == {"global_step": 7}
     shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dspark" / "training_manifest.json"
     manifest = json.loads(shipped.read_text())
-    assert manifest["global_step"] == 2000 and manifest["init_from_drafter_manifest"]["global_step"] == 10500
+    steps = []
+    while manifest:
+        steps.append(manifest["global_step"])
+        manifest = manifest.get("init_from_drafter_manifest")
+    assert steps == [2000, 2000, 10500]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
