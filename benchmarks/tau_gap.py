@@ -12,6 +12,10 @@ has memorised its data (more data helps); equal τ means data is not what binds 
 
 ``--exclude-plans``: builds (their ``plan.json``) whose prompt ids are dropped from every set but the first, so a
 "held-out" set holds no training prompt. Writes JSON to ``--out`` and prints a markdown table.
+
+The anchors depend only on the seed and the row, so every drafter is scored on the same blocks, batch by batch:
+with several drafters the table also compares each one with the first, paired over the evaluation batches
+(``--batch-size`` sequences each): mean Δτ, batches won / lost, and the two-sided sign-test p-value.
 """
 
 from __future__ import annotations
@@ -36,18 +40,32 @@ def main(argv=None) -> int:
                    "sets of different source mixes can be compared")
     p.add_argument("--rows", type=int, default=256, help="sequences per set (the first ones)")
     p.add_argument("--anchors-per-seq", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per evaluation batch (one paired sample)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
     import torch
+    from scipy.stats import binomtest
     from transformers import TrainingArguments
 
     from modeling_dspark import DSparkDraftModel
     from modeling_dspark.target import load_target
     from training.data import load_data, read_plans
     from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset
+
+    class PerBatchTrainer(DSparkTrainer):
+        """Also records each evaluation batch's τ (over its blocks with all γ labels), for paired comparisons."""
+
+        batch_tau: list[float]
+
+        def compute_loss(self, model, inputs, *a, **kw):
+            before = self._sums["eval"].get("tau", (0.0, 0))
+            loss = super().compute_loss(model, inputs, *a, **kw)
+            after = self._sums["eval"].get("tau", (0.0, 0))
+            self.batch_tau.append(after[0] - before[0] if after[1] > before[1] else float("nan"))
+            return loss
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,27 +88,52 @@ def main(argv=None) -> int:
         gamma = drafter.config.block_size
         collator = DSparkCollator(gamma, args.anchors_per_seq, tok.pad_token_id or 0, seed=0)
         with tempfile.TemporaryDirectory() as tmp:
-            targs = TrainingArguments(output_dir=tmp, per_device_eval_batch_size=8, report_to="none",
+            targs = TrainingArguments(output_dir=tmp, per_device_eval_batch_size=args.batch_size, report_to="none",
                                       use_cpu=True, bf16=args.dtype == "bfloat16", remove_unused_columns=False)
-            trainer = DSparkTrainer(model=drafter, target=target, args=targs, data_collator=collator)
+            trainer = PerBatchTrainer(model=drafter, target=target, args=targs, data_collator=collator)
             row = {}
             for name, (path, data) in sets.items():
                 t0 = time.perf_counter()
+                trainer.batch_tau = []
                 m = trainer.evaluate(eval_dataset=data)
                 row[name] = {"path": path, "sequences": len(data), "tau": m["eval_tau"],
                              "survival": [m[f"eval_a{k}"] for k in range(1, gamma + 1)],
                              "acc_k1": m["eval_acc_k1"], "wall_s": round(time.perf_counter() - t0, 1)}
                 print(d, name, json.dumps(row[name]), flush=True)
+                row[name]["batch_tau"] = trainer.batch_tau
         results["drafters"][d] = row
+    names = list(sets)
+    first = args.drafter[0]
+    for d, row in results["drafters"].items():
+        for n in names:
+            if d != first:
+                row[n]["vs_first"] = paired(row[n]["batch_tau"], results["drafters"][first][n]["batch_tau"], binomtest)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
-    names = list(sets)
     print("| drafter | " + " | ".join(f"τ {n}" for n in names) + " | " + " | ".join(f"a1..a3 {n}" for n in names) + " |")
     print("|---|" + "---:|" * (2 * len(names)))
     for d, row in results["drafters"].items():
         print(f"| {Path(d).name} | " + " | ".join(f"{row[n]['tau']:.2f}" for n in names) + " | "
               + " | ".join(" ".join(f"{a:.2f}" for a in row[n]["survival"][:3]) for n in names) + " |")
+    if len(args.drafter) > 1:
+        print(f"\npaired against {Path(first).name}, per evaluation batch:\n")
+        print("| drafter | set | Δτ | won / lost | sign-test p |\n|---|---|---:|---:|---:|")
+        for d, row in results["drafters"].items():
+            for n in names:
+                if d != first:
+                    v = row[n]["vs_first"]
+                    print(f"| {Path(d).name} | {n} | {v['mean_delta']:+.3f} | {v['won']} / {v['lost']} | {v['p']:.3g} |")
     return 0
+
+
+def paired(tau, base, binomtest) -> dict:
+    """Mean Δτ over batches where both have a value, batches won and lost (ties dropped), two-sided sign test."""
+    pairs = [(a, b) for a, b in zip(tau, base) if a == a and b == b]
+    won = sum(a > b for a, b in pairs)
+    lost = sum(a < b for a, b in pairs)
+    p = binomtest(won, won + lost).pvalue if won + lost else 1.0
+    return {"mean_delta": sum(a - b for a, b in pairs) / max(len(pairs), 1), "won": won, "lost": lost,
+            "batches": len(pairs), "p": p}
 
 
 if __name__ == "__main__":

@@ -107,7 +107,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("adapt", help="LoRA-adapt a trained drafter to a new domain (peft)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(p)
-    p.set_defaults(func=run)
     return p
 
 
@@ -275,7 +274,7 @@ def run(args) -> int:
         logs = [h for h in trainer.state.log_history if "loss" in h]
         manifest = {
             "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
-            "args": {k: v for k, v in vars(args).items() if not callable(v)},
+            "args": dict(vars(args)),
             "base_drafter": str(args.drafter),
             "target": drafter.config.target_name_or_path,
             "data": str(args.data),

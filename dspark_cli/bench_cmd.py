@@ -101,7 +101,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "but none, which stays plain decoding)")
     s.add_argument("--profile", default=None, metavar="FILE.json",
                    help="SPS(B) profile file (default: the profile cache, see `dspark profile`)")
-    s.set_defaults(func=run)
     return p
 
 

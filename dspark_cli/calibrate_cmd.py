@@ -103,7 +103,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="store the fitted temperatures (and offsets: sts_biases, 0 without --bias) in the drafter's "
                         "config.json")
     add_progress_option(p)
-    p.set_defaults(func=run)
     return p
 
 

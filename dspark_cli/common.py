@@ -214,8 +214,9 @@ def drafter_dir(spec: str, hub: bool = True, weights: bool = True) -> str:
         weights: require ``*.safetensors`` files; False where only the config is read.
 
     Raises:
-        CLIError: no such directory or repository, no ``config.json``, one that is not a JSON object, or no
-            safetensors weights.
+        CLIError: no such directory or repository, no ``config.json``, one that is not a JSON object, no
+            safetensors weights, or a weights file whose header or size is not that of a safetensors file
+            (truncated or not safetensors at all).
     """
     from modeling_dspark.formats import read_json
     from modeling_dspark.hub import resolve_pretrained_dir
@@ -235,8 +236,18 @@ def drafter_dir(spec: str, hub: bool = True, weights: bool = True) -> str:
         read_json(path / "config.json")
     except OSError as err:
         raise CLIError(f"drafter {spec!r}: {err}") from None
-    if weights and not any(path.glob("*.safetensors")):
-        raise CLIError(f"drafter {spec!r} has no *.safetensors weights file")
+    if weights:
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CLIError(f"drafter {spec!r} has no *.safetensors weights file")
+        for f in files:
+            try:  # reads the header and checks the tensors' byte ranges against the file size; loads no tensor
+                with safe_open(str(f), framework="pt"):
+                    pass
+            except Exception as err:  # safetensors raises its own SafetensorError (or OSError) for a bad file
+                raise CLIError(f"drafter {spec!r}: corrupt weights file {f.name} ({err})") from None
     return str(path)
 
 

@@ -99,7 +99,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="data_command", required=True)
     b = sub.add_parser("build", help="generate target responses to training prompts, resumable, deterministic")
     _add_build_arguments(b)
-    b.set_defaults(func=run)
     return p
 
 

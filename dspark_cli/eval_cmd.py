@@ -85,7 +85,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="skip plain generate() and prompt lookup (tau only; no speedup, no identity check)")
     add_out_dir_option(p, "runs/eval", "where eval.json, eval.md and the plot are written")
     add_progress_option(p)
-    p.set_defaults(func=run)
     return p
 
 

@@ -92,7 +92,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="also run plain generate() on the same prompt and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (JSON lines)")
-    p.set_defaults(func=run)
     return p
 
 

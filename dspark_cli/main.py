@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    runner = getattr(args, "_dspark_run", None)
+    runner = vars(args).pop("_dspark_run", None)  # so that a command's args (kept in manifests) hold options only
     if runner is None:
         parser.print_help(sys.stderr)
         return 2

@@ -63,7 +63,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="print the cached tables for this target / dtype / threads; measure nothing (default: measure)")
     p.add_argument("--json", action="store_true", help="print the tables as JSON (default: text)")
     add_progress_option(p)
-    p.set_defaults(func=run)
     return p
 
 

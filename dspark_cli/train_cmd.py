@@ -144,7 +144,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a DSpark drafter for a frozen target",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(p)
-    p.set_defaults(func=run)
     return p
 
 
@@ -314,7 +313,7 @@ def run(args) -> int:
                           for d in args.data if (Path(d) / "manifest.json").exists()}
         manifest = {
             "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
-            "args": {k: v for k, v in vars(args).items() if not callable(v)},
+            "args": dict(vars(args)),
             "target": cfg.target_name_or_path,
             "resumed_from": resume,
             "global_step": trainer.state.global_step,

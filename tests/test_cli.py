@@ -303,6 +303,13 @@ def test_a_drafter_without_valid_config_or_weights_is_refused_before_the_target_
     (tmp_path / "config.json").write_text('{"block_size": 4}')
     assert main([*command, "--drafter", str(tmp_path)]) == 2
     assert "has no *.safetensors weights file" in capsys.readouterr().err
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(64)}, str(tmp_path / "model.safetensors"))
+    whole = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(whole[:-16])  # a download cut short
+    assert main([*command, "--drafter", str(tmp_path)]) == 2
+    assert "corrupt weights file model.safetensors" in capsys.readouterr().err
 
 
 def test_stats_line_says_what_it_measured():

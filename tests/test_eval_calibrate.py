@@ -269,7 +269,12 @@ def test_calibrate_usage_errors(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert main(["calibrate", "--drafter", str(tmp_path)]) == 2
     assert "has no *.safetensors weights file" in capsys.readouterr().err
-    (tmp_path / "model.safetensors").write_bytes(b"")  # only looked at when a model loads
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert main(["calibrate", "--drafter", str(tmp_path)]) == 2
+    assert "corrupt weights file model.safetensors" in capsys.readouterr().err
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))  # valid file; no model loads below
     assert main(["calibrate", "--drafter", str(tmp_path), "--prompts", "bogus"]) == 2  # before any model load
     assert "unknown source" in capsys.readouterr().err
     assert main(["calibrate", "--drafter", str(tmp_path), "--limit", "8", "--after", "8"]) == 2

@@ -266,7 +266,7 @@ def test_adapt_cli_end_to_end(tmp_path):
     sub = argparse.ArgumentParser().add_subparsers()
     p = adapt_cmd.add_parser(sub)
     args = p.parse_args(["--drafter", "d", "--data", "x", "--output-dir", "o", "--merge", "--lora-r", "16"])
-    assert args.merge and args.lora_r == 16 and args.func is adapt_cmd.run
+    assert args.merge and args.lora_r == 16
 
 
 @pytest.fixture
