@@ -8,8 +8,7 @@
 #
 # Two arms run at a time, one thread each; every arm resumes from its last checkpoint, so the script can be
 # re-run after an interruption. Writes OUT_DIR/<arm>/ (drafters), OUT_DIR/<arm>.log, OUT_DIR/tau.json (every
-# arm against the base) and OUT_DIR/tau-anchors.json (the base and the
-# anchors arms against anchors32x8).
+# arm against the base) and OUT_DIR/tau-anchors.json (the base and the anchors arms against anchors32x8).
 set -euo pipefail
 DATA=$1 CACHE=$2 HELDOUT=$3 OUT=$4 STEPS=${5:-600}
 PY=${PYTHON:-.venv/bin/python}
