@@ -106,12 +106,18 @@ def _check_args(args) -> dict[str, int]:
     """The options checked before the target is loaded; returns ``{source: number of prompts}``.
 
     Raises:
-        CLIError: a value out of its range, an unknown source, a missing --target, an --exclude-data directory
-            without plan.json, an --out-dir that is a file.
+        CLIError: a value out of its range, an unknown source, a library of the pylib source not installed, a
+            missing --target, an --exclude-data directory without plan.json, an --out-dir that is a file.
     """
     from pathlib import Path
 
     sources = parse_sources(args.sources, args.per_source)
+    if "pylib" in sources:
+        from training.code_stubs import PYLIB_PACKAGES, package_dir
+
+        if missing := [name for name in PYLIB_PACKAGES if package_dir(name) is None]:
+            raise CLIError(f"--sources pylib reads {', '.join(missing)}, not installed here: "
+                           "pip install -e '.[train]'")
     check_min(args, {"max_new_tokens": 1, "batch_size": 1, "seed": 0, "shard_size": 1, "max_prompt_tokens": 1,
                      "overlap_threshold": 0})
     if args.overlap_threshold > 1:

@@ -510,6 +510,15 @@ def test_data_build_refuses_bad_options_before_loading(extra, message, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_data_build_names_a_missing_pylib_library_before_loading(tmp_path, no_target_load, capsys, monkeypatch):
+    from training import code_stubs
+
+    monkeypatch.setattr(code_stubs, "PYLIB_PACKAGES", ("numpy", "not_a_package"))
+    rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "out", "--sources", "pylib,sharegpt"], capsys)
+    assert rc == 2 and "--sources pylib reads not_a_package, not installed here" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_data_build_into_another_build_names_out_dir(tmp_path, capsys):
     tdir = saved_tiny_target(tmp_path, {"data": ["what is 1 plus 2?"]})
     rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "data", "--target", tdir, "--sources",

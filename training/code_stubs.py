@@ -18,8 +18,10 @@ its responses to HumanEval:
   version (805 prompts on CPython 3.11.7); a build's ``plan.json`` records the tokenized prompts, so a build stays
   reproducible from its plan.
 * ``pylib`` — the same stubs from installed libraries of numeric and algorithmic utilities (``PYLIB_PACKAGES``:
-  sympy, networkx, mpmath, numpy, scipy, pandas; 3,046 prompts after de-duplication with this repository's
-  pinned environment), ids ``pylib-<package>.<module>.<name>``. Many carry ``>>>`` examples, as HumanEval's do.
+  sympy, networkx, mpmath, numpy, scipy, pandas), ids ``pylib-<package>.<module>.<name>``; every module is read,
+  private ones, ``testing`` helpers and ``conftest`` files included. 3,046 prompts after de-duplication with sympy
+  1.14.0, networkx 3.6.1, mpmath 1.3.0, numpy 2.4.6, scipy 1.17.1 and pandas 3.1.1. Many carry ``>>>`` examples,
+  as HumanEval's prompts do.
 
 All three are de-duplicated by :func:`training.prompts.normalize_prompt` and, like every source, pass through
 :func:`training.prompts.filter_eval_overlap`. Being HumanEval-shaped, they need its near-duplicate mode
@@ -40,15 +42,15 @@ import sysconfig
 from functools import lru_cache
 from typing import Iterable, Mapping
 
-__all__ = ["leetcode_stub", "leetcode_stub_items", "stdlib_stub_items", "library_stub_items", "STDLIB_SKIP_DIRS",
-           "PYLIB_PACKAGES"]
+__all__ = ["leetcode_stub", "leetcode_stub_items", "stdlib_stub_items", "library_stub_items", "package_dir",
+           "STDLIB_SKIP_DIRS", "PYLIB_PACKAGES"]
 
 STDLIB_SKIP_DIRS = frozenset({
     "test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "tkinter", "ensurepip",
     "distutils", "pydoc_data", "__pycache__",
 })
-# libraries of the ``pylib`` source: numeric and algorithmic utilities, closest to HumanEval's small functions; all
-# are installed with dspark's own dependencies (torch pulls sympy, networkx and mpmath; datasets pulls pandas)
+# libraries of the ``pylib`` source: numeric and algorithmic utilities, closest to HumanEval's small functions; torch
+# pulls sympy, networkx and mpmath, datasets pulls numpy and pandas, and scipy comes with dspark's train extra
 PYLIB_PACKAGES = ("sympy", "networkx", "mpmath", "numpy", "scipy", "pandas")
 _DOC_CHARS = (60, 800)
 _MAX_EXAMPLES = 3
@@ -137,18 +139,25 @@ def stdlib_stub_items(root: str | None = None) -> tuple[tuple[str, str], ...]:
     return _stub_items(root or sysconfig.get_paths()["stdlib"], "pyfunc-")
 
 
+def package_dir(name: str) -> str | None:
+    """Directory of the installed package ``name`` (an import name), found without importing it; None when it is
+    not installed or is a single module rather than a package."""
+    spec = importlib.util.find_spec(name)
+    return list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
+
+
 def library_stub_items(packages: Iterable[str] = PYLIB_PACKAGES) -> tuple[tuple[str, str], ...]:
     """``(id, stub)`` for the installed packages ``packages`` (import names), ids ``pylib-<package>.<module>.<name>``,
-    packages in the given order; the same function filter as :func:`stdlib_stub_items`, ``test``/``tests``
-    directories skipped. The pool follows the installed versions; a build's ``plan.json`` keeps its prompts.
+    packages in the given order; the same function filter as :func:`stdlib_stub_items` (public function names,
+    ``test``/``tests`` directories skipped; private modules, ``testing`` helpers and ``conftest`` files are kept).
+    The pool follows the installed versions; a build's ``plan.json`` keeps its prompts.
 
     Raises:
-        ImportError: a package is not installed (found without importing it).
+        ImportError: a name is not an installed package.
     """
     items = []
     for name in packages:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError(f"package {name!r} of the pylib source is not installed")
-        items += _stub_items(list(spec.submodule_search_locations)[0], f"pylib-{name}.")
+        if (root := package_dir(name)) is None:
+            raise ImportError(f"{name!r}, a library of the pylib source, is not an installed package")
+        items += _stub_items(root, f"pylib-{name}.")
     return tuple(items)

