@@ -112,12 +112,10 @@ def _check_args(args) -> dict[str, int]:
     from pathlib import Path
 
     sources = parse_sources(args.sources, args.per_source)
-    if "pylib" in sources:
-        from training.code_stubs import PYLIB_PACKAGES, package_dir
+    from training.prompts import missing_source_libraries
 
-        if missing := [name for name in PYLIB_PACKAGES if package_dir(name) is None]:
-            raise CLIError(f"--sources pylib reads {', '.join(missing)}, not installed here: "
-                           "pip install -e '.[train]'")
+    if missing := missing_source_libraries(sources):
+        raise CLIError(f"--sources pylib reads {', '.join(missing)}, not installed here: pip install -e '.[train]'")
     check_min(args, {"max_new_tokens": 1, "batch_size": 1, "seed": 0, "shard_size": 1, "max_prompt_tokens": 1,
                      "overlap_threshold": 0})
     if args.overlap_threshold > 1:

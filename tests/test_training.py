@@ -517,6 +517,11 @@ def test_data_build_names_a_missing_pylib_library_before_loading(tmp_path, no_ta
     rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "out", "--sources", "pylib,sharegpt"], capsys)
     assert rc == 2 and "--sources pylib reads not_a_package, not installed here" in err, err
     assert not (tmp_path / "out").exists()
+    from training import calibration
+
+    with pytest.raises(ValueError, match="pylib reads not_a_package, not installed here"):
+        calibration.parse_sources("sharegpt,pylib")
+    assert calibration.parse_sources("sharegpt") == (["sharegpt"], False)
 
 
 def test_data_build_into_another_build_names_out_dir(tmp_path, capsys):

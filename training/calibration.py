@@ -582,9 +582,10 @@ def parse_sources(sources: Sequence[str] | str) -> tuple[list[str], bool]:
     split), and whether they are one JSON-lines file (a ``.jsonl`` name or an existing file).
 
     Raises:
-        ValueError: no source, or a name that is neither a file nor a training prompt source.
+        ValueError: no source, a name that is neither a file nor a training prompt source, or a library that a
+            source reads not installed (:func:`training.prompts.missing_source_libraries`).
     """
-    from training.prompts import TRAIN_SOURCES
+    from training.prompts import TRAIN_SOURCES, missing_source_libraries
 
     if isinstance(sources, str):
         sources = [s.strip() for s in sources.split(",") if s.strip()]
@@ -593,6 +594,8 @@ def parse_sources(sources: Sequence[str] | str) -> tuple[list[str], bool]:
     if not sources or bad:
         raise ValueError(f"unknown source(s) {bad or list(sources)}; choose from {', '.join(TRAIN_SOURCES)} or give "
                          "a .jsonl file")
+    if not is_file and (missing := missing_source_libraries(sources)):
+        raise ValueError(f"pylib reads {', '.join(missing)}, not installed here: pip install -e '.[train]'")
     return list(sources), is_file
 
 

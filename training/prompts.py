@@ -111,6 +111,7 @@ __all__ = [
     "load_eval_prompts",
     "read_prompts_jsonl",
     "iter_train_prompts",
+    "missing_source_libraries",
     "normalize_prompt",
     "find_overlap",
     "filter_eval_overlap",
@@ -448,6 +449,15 @@ def _pyfunc_pool() -> tuple[dict, ...]:
     """Standard-library function stubs of this interpreter (:mod:`training.code_stubs`)."""
     from . import code_stubs
     return _unique_records(code_stubs.stdlib_stub_items(), "pyfunc")
+
+
+def missing_source_libraries(sources: Iterable[str]) -> list[str]:
+    """Import names of the libraries that ``sources`` read and that are not installed (only ``pylib`` reads
+    libraries: ``code_stubs.PYLIB_PACKAGES``); empty when all are there. Checked without importing them."""
+    if "pylib" not in sources:
+        return []
+    from . import code_stubs
+    return [name for name in code_stubs.PYLIB_PACKAGES if code_stubs.package_dir(name) is None]
 
 
 @lru_cache(maxsize=None)
