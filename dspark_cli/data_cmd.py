@@ -106,16 +106,16 @@ def _check_args(args) -> dict[str, int]:
     """The options checked before the target is loaded; returns ``{source: number of prompts}``.
 
     Raises:
-        CLIError: a value out of its range, an unknown source, a library of the pylib source not installed, a
-            missing --target, an --exclude-data directory without plan.json, an --out-dir that is a file.
+        CLIError: a value out of its range, an unknown source, a data package or library that a source reads not
+            installed, a missing --target, an --exclude-data directory without plan.json, an --out-dir that is a file.
     """
     from pathlib import Path
 
     sources = parse_sources(args.sources, args.per_source)
-    from training.prompts import missing_source_libraries
+    from training.prompts import missing_source_data
 
-    if missing := missing_source_libraries(sources):
-        raise CLIError(f"--sources pylib reads {', '.join(missing)}, not installed here: pip install -e '.[train]'")
+    if missing := missing_source_data(sources):
+        raise CLIError(f"--sources {args.sources}: " + "; ".join(missing))
     check_min(args, {"max_new_tokens": 1, "batch_size": 1, "seed": 0, "shard_size": 1, "max_prompt_tokens": 1,
                      "overlap_threshold": 0})
     if args.overlap_threshold > 1:

@@ -119,7 +119,9 @@ def _summarise_dspark(records: list[dict], gamma: int, eos: list[int]) -> dict:
                tau_mean_per_prompt=_mean([sum(x.committed for x in rs) / len(rs) for rs in rounds if rs]),
                drafted=int(sum(x.drafted for x in flat)), accepted=int(sum(x.accepted for x in flat)),
                t_draft_ms=_mean([x.t_draft_ms for x in flat]), t_verify_ms=_mean([x.t_verify_ms for x in flat]),
-               per_position=acceptance_by_position(acc, valid))
+               per_position=acceptance_by_position(acc, valid),
+               per_prompt={"rounds": [len(rs) for rs in rounds],
+                           "committed": [sum(x.committed for x in rs) for rs in rounds]})
     return out
 
 
@@ -141,9 +143,11 @@ def evaluate(target, tok, drafter, sets: list[str], modes: list[str], limit: int
     Returns:
         ``{"results": {set: {"n_prompts", "greedy", "sample", "plain", "prompt_lookup"}}, "summary": {...}}``:
         per mode the tokens, seconds, tokens/s, target forwards, τ, drafted/accepted counts, mean draft and
-        verify ms per round and :func:`training.calibration.acceptance_by_position`; greedy adds ``speedup``, ``n_identical``,
-        ``all_identical`` and ``differing_prompts``. The summary holds macro τ per mode, tokens/s per row,
-        speed-ups, identity counts and ``speedup_is_noise`` (fewer than :data:`MIN_SPEED_PROMPTS` prompts).
+        verify ms per round, :func:`training.calibration.acceptance_by_position` and ``per_prompt`` (``{"rounds",
+        "committed"}``: lists in prompt order, for paired comparisons of two drafters: ``benchmarks/paired_eval.py``);
+        greedy adds ``speedup``, ``n_identical``, ``all_identical`` and ``differing_prompts``. The summary holds
+        macro τ per mode, tokens/s per row, speed-ups, identity counts and ``speedup_is_noise`` (fewer than
+        :data:`MIN_SPEED_PROMPTS` prompts).
 
     Raises:
         ValueError: an unknown eval set; training.prompts.DataPackageMissing: its data package is missing.

@@ -170,6 +170,9 @@ def test_eval_writes_json_md_png(drafter_dir, tmp_path, capsys):
         for key in ("conditional_accept_rate", "survival", "n_conditional", "implied_tau_at_block_size"):
             assert len(pp[key]) == BLOCK
         assert pp["implied_tau_at_block_size"][0] >= 1.0
+        per = m["per_prompt"]  # per-prompt counts add up to the set's totals
+        assert len(per["rounds"]) == len(per["committed"]) == 2 and sum(per["rounds"]) == m["rounds"]
+        assert sum(per["committed"]) == pytest.approx(m["tau"] * m["rounds"])
     g = r["greedy"]
     assert g["all_identical"] and g["n_identical"] == 2  # float32 greedy: lossless
     assert g["speedup"] > 0 and r["plain"]["tokens_per_target_forward"] == pytest.approx(1.0)
@@ -288,3 +291,39 @@ def test_eval_default_drafter_follows_the_target():
 
     assert _resolve_drafter(None, None) == _resolve_drafter(None, "SmolLM2-135M-Instruct") == str(SHIPPED_DRAFTER)
     assert _resolve_drafter(None, "/some/other/target") == "random"
+
+
+def test_paired_eval_compares_prompt_by_prompt(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("paired_eval", Path(__file__).parent.parent / "benchmarks"
+                                                  / "paired_eval.py")
+    pe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pe)
+    config = {"sets": ["gsm8k", "mtbench"], "limit": 3, "block_size": 8, "policy": "full", "max_new_tokens": 16,
+              "dtype": "float32", "seed": 0}
+
+    def report(committed, cfg=config):
+        return {"config": dict(cfg), "results": {name: {"greedy": {"per_prompt": {"rounds": [4, 4, 4],
+                                                                                  "committed": c}}}
+                                                for name, c in zip(cfg["sets"], committed)}}
+
+    base = report([[8, 8, 8], [4, 8, 8]])
+    new = report([[12, 8, 12], [8, 4, 16]])
+    res = pe.compare(base, new)
+    assert (res["gsm8k"]["won"], res["gsm8k"]["lost"], res["gsm8k"]["mean_delta"]) == (2, 0, pytest.approx(2 / 3))
+    assert (res["mtbench"]["won"], res["mtbench"]["lost"]) == (2, 1)
+    assert (res["pooled"]["won"], res["pooled"]["lost"], res["pooled"]["batches"]) == (4, 1, 6)
+    assert res["pooled"]["p"] == pytest.approx(0.375)  # two-sided binomial, 4 of 5
+    with pytest.raises(ValueError, match="differ in limit"):
+        pe.compare(base, report([[8, 8, 8], [4, 8, 8]], dict(config, limit=4)))
+    old = report([[8, 8, 8], [4, 8, 8]])
+    del old["results"]["mtbench"]["greedy"]["per_prompt"]
+    with pytest.raises(ValueError, match="no per_prompt counts"):
+        pe.compare(old, new)
+    for name, rep in (("base", base), ("new", new)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rep))
+    assert pe.main([str(tmp_path / "base.json"), str(tmp_path / "new.json"), "--out", str(tmp_path / "p.json")]) == 0
+    assert "| pooled | 6 | +0.667 | 4 / 1 | 0.375 |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "p.json").read_text())["paired"]["pooled"]["won"] == 4

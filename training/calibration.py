@@ -582,10 +582,10 @@ def parse_sources(sources: Sequence[str] | str) -> tuple[list[str], bool]:
     split), and whether they are one JSON-lines file (a ``.jsonl`` name or an existing file).
 
     Raises:
-        ValueError: no source, a name that is neither a file nor a training prompt source, or a library that a
-            source reads not installed (:func:`training.prompts.missing_source_libraries`).
+        ValueError: no source, a name that is neither a file nor a training prompt source, or a data package or
+            library that a source reads not installed (:func:`training.prompts.missing_source_data`).
     """
-    from training.prompts import TRAIN_SOURCES, missing_source_libraries
+    from training.prompts import TRAIN_SOURCES, missing_source_data
 
     if isinstance(sources, str):
         sources = [s.strip() for s in sources.split(",") if s.strip()]
@@ -594,8 +594,8 @@ def parse_sources(sources: Sequence[str] | str) -> tuple[list[str], bool]:
     if not sources or bad:
         raise ValueError(f"unknown source(s) {bad or list(sources)}; choose from {', '.join(TRAIN_SOURCES)} or give "
                          "a .jsonl file")
-    if not is_file and (missing := missing_source_libraries(sources)):
-        raise ValueError(f"pylib reads {', '.join(missing)}, not installed here: pip install -e '.[train]'")
+    if missing := missing_source_data([] if is_file else sources):  # eval files: every prompt is checked against them
+        raise ValueError("; ".join(missing))
     return list(sources), is_file
 
 

