@@ -250,7 +250,7 @@ def test_init_from_drafter_changes_the_layout(target):
 
 def test_manifest_keeps_the_source_drafters_history(tmp_path):
     """A drafter trained with --init-from-drafter carries its source's training manifest, so the shipped drafter's
-    manifest records its whole history: two 2,000-step continuations over the first drafter's 10,500 steps."""
+    manifest records its whole history: each continuation over the first drafter's 10,500 steps."""
     from pathlib import Path
 
     from dspark_cli.train_cmd import _source_manifest
@@ -264,7 +264,7 @@ def test_manifest_keeps_the_source_drafters_history(tmp_path):
     while manifest:
         steps.append(manifest["global_step"])
         manifest = manifest.get("init_from_drafter_manifest")
-    assert steps == [1885, 2240, 2000, 2000, 10500]
+    assert steps == [2000, 1885, 2240, 2000, 2000, 10500]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
