@@ -3,7 +3,7 @@
 Per eval set and pooled over the sets: each prompt's τ = committed tokens / speculative rounds (from the reports'
 ``per_prompt`` counts), the mean Δτ (new − base) over prompts, prompts won / lost (ties dropped) and the two-sided
 sign-test p-value. Both reports must come from the same prompts and options (sets, limit, block size, response
-length, dtype, seed); greedy prompts then share the target's output up to bf16 near-ties.
+length, dtype, policy, seed, target); greedy prompts then share the target's output up to bf16 near-ties.
 
     python benchmarks/paired_eval.py BASE/eval.json NEW/eval.json --mode greedy --out paired.json
 
@@ -19,15 +19,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SAME = ("sets", "limit", "block_size", "policy", "max_new_tokens", "dtype", "seed")
+SAME = ("sets", "limit", "block_size", "policy", "max_new_tokens", "dtype", "seed", "target")
 """Config keys that must match for two reports to be paired."""
 
 
 def prompt_tau(mode: dict) -> list[float]:
-    """τ of each prompt, in prompt order (NaN for a prompt without a round)."""
+    """τ of each prompt, in prompt order (NaN for a prompt without a round).
+
+    Raises:
+        ValueError: no ``per_prompt`` counts, or ``rounds`` and ``committed`` of different lengths.
+    """
     pp = mode.get("per_prompt")
     if pp is None:
         raise ValueError("report has no per_prompt counts (written by an older dspark eval): run dspark eval again")
+    if len(pp["rounds"]) != len(pp["committed"]):
+        raise ValueError(f"per_prompt has {len(pp['rounds'])} rounds but {len(pp['committed'])} committed counts")
     return [c / r if r else float("nan") for c, r in zip(pp["committed"], pp["rounds"])]
 
 
@@ -35,7 +41,8 @@ def compare(base: dict, new: dict, mode: str = "greedy") -> dict:
     """``{set: paired, ..., "pooled": paired}`` (:func:`tau_gap.paired` over prompts) of ``new`` against ``base``.
 
     Raises:
-        ValueError: the reports differ in a :data:`SAME` option, lack ``mode`` for a set, or lack per-prompt counts.
+        ValueError: the reports differ in a :data:`SAME` option, lack ``mode`` for a set, lack per-prompt counts,
+            or hold different numbers of prompts for a set.
     """
     from scipy.stats import binomtest
 
@@ -47,10 +54,12 @@ def compare(base: dict, new: dict, mode: str = "greedy") -> dict:
             f"{k} ({base['config'].get(k)!r} vs {new['config'].get(k)!r})" for k in diff))
     out, pooled_new, pooled_base = {}, [], []
     for name in base["config"]["sets"]:
-        try:
-            a, b = prompt_tau(new["results"][name][mode]), prompt_tau(base["results"][name][mode])
-        except KeyError:
-            raise ValueError(f"set {name!r} has no {mode!r} results in both reports") from None
+        for label, rep in (("base", base), ("new", new)):
+            if mode not in rep["results"].get(name, {}):
+                raise ValueError(f"the {label} report has no {mode!r} results for set {name!r}")
+        a, b = prompt_tau(new["results"][name][mode]), prompt_tau(base["results"][name][mode])
+        if len(a) != len(b):
+            raise ValueError(f"set {name!r}: {len(b)} prompts in the base report, {len(a)} in the new one")
         out[name] = paired(a, b, binomtest)
         pooled_new += a
         pooled_base += b
@@ -68,7 +77,7 @@ def main(argv=None) -> int:
     try:
         base, new = (json.loads(Path(f).read_text()) for f in (args.base, args.new))
         res = compare(base, new, args.mode)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable, or not two dspark eval reports
         print(f"paired_eval: error: {err}", file=sys.stderr)
         return 2
     if args.out:

@@ -115,7 +115,7 @@ def _check_args(args) -> dict[str, int]:
     from training.prompts import missing_source_data
 
     if missing := missing_source_data(sources):
-        raise CLIError(f"--sources {args.sources}: " + "; ".join(missing))
+        raise CLIError(f"reading the sources {', '.join(sources)} needs what is not installed: " + "; ".join(missing))
     check_min(args, {"max_new_tokens": 1, "batch_size": 1, "seed": 0, "shard_size": 1, "max_prompt_tokens": 1,
                      "overlap_threshold": 0})
     if args.overlap_threshold > 1:

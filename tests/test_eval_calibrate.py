@@ -305,7 +305,7 @@ def test_paired_eval_compares_prompt_by_prompt(tmp_path, capsys):
               "dtype": "float32", "seed": 0}
 
     def report(committed, cfg=config):
-        return {"config": dict(cfg), "results": {name: {"greedy": {"per_prompt": {"rounds": [4, 4, 4],
+        return {"config": dict(cfg), "results": {name: {"greedy": {"per_prompt": {"rounds": [4] * len(c),
                                                                                   "committed": c}}}
                                                 for name, c in zip(cfg["sets"], committed)}}
 
@@ -316,6 +316,10 @@ def test_paired_eval_compares_prompt_by_prompt(tmp_path, capsys):
     assert (res["mtbench"]["won"], res["mtbench"]["lost"]) == (2, 1)
     assert (res["pooled"]["won"], res["pooled"]["lost"], res["pooled"]["batches"]) == (4, 1, 6)
     assert res["pooled"]["p"] == pytest.approx(0.375)  # two-sided binomial, 4 of 5
+    with pytest.raises(ValueError, match="set 'mtbench': 3 prompts in the base report, 2 in the new one"):
+        pe.compare(base, report([[12, 8, 12], [8, 4]]))
+    with pytest.raises(ValueError, match="the new report has no 'greedy' results for set 'mtbench'"):
+        pe.compare(base, report([[12, 8, 12]], dict(config, sets=["gsm8k"])) | {"config": config})
     with pytest.raises(ValueError, match="differ in limit"):
         pe.compare(base, report([[8, 8, 8], [4, 8, 8]], dict(config, limit=4)))
     old = report([[8, 8, 8], [4, 8, 8]])

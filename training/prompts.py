@@ -225,7 +225,7 @@ def missing_source_data(sources: Iterable[str]) -> list[str]:
     (:func:`filter_eval_overlap`), and the libraries ``pylib`` reads (``code_stubs.PYLIB_PACKAGES``). Checked
     without importing anything, so a build or calibration can refuse before it loads the target.
     """
-    sources = list(sources)
+    sources = [sources] if isinstance(sources, str) else list(sources)
     wanted = list(_EVAL_FILES.values()) + [f for s in sources for f in _source_files(s)]
     missing = []
     for dist, rel in wanted:
