@@ -113,15 +113,15 @@ def _summarise_dspark(records: list[dict], gamma: int, eos: list[int]) -> dict:
     acc = np.concatenate([a for a, _ in labels]) if labels else np.zeros((0, gamma), dtype=np.int8)
     valid = np.concatenate([v for _, v in labels]) if labels else np.zeros((0, gamma), dtype=bool)
     flat = [x for rs in rounds for x in rs]
-    committed = sum(x.committed for x in flat)
+    n_rounds = [len(rs) for rs in rounds]  # per prompt
+    committed = [sum(x.committed for x in rs) for rs in rounds]  # per prompt
     out = _summarise_speed(records)
-    out.update(rounds=len(flat), tau=committed / len(flat) if flat else None,
-               tau_mean_per_prompt=_mean([sum(x.committed for x in rs) / len(rs) for rs in rounds if rs]),
+    out.update(rounds=len(flat), tau=sum(committed) / len(flat) if flat else None,
+               tau_mean_per_prompt=_mean([c / n for c, n in zip(committed, n_rounds) if n]),
                drafted=int(sum(x.drafted for x in flat)), accepted=int(sum(x.accepted for x in flat)),
                t_draft_ms=_mean([x.t_draft_ms for x in flat]), t_verify_ms=_mean([x.t_verify_ms for x in flat]),
                per_position=acceptance_by_position(acc, valid),
-               per_prompt={"rounds": [len(rs) for rs in rounds],
-                           "committed": [sum(x.committed for x in rs) for rs in rounds]})
+               per_prompt={"rounds": n_rounds, "committed": committed})
     return out
 
 
