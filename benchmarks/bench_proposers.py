@@ -36,7 +36,8 @@ VARIANTS = ("plain", "prompt_lookup", "dspark", "dspark+lookup")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", default="drafters/smollm2-135m-dspark", help="drafter directory or 'random'")
-    p.add_argument("--target", default=None, help="target directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, help="target directory or packaged target name (default: the packaged "
+                   "target the drafter was trained for, else SmolLM2-135M-Instruct)")
     p.add_argument("--per-domain", type=int, default=4, help="prompts per domain (default: 4)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each eval set (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -226,6 +227,9 @@ def main(argv=None) -> int:
         sys.exit("this checkout's dspark_options has no lookup= option (the lookup proposer is not wired in)")
     if args.drafter != "random" and not Path(args.drafter).is_dir():
         sys.exit(f"drafter directory not found: {args.drafter}")
+    from dspark_cli.common import target_for_drafter
+
+    args.target = target_for_drafter(args.target, args.drafter)
     if args.per_domain < 1 or args.max_new_tokens < 2:
         sys.exit("--per-domain must be >= 1 and --max-new-tokens >= 2")
     hf_logging.disable_progress_bar()

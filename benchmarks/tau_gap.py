@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", nargs="+", default=[str(REPO_ROOT / "drafters" / "smollm2-135m-dspark")])
     p.add_argument("--data", nargs="+", required=True, metavar="NAME=DIR", help="labelled data builds")
+    p.add_argument("--target", default=None, help="the target that wrote the data (default: the packaged target the "
+                   "first drafter was trained for, else SmolLM2-135M-Instruct)")
     p.add_argument("--exclude-plans", nargs="*", default=[], metavar="DIR")
     p.add_argument("--sources", default=None, help="comma-separated prompt sources to keep (default: all), so that "
                    "sets of different source mixes can be compared")
@@ -50,6 +52,7 @@ def main(argv=None) -> int:
     from scipy.stats import binomtest
     from transformers import TrainingArguments
 
+    from dspark_cli.common import target_for_drafter
     from modeling_dspark import DSparkDraftModel
     from modeling_dspark.target import load_target
     from training.data import load_data, read_plans
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
             keep = set(args.sources.split(","))
             data = data.filter(lambda src: src in keep, input_columns=["source"])
         sets[name] = (path, prepare_dataset(data.select(range(min(args.rows, len(data))))))
-    target, tok = load_target(None, dtype=dtype)
+    target, tok = load_target(target_for_drafter(args.target, args.drafter[0]), dtype=dtype)
     results = {"rows": args.rows, "sources": args.sources, "anchors_per_seq": args.anchors_per_seq, "dtype": args.dtype, "drafters": {}}
     for d in args.drafter:
         drafter = DSparkDraftModel.from_pretrained(d).to(dtype)

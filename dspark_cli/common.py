@@ -14,6 +14,11 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
+SHIPPED_DRAFTERS = {
+    "SmolLM2-135M-Instruct": SHIPPED_DRAFTER,
+    "Qwen2.5-Coder-0.5B-Instruct": REPO_ROOT / "drafters" / "qwen2.5-coder-0.5b-dspark",
+}
+"""The drafter used for each packaged target when no ``--drafter`` is given."""
 RANDOM_DRAFTER_SEED = 0
 RANDOM_DRAFTER_BLOCK_SIZE = 8
 DTYPES = ("float32", "bfloat16")
@@ -104,13 +109,28 @@ def add_hidden_alias(p, flag: str, dest: str, const=None) -> None:
 
 
 def shipped_drafter_for(target: str | None) -> str | None:
-    """The shipped drafter's directory when ``target`` (``--target``) is the default target and the drafter is
-    present, else None."""
+    """The shipped drafter's directory for ``target`` (``--target``; None: the default target) when that is a
+    packaged target with a drafter in :data:`SHIPPED_DRAFTERS` and the drafter is present, else None."""
     from modeling_dspark.target import DEFAULT_TARGET
 
-    if target in (None, DEFAULT_TARGET) and (SHIPPED_DRAFTER / "config.json").is_file():
-        return str(SHIPPED_DRAFTER)
-    return None
+    drafter = SHIPPED_DRAFTERS.get(target or DEFAULT_TARGET)
+    return str(drafter) if drafter is not None and (drafter / "config.json").is_file() else None
+
+
+def target_for_drafter(target: str | None, drafter: str | None) -> str | None:
+    """``--target``, else the packaged target that drafter directory ``drafter`` was trained for (its config's
+    ``target_name_or_path``), else None (the default target): a drafter for Qwen2.5-Coder-0.5B-Instruct runs with that
+    target without ``--target``."""
+    from modeling_dspark.formats import read_json
+    from modeling_dspark.target import PACKAGED_TARGETS
+
+    if target is not None or drafter in (None, "random"):
+        return target
+    try:
+        name = read_json(Path(drafter) / "config.json").get("target_name_or_path")
+    except OSError:
+        return None
+    return name if name in PACKAGED_TARGETS else None
 
 
 def resolve_device(spec: str | None) -> str:
@@ -330,19 +350,21 @@ def parse_ints(flag: str, text: str) -> list[int]:
 
 
 def check_target(spec: str | None) -> None:
-    """``--target``: None, the default target's name, or a local model directory (with a ``config.json``).
+    """``--target``: None, a packaged target's name (:data:`modeling_dspark.target.PACKAGED_TARGETS`), or a local
+    model directory (with a ``config.json``).
 
     Raises:
         CLIError: anything else (targets are never downloaded), with the reason
             (:func:`modeling_dspark.target.check_target_dir`).
     """
-    from modeling_dspark.target import DEFAULT_TARGET, check_target_dir
+    from modeling_dspark.target import PACKAGED_TARGETS, check_target_dir
 
-    if spec is not None and spec != DEFAULT_TARGET:
+    if spec is not None and spec not in PACKAGED_TARGETS:
         try:
             check_target_dir(spec)
         except FileNotFoundError as err:
-            raise CLIError(f"--{err}") from None
+            names = ", ".join(PACKAGED_TARGETS)
+            raise CLIError(f"--{err}; or name a packaged target: {names}") from None
 
 
 def check_eval_sets(flag: str, names: list[str]) -> list[str]:

@@ -34,7 +34,8 @@ def _add_build_arguments(p: argparse.ArgumentParser) -> None:
     add_out_dir_option(p, None, "where the build is written; an unfinished build there is resumed")
     add_hidden_alias(p, "--out", "out_dir")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
+                   help="local target checkpoint directory or packaged target name, e.g. Qwen2.5-Coder-0.5B-Instruct "
+                        "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--sources", default=DEFAULT_SOURCES,
                    help=f"comma-separated training prompt sources (default: {DEFAULT_SOURCES})")
     p.add_argument("--per-source", default="1000",

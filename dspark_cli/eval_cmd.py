@@ -42,6 +42,7 @@ from .common import (
     resolve_dtype,
     set_threads,
     shipped_drafter_for,
+    target_for_drafter,
 )
 
 DEFAULT_SETS = "gsm8k,humaneval,mtbench"
@@ -58,11 +59,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
-                   help="DSpark drafter directory, Hugging Face Hub id or 'random' (default: "
-                        f"{SHIPPED_DRAFTER.relative_to(REPO_ROOT)} "
-                        "if present, else random)")
+                   help="DSpark drafter directory, Hugging Face Hub id or 'random' (default: the target's shipped "
+                        f"drafter, e.g. {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}, if present, else random)")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
+                   help="local transformers checkpoint directory or packaged target name, e.g. "
+                        "Qwen2.5-Coder-0.5B-Instruct (default: the packaged target the drafter was trained for, "
+                        "else SmolLM2-135M-Instruct)")
     p.add_argument("--sets", default=DEFAULT_SETS,
                    help=f"comma-separated eval sets among gsm8k, humaneval, mtbench, alpaca, arena-hard "
                         f"(default: {DEFAULT_SETS})")
@@ -120,6 +122,7 @@ def _check_args(args) -> tuple[list[str], list[str]]:
 def run(args) -> int:
     sets, modes = _check_args(args)
     drafter_spec = _resolve_drafter(args.drafter, args.target)
+    args.target = target_for_drafter(args.target, drafter_spec)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers

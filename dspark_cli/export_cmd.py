@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .common import CLIError, drafter_dir, reports_cli_errors
+from .common import CLIError, drafter_dir, reports_cli_errors, target_for_drafter
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -51,11 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load_target(path, dtype):
-    """The target model (no tokenizer needed): a local directory, or the default target for None."""
-    if path is None:
-        from modeling_dspark.target import load_target
+    """The target model (no tokenizer needed): a local directory, or a packaged target (None: the default)."""
+    from modeling_dspark.target import PACKAGED_TARGETS, load_target
 
-        return load_target(None, dtype=dtype)[0]
+    if path is None or path in PACKAGED_TARGETS:
+        return load_target(path, dtype=dtype)[0]
     from transformers import AutoModelForCausalLM
 
     if not Path(path).is_dir():
@@ -74,6 +74,7 @@ def _export(args) -> Path:
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
     if formats.export_needs_target(drafter.config, args.format):
+        args.target = target_for_drafter(args.target, path)
         try:
             drafter.bind_target(_load_target(args.target, next(drafter.parameters()).dtype))
         except (OSError, ValueError) as err:

@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 from .common import (
-    CLIError,
     RANDOM_DRAFTER_SEED,
     REPO_ROOT,
     SHIPPED_DRAFTER,
+    CLIError,
     add_device_option,
     add_dtype_option,
     add_threads_option,
@@ -40,6 +40,7 @@ from .common import (
     resolve_dtype,
     set_threads,
     shipped_drafter_for,
+    target_for_drafter,
 )
 
 
@@ -58,12 +59,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="JSON lines, each an object with a 'prompt' field; all run with one model load (this or --prompt "
                           "is required)")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
+                   help="local transformers checkpoint directory or packaged target name, e.g. "
+                        "Qwen2.5-Coder-0.5B-Instruct (default: the packaged target the drafter was trained for, "
+                        "else SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory, or a Hugging Face Hub id (read through huggingface_hub; "
                         "HF_HUB_OFFLINE=1: from the local cache only), or 'random' for an untrained drafter "
-                        f"(default for the default target: {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}; other targets "
-                        "need --drafter or --no-draft)")
+                        f"(default: the target's shipped drafter, e.g. {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}; "
+                        "other targets need --drafter or --no-draft)")
     p.add_argument("--no-draft", action="store_true", help="plain target.generate() without a drafter")
     p.add_argument("--no-lookup", action="store_true",
                    help="turn off the n-gram lookup proposer that runs beside the drafter (generation.lookup); "
@@ -228,6 +231,7 @@ def run(args) -> int:
     _check_args(args)
     prompts = _read_prompts(args)
     drafter_spec = _resolve_drafter(args)
+    args.target = target_for_drafter(args.target, drafter_spec)
     policy = None
     if args.policy is not None and drafter_spec is not None:
         from generation.policies import parse_policy

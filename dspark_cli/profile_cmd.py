@@ -42,7 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory (default: SmolLM2-135M-Instruct)")
+                   help="local transformers checkpoint directory or packaged target name, e.g. "
+                        "Qwen2.5-Coder-0.5B-Instruct (default: SmolLM2-135M-Instruct)")
     add_dtype_option(p)
     add_device_option(p)
     add_threads_option(p)

@@ -76,7 +76,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                                 "empty OUT_DIR, a non-empty one is refused unless --resume is given")
     add_hidden_alias(p, "--output-dir", "out_dir")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="local target checkpoint directory (default: SmolLM2-135M-Instruct)")
+                   help="local target checkpoint directory or packaged target name, e.g. Qwen2.5-Coder-0.5B-Instruct "
+                        "(default: SmolLM2-135M-Instruct)")
     g = p.add_argument_group("drafter")
     g.add_argument("--block-size", type=int, default=8, help="block size γ: draft slots per round (default: 8)")
     g.add_argument("--sequential-head", choices=["markov", "rnn", "none"], default="markov",
@@ -218,7 +219,7 @@ def run(args) -> int:
     from transformers import TrainingArguments
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
-    from modeling_dspark.target import DEFAULT_TARGET
+    from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
     from training.trainer import DSparkCollator, DSparkTrainer, init_from_target
 
     set_threads(args.threads)
@@ -245,8 +246,8 @@ def run(args) -> int:
         )
     except ValueError as err:  # e.g. --mask-token-id or --target-layer-ids outside this target's range
         raise CLIError(f"the drafter options do not fit this target: {err}") from None
-    if not cfg.target_name_or_path or args.target is None:
-        cfg.target_name_or_path = str(args.target or DEFAULT_TARGET)
+    if not cfg.target_name_or_path or args.target is None or args.target in PACKAGED_TARGETS:
+        cfg.target_name_or_path = str(args.target or DEFAULT_TARGET)  # a packaged target by name, not its cache path
     resume = resolve_resume(args.resume, args.output_dir)
     if resume is not None:
         _check_resume_config(resume, cfg)

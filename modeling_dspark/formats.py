@@ -409,22 +409,24 @@ def _state_to_dspark(fmt: str, config: dict, state: dict, dc: DSparkConfig, wher
 def portable_verifier_name(name: str | os.PathLike | None) -> str | None:
     """The verifier (target) name an export writes: a Hub id or a relative path, never this machine's absolute path.
 
-    ``None`` / ``""`` -> ``None``; the default target (its name, or the local copy
-    :func:`modeling_dspark.target.default_target_path` makes) -> its Hub id ``HuggingFaceTB/SmolLM2-135M-Instruct``;
+    ``None`` / ``""`` -> ``None``; a packaged target (its name, or the local copy
+    :func:`modeling_dspark.target.packaged_target_path` makes) -> its Hub id, e.g.
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``;
     a snapshot in a Hugging Face Hub cache (``.../models--ORG--NAME/snapshots/REV``) -> ``ORG/NAME``; any other Hub
     id or relative path is kept as it is.
 
     Raises:
         ValueError: ``name`` is another absolute (or ``~``) path; the message says to name the verifier instead.
     """
-    from .target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, cache_dir
+    from .target import PACKAGED_TARGETS, cache_dir
 
     if name is None or str(name) == "":
         return None
     name = str(name)
     path = Path(name).expanduser()
-    if name == DEFAULT_TARGET or (path.is_absolute() and path.resolve() == (cache_dir() / DEFAULT_TARGET).resolve()):
-        return DEFAULT_TARGET_HUB_ID
+    for packaged, target in PACKAGED_TARGETS.items():
+        if name == packaged or (path.is_absolute() and path.resolve() == (cache_dir() / packaged).resolve()):
+            return target.hub_id
     parts = path.parts
     if path.is_absolute() and len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         return parts[-3].removeprefix("models--").replace("--", "/")

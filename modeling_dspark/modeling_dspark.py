@@ -239,10 +239,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             ("vocab size", c.vocab_size, tc.vocab_size),
             ("number of decoder layers", c.target_num_hidden_layers, tc.num_hidden_layers),
         ]
+        built_for = f" ({c.target_name_or_path})" if c.target_name_or_path else ""
         for what, mine, theirs in checks:
             if mine != theirs:
                 raise ValueError(
-                    f"drafter/target mismatch: the drafter was built for a target with {what} {mine!r}, "
+                    f"drafter/target mismatch: the drafter was built for a target{built_for} with {what} {mine!r}, "
                     f"but this target ({getattr(tc, 'name_or_path', '') or tc.model_type}) has {what} {theirs!r}"
                 )
         if max(c.target_layer_ids) > tc.num_hidden_layers - 2:

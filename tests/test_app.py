@@ -7,7 +7,6 @@ The browser test (``-m browser``) needs Debian's ``chromium`` and the python ``p
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys

@@ -4,7 +4,6 @@ order or join time."""
 
 from __future__ import annotations
 
-import time
 from unittest import mock
 
 import pytest

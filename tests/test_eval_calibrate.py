@@ -293,6 +293,19 @@ def test_eval_default_drafter_follows_the_target():
     assert _resolve_drafter(None, "/some/other/target") == "random"
 
 
+def test_a_drafter_brings_its_packaged_target(tmp_path):
+    """Without --target, a drafter trained for a packaged target runs with it; an explicit --target wins, and a drafter
+    for a local directory (not portable) or a random one keeps the default target."""
+    from dspark_cli.common import target_for_drafter
+
+    for name, expected in (("Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct"), ("/models/mine", None),
+                           ("", None)):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "dspark", "target_name_or_path": name}))
+        assert target_for_drafter(None, str(tmp_path)) == expected
+        assert target_for_drafter("/models/other", str(tmp_path)) == "/models/other"
+    assert target_for_drafter(None, "random") is None and target_for_drafter(None, None) is None
+
+
 def test_paired_eval_compares_prompt_by_prompt(tmp_path, capsys):
     import importlib.util
     from pathlib import Path

@@ -615,6 +615,8 @@ def test_portable_verifier_name(tmp_path, monkeypatch):
     assert formats.portable_verifier_name(str(snapshot)) == "Qwen/Qwen3-8B"
     for name in ("SmolLM2-135M-Instruct", str(tmp_path / "SmolLM2-135M-Instruct")):
         assert formats.portable_verifier_name(name) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for name in ("Qwen2.5-Coder-0.5B-Instruct", str(tmp_path / "Qwen2.5-Coder-0.5B-Instruct")):
+        assert formats.portable_verifier_name(name) == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
     assert formats.portable_verifier_name("models/target") == "models/target"
     assert formats.portable_verifier_name("") is None
     for name in (str(tmp_path / "target"), "~/target"):

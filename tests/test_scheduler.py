@@ -13,7 +13,6 @@ import torch
 
 from generation.policies import parse_policy
 from generation.scheduler import (
-    ScheduleResult,
     budget_from_confidences,
     fill_budget,
     prefix_schedule,

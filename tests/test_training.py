@@ -258,13 +258,15 @@ def test_manifest_keeps_the_source_drafters_history(tmp_path):
     assert _source_manifest(None) is None and _source_manifest(str(tmp_path)) is None
     (tmp_path / "training_manifest.json").write_text(json.dumps({"global_step": 7}))
     assert _source_manifest(str(tmp_path)) == {"global_step": 7}
-    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dspark" / "training_manifest.json"
-    manifest = json.loads(shipped.read_text())
-    steps = []
-    while manifest:
-        steps.append(manifest["global_step"])
-        manifest = manifest.get("init_from_drafter_manifest")
-    assert steps == [2000, 1885, 2240, 2000, 2000, 10500]
+    drafters = Path(__file__).resolve().parents[1] / "drafters"
+    for name, expected in (("smollm2-135m-dspark", [2000, 1885, 2240, 2000, 2000, 10500]),
+                           ("qwen2.5-coder-0.5b-dspark", [1500, 300])):
+        manifest = json.loads((drafters / name / "training_manifest.json").read_text())
+        steps = []
+        while manifest:
+            steps.append(manifest["global_step"])
+            manifest = manifest.get("init_from_drafter_manifest")
+        assert steps == expected, name
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
