@@ -49,8 +49,6 @@ from app_render import (  # noqa: E402
     update_position_counts,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent
-SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
 RANDOM_DRAFTER_SEED = 0
 RANDOM_DRAFTER_BLOCK_SIZE = 8
 DTYPES = ("float32", "bfloat16")
@@ -188,9 +186,11 @@ def auto_dtype(drafter: str | None = None, target: str | None = None, device="cp
     return ("bfloat16" if dtype == torch.bfloat16 else "float32"), why
 
 
-def default_drafter_spec() -> str:
-    """The shipped drafter's directory when it exists, else ``"random"``."""
-    return str(SHIPPED_DRAFTER) if (SHIPPED_DRAFTER / "config.json").is_file() else "random"
+def default_drafter_spec(target: str | None = None) -> str:
+    """The shipped drafter of ``target`` (None: the default target) when it exists, else ``"random"``."""
+    from dspark_cli.common import shipped_drafter_for
+
+    return shipped_drafter_for(target) or "random"
 
 
 def resolve_sps(target, drafter, context_len: int | None = None, block_size: int | None = None,
@@ -249,7 +249,7 @@ class ModelBank:
         self.default_dtype = default_dtype
         self.dtype_reason = dtype_reason
         self.profile_if_missing = profile_if_missing
-        self.default_drafter = default_drafter or default_drafter_spec()
+        self.default_drafter = default_drafter or default_drafter_spec(target_path)
         self.lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._targets: dict[str, tuple] = {}
@@ -704,9 +704,11 @@ def main(argv: list[str] | None = None) -> int:
                         "instructions, and on one with them (AMX, AVX512-BF16) times both once and picks the faster "
                         "for the drafter (default: auto)")
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link (off by default)")
-    p.add_argument("--target", default=None, metavar="PATH", help="local target checkpoint (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, metavar="PATH",
+                   help="local target checkpoint or packaged target name (default: the packaged target the drafter "
+                        "was trained for, else SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, metavar="PATH|random",
-                   help="default drafter (default: drafters/smollm2-135m-dspark if present, else random)")
+                   help="default drafter (default: the target's shipped drafter if present, else random)")
     p.add_argument("--profile", action="store_true",
                    help="measure the SPS(B) profile the scheduler needs at start if none is cached (seconds; "
                         "it serves this page, not other programs' defaults: `dspark profile` makes that one)")
@@ -714,10 +716,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the short warm-up generation at start (default: warm up)")
     args = p.parse_args(argv)
     try:
-        drafter = validate_request("x", drafter=args.drafter or default_drafter_spec()).drafter
+        drafter = validate_request("x", drafter=args.drafter or default_drafter_spec(args.target)).drafter
     except AppError as err:
         print(f"app.py: error: {err}", file=sys.stderr)
         return 2
+    from dspark_cli.common import target_for_drafter
+
+    args.target = target_for_drafter(args.target, drafter)
     dtype, why = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(drafter, args.target)
     print(f"app.py: dtype {dtype} ({why})", file=sys.stderr)
     from transformers.utils import logging as hf_logging

@@ -334,8 +334,11 @@ def main(argv=None) -> int:
         pass
     if args.drafter != "random" and not Path(args.drafter).is_dir():
         sys.exit(f"drafter directory not found: {args.drafter}")
+    from dspark_cli.common import target_for_drafter
 
-    from modeling_dspark.target import DEFAULT_TARGET, default_target_path
+    args.target = target_for_drafter(args.target, args.drafter)
+
+    from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS, packaged_target_path
 
     result = {
         **result_header("generate", argv, threads),
@@ -352,7 +355,9 @@ def main(argv=None) -> int:
             result["generate"].extend(bench_dtype(args, dt, prompts))
     from transformers import AutoConfig
 
-    result["vocab_size"] = AutoConfig.from_pretrained(args.target or default_target_path()).vocab_size
+    name = args.target or DEFAULT_TARGET
+    target_dir = packaged_target_path(name) if name in PACKAGED_TARGETS else name
+    result["vocab_size"] = AutoConfig.from_pretrained(target_dir).vocab_size
     for dt in dtypes:
         for rank in ([None] + [int(r) for r in args.ranks.split(",") if r.strip()]) if args.ranks.strip() else []:
             result["markov_head"].append(bench_markov(args, result["vocab_size"], dt, rank))

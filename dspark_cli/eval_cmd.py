@@ -92,8 +92,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------------------------- checks
 def _resolve_drafter(spec: str | None, target: str | None) -> str:
-    """``--drafter``: a drafter directory (:func:`drafter_dir`), ``"random"``, or for None the shipped drafter when
-    ``target`` is the default target (else random)."""
+    """``--drafter``: a drafter directory (:func:`drafter_dir`), ``"random"``, or for None the shipped drafter of
+    ``target`` (None: the default target) if it has one, else random."""
     if spec is None:
         return shipped_drafter_for(target) or "random"
     if spec == "random":

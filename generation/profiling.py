@@ -715,9 +715,10 @@ DTYPE_MARGIN = 0.05
 
 def _dtype_key(target, drafter, threads: int, device) -> str:
     """``TARGET|DRAFTER|THREADS|DEVICE`` naming one measured job in the profile file's ``"dtype"`` section."""
-    from modeling_dspark.target import DEFAULT_TARGET
+    from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
 
-    t = DEFAULT_TARGET if target is None or str(target) == DEFAULT_TARGET else str(Path(target).expanduser().resolve())
+    t = str(target or DEFAULT_TARGET)
+    t = t if t in PACKAGED_TARGETS else str(Path(t).expanduser().resolve())
     d = "plain" if drafter is None else (str(Path(drafter).resolve()) if Path(drafter).is_dir() else str(drafter))
     return f"{t}|{d}|{threads}|{torch.device(device).type}"
 
@@ -777,7 +778,7 @@ def auto_dtype(
     while other programs kept every core busy (load average >= cores) is used once and not cached.
 
     Args:
-        target: a target directory, or None / ``"SmolLM2-135M-Instruct"`` for the default target.
+        target: a target directory, a packaged target's name, or None for the default target.
         drafter: a drafter directory or Hub id, or None for plain decoding.
         device: ``"cpu"`` or a CUDA device.
         threads: torch CPU threads (default: the current setting), part of the cache key.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,9 +95,9 @@ def packaged_target_path(name: str = DEFAULT_TARGET) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     files = _part_files(name)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{name}.tmp"))  # a fresh directory for each writer
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
         if len(files) == 1:
             src, gguf_file = files[0].parent, files[0].name
         else:  # join the parts, in order, into one GGUF file

@@ -306,6 +306,27 @@ def test_a_drafter_brings_its_packaged_target(tmp_path):
     assert target_for_drafter(None, "random") is None and target_for_drafter(None, None) is None
 
 
+def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path, capsys):
+    """--target NAME picks that target's shipped drafter; dspark train refuses data or an initial drafter made with
+    another packaged target before anything loads, naming the --target to pass."""
+    from dspark_cli.common import SHIPPED_DRAFTERS, shipped_drafter_for
+    from dspark_cli.main import main
+    from modeling_dspark.target import cache_dir
+
+    qwen = "Qwen2.5-Coder-0.5B-Instruct"
+    assert shipped_drafter_for(qwen) == str(SHIPPED_DRAFTERS[qwen]) != shipped_drafter_for(None)
+    assert shipped_drafter_for("/some/other/target") is None
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"config": {"target": str(cache_dir() / qwen)}}))
+    assert main(["train", "--data", str(data), "--out-dir", str(tmp_path / "a")]) == 2
+    assert f"was made with target {qwen}, not SmolLM2-135M-Instruct: pass --target {qwen}" in capsys.readouterr().err
+    (tmp_path / "plain").mkdir()  # no manifest: a save_to_disk directory records no target
+    assert main(["train", "--data", str(tmp_path / "plain"), "--target", "SmolLM2-135M-Instruct",
+                 "--init-from-drafter", str(SHIPPED_DRAFTERS[qwen]), "--out-dir", str(tmp_path / "b")]) == 2
+    assert f"--init-from-drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+
+
 def test_paired_eval_compares_prompt_by_prompt(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
