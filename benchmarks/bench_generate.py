@@ -338,7 +338,7 @@ def main(argv=None) -> int:
 
     args.target = target_for_drafter(args.target, args.drafter)
 
-    from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS, packaged_target_path
+    from modeling_dspark.target import DEFAULT_TARGET, target_dir
 
     result = {
         **result_header("generate", argv, threads),
@@ -355,9 +355,7 @@ def main(argv=None) -> int:
             result["generate"].extend(bench_dtype(args, dt, prompts))
     from transformers import AutoConfig
 
-    name = args.target or DEFAULT_TARGET
-    target_dir = packaged_target_path(name) if name in PACKAGED_TARGETS else name
-    result["vocab_size"] = AutoConfig.from_pretrained(target_dir).vocab_size
+    result["vocab_size"] = AutoConfig.from_pretrained(target_dir(args.target)).vocab_size
     for dt in dtypes:
         for rank in ([None] + [int(r) for r in args.ranks.split(",") if r.strip()]) if args.ranks.strip() else []:
             result["markov_head"].append(bench_markov(args, result["vocab_size"], dt, rank))

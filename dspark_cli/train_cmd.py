@@ -216,12 +216,9 @@ def _check_same_target(args) -> None:
         CLIError: naming the target the data or drafter was made with.
     """
     from modeling_dspark.formats import read_json
-    from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS, cache_dir
+    from modeling_dspark.target import DEFAULT_TARGET, packaged_target_name
 
-    def packaged(name):  # a packaged target's name, also for its cached copy's path; else None
-        return next((n for n in PACKAGED_TARGETS if str(name) in (n, str(cache_dir() / n))), None)
-
-    want = packaged(args.target or DEFAULT_TARGET)
+    want = packaged_target_name(args.target or DEFAULT_TARGET)
     made = [(f"--data {d}", Path(d) / "manifest.json", ("config", "target")) for d in args.data]
     if args.init_from_drafter is not None:
         made.append((f"--init-from-drafter {args.init_from_drafter}", Path(args.init_from_drafter) / "config.json",
@@ -233,7 +230,7 @@ def _check_same_target(args) -> None:
                 value = value.get(key) if isinstance(value, dict) else None
         except OSError:  # not a `dspark data build` directory: no target recorded
             continue
-        other = packaged(value) if value else None
+        other = packaged_target_name(value)
         if other is not None and want is not None and other != want:
             raise CLIError(f"{what} was made with target {other}, not {args.target or DEFAULT_TARGET}: pass "
                            f"--target {other}")

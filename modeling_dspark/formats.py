@@ -418,15 +418,15 @@ def portable_verifier_name(name: str | os.PathLike | None) -> str | None:
     Raises:
         ValueError: ``name`` is another absolute (or ``~``) path; the message says to name the verifier instead.
     """
-    from .target import PACKAGED_TARGETS, cache_dir
+    from .target import PACKAGED_TARGETS, packaged_target_name
 
     if name is None or str(name) == "":
         return None
+    packaged = packaged_target_name(name)
+    if packaged is not None:
+        return PACKAGED_TARGETS[packaged].hub_id
     name = str(name)
     path = Path(name).expanduser()
-    for packaged, target in PACKAGED_TARGETS.items():
-        if name == packaged or (path.is_absolute() and path.resolve() == (cache_dir() / packaged).resolve()):
-            return target.hub_id
     parts = path.parts
     if path.is_absolute() and len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         return parts[-3].removeprefix("models--").replace("--", "/")

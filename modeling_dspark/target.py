@@ -127,6 +127,30 @@ def packaged_target_path(name: str = DEFAULT_TARGET) -> Path:
     return out
 
 
+def packaged_target_name(name_or_path: str | os.PathLike | None) -> str | None:
+    """The packaged target ``name_or_path`` names, by its name or by the path of its cached copy
+    (:func:`packaged_target_path`), else None (``None`` / ``""`` included)."""
+    if not name_or_path:
+        return None
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    for packaged in PACKAGED_TARGETS:
+        if name == packaged or (path.is_absolute() and path.resolve() == (cache_dir() / packaged).resolve()):
+            return packaged
+    return None
+
+
+def target_dir(name_or_path: str | os.PathLike | None = None) -> Path:
+    """The local directory of target ``name_or_path``: a packaged target's name (None: the default target), made
+    on first use by :func:`packaged_target_path`, or a checkpoint directory checked by :func:`check_target_dir`.
+
+    Raises:
+        FileNotFoundError: not a model directory, or a packaged target's package is missing.
+    """
+    name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
+    return packaged_target_path(name) if name in PACKAGED_TARGETS else check_target_dir(name_or_path)
+
+
 def default_target_path() -> Path:
     """:func:`packaged_target_path` of the default target, SmolLM2-135M-Instruct."""
     return packaged_target_path(DEFAULT_TARGET)
@@ -170,8 +194,7 @@ def load_target(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name = DEFAULT_TARGET if name_or_path is None else str(name_or_path)
-    path = packaged_target_path(name) if name in PACKAGED_TARGETS else check_target_dir(name_or_path)
+    path = target_dir(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if device is not None:
