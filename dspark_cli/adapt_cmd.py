@@ -29,6 +29,7 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_made_for_target,
     check_min,
     check_out_dir,
     check_target,
@@ -55,9 +56,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_out_dir_option(p, None, "checkpoints, the adapter, the manifest (and merged/); a new run needs a new or "
                                 "empty OUT_DIR, a non-empty one is refused unless --resume is given")
     add_hidden_alias(p, "--output-dir", "out_dir")
-    p.add_argument("--target", default=None, metavar="PATH",
-                   help="local target directory (default: the drafter's target if it is a local directory, "
-                        "else SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, metavar="NAME|PATH",
+                   help="packaged target name or local target directory (default: the drafter's target if it is a "
+                        "packaged target or a local directory, else SmolLM2-135M-Instruct)")
     lo = p.add_argument_group("LoRA")
     lo.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
     lo.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 × rank)")
@@ -111,14 +112,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _resolve_target(args, cfg):
-    """``--target``, else the drafter config ``cfg``'s ``target_name_or_path`` when that is a local directory, else
-    the default."""
+    """``--target``, else the drafter config ``cfg``'s ``target_name_or_path`` when that is a packaged target or a
+    local directory, else None (the default target)."""
     import os
+
+    from modeling_dspark.target import packaged_target_name
 
     if args.target:
         return args.target
     name = cfg.target_name_or_path
-    return name if name and os.path.isdir(name) else None
+    return packaged_target_name(name) or (name if name and os.path.isdir(name) else None)
 
 
 def split_eval(data, n: int, seed: int, eval_data=None):
@@ -150,7 +153,8 @@ def _check_args(args):
 
     Raises:
         CLIError: a value out of its range, no --target-modules, a missing --target, a non-empty --out-dir without
-            --resume, a missing or unreadable drafter, an --eval-block-size above the drafter's block size.
+            --resume, a missing or unreadable drafter, an --eval-block-size above the drafter's block size, a
+            drafter or data made with another packaged target than the one this run loads.
     """
     from modeling_dspark import DSparkConfig
 
@@ -173,6 +177,11 @@ def _check_args(args):
     if args.eval_block_size is not None and args.eval_block_size > base_cfg.block_size:
         raise CLIError(f"--eval-block-size must be in [1, {base_cfg.block_size}] for this drafter, "
                        f"got {args.eval_block_size}")
+    if args.target:
+        check_made_for_target(args.target, [base_dir], "--drafter")
+    check_made_for_target(_resolve_target(args, base_cfg), [args.data], "--data")
+    if args.eval_data:
+        check_made_for_target(_resolve_target(args, base_cfg), [args.eval_data], "--eval-data")
     return base_dir, base_cfg
 
 

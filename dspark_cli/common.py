@@ -133,6 +133,32 @@ def target_for_drafter(target: str | None, drafter: str | None) -> str | None:
     return name if name in PACKAGED_TARGETS else None
 
 
+def check_made_for_target(target: str | None, dirs, flag: str) -> None:
+    """Refuse data directories (``dspark data build``: ``manifest.json``) or drafter directories (``config.json``)
+    made with another packaged target than ``target`` (None: the default target), before anything loads: their token
+    ids and features belong to that target. A directory that records no packaged target is not checked.
+
+    Raises:
+        CLIError: naming the flag, the directory and the target it was made with.
+    """
+    from modeling_dspark.formats import read_json
+    from modeling_dspark.target import DEFAULT_TARGET, packaged_target_name
+
+    want = packaged_target_name(target or DEFAULT_TARGET)
+    for d in dirs:
+        try:
+            if (Path(d) / "manifest.json").is_file():
+                made = (read_json(Path(d) / "manifest.json").get("config") or {}).get("target")
+            else:
+                made = read_json(Path(d) / "config.json").get("target_name_or_path")
+        except (OSError, AttributeError):  # not a directory these commands write: no target recorded
+            continue
+        other = packaged_target_name(made)
+        if other is not None and want is not None and other != want:
+            raise CLIError(f"{flag} {d} was made with target {other}, not {target or DEFAULT_TARGET}: pass "
+                           f"--target {other}")
+
+
 def resolve_device(spec: str | None) -> str:
     """``--device``: None gives ``"cuda"`` if available else ``"cpu"``.
 

@@ -24,6 +24,7 @@ from .common import (
     add_threads_option,
     check_min,
     check_out_dir,
+    check_made_for_target,
     check_target,
     drafter_dir,
     load_data_dir,
@@ -203,37 +204,11 @@ def _check_args(args) -> tuple[list[int] | None, list[int] | None]:
     if args.init_from_drafter is not None:
         args.init_from_drafter = drafter_dir(args.init_from_drafter)
     check_target(args.target)
-    _check_same_target(args)
+    check_made_for_target(args.target, args.data, "--data")
+    if args.init_from_drafter is not None:
+        check_made_for_target(args.target, [args.init_from_drafter], "--init-from-drafter")
     check_out_dir(args.out_dir, args.resume)
     return layer_ids, init_layers
-
-
-def _check_same_target(args) -> None:
-    """Refuse --data or --init-from-drafter made with another packaged target than --target (default: the default
-    target), before anything loads: their token ids and features belong to that target.
-
-    Raises:
-        CLIError: naming the target the data or drafter was made with.
-    """
-    from modeling_dspark.formats import read_json
-    from modeling_dspark.target import DEFAULT_TARGET, packaged_target_name
-
-    want = packaged_target_name(args.target or DEFAULT_TARGET)
-    made = [(f"--data {d}", Path(d) / "manifest.json", ("config", "target")) for d in args.data]
-    if args.init_from_drafter is not None:
-        made.append((f"--init-from-drafter {args.init_from_drafter}", Path(args.init_from_drafter) / "config.json",
-                     ("target_name_or_path",)))
-    for what, file, keys in made:
-        try:
-            value = read_json(file)
-            for key in keys:
-                value = value.get(key) if isinstance(value, dict) else None
-        except OSError:  # not a `dspark data build` directory: no target recorded
-            continue
-        other = packaged_target_name(value)
-        if other is not None and want is not None and other != want:
-            raise CLIError(f"{what} was made with target {other}, not {args.target or DEFAULT_TARGET}: pass "
-                           f"--target {other}")
 
 
 @reports_cli_errors("dspark train")

@@ -307,8 +307,8 @@ def test_a_drafter_brings_its_packaged_target(tmp_path):
 
 
 def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path, capsys):
-    """--target NAME picks that target's shipped drafter; dspark train refuses data or an initial drafter made with
-    another packaged target before anything loads, naming the --target to pass."""
+    """--target NAME picks that target's shipped drafter; dspark train and dspark adapt refuse data or a drafter made
+    with another packaged target before anything loads, naming the --target to pass."""
     from dspark_cli.common import SHIPPED_DRAFTERS, shipped_drafter_for
     from dspark_cli.main import main
     from modeling_dspark.target import cache_dir
@@ -325,6 +325,15 @@ def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path,
     assert main(["train", "--data", str(tmp_path / "plain"), "--target", "SmolLM2-135M-Instruct",
                  "--init-from-drafter", str(SHIPPED_DRAFTERS[qwen]), "--out-dir", str(tmp_path / "b")]) == 2
     assert f"--init-from-drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+    # dspark adapt takes the drafter's packaged target, and refuses data made with another one
+    smol = tmp_path / "smol-data"
+    smol.mkdir()
+    (smol / "manifest.json").write_text(json.dumps({"config": {"target": str(cache_dir() / "SmolLM2-135M-Instruct")}}))
+    adapt = ["adapt", "--drafter", str(SHIPPED_DRAFTERS[qwen]), "--out-dir", str(tmp_path / "c")]
+    assert main(adapt + ["--data", str(smol)]) == 2
+    assert f"--data {smol} was made with target SmolLM2-135M-Instruct, not {qwen}" in capsys.readouterr().err
+    assert main(adapt + ["--data", str(data), "--target", "SmolLM2-135M-Instruct"]) == 2
+    assert f"--drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
 
 
 def test_paired_eval_compares_prompt_by_prompt(tmp_path, capsys):
