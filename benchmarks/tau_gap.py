@@ -15,7 +15,8 @@ has memorised its data (more data helps); equal τ means data is not what binds 
 
 The anchors depend only on the seed and the row, so every drafter is scored on the same blocks, batch by batch:
 with several drafters the table also compares each one with the first, paired over the evaluation batches
-(``--batch-size`` sequences each): mean Δτ, batches won / lost, and the two-sided sign-test p-value.
+(``--batch-size`` sequences each): mean Δτ, batches won / lost, and the two-sided sign-test p-value, per set and,
+with several sets, over all their batches together (``pooled_vs_first``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,10 @@ def main(argv=None) -> int:
         for n in names:
             if d != first:
                 row[n]["vs_first"] = paired(row[n]["batch_tau"], results["drafters"][first][n]["batch_tau"], binomtest)
+        if d != first and len(names) > 1:  # every held-out set's batches together: one sign test
+            row["pooled_vs_first"] = paired([t for n in names for t in row[n]["batch_tau"]],
+                                            [t for n in names for t in results["drafters"][first][n]["batch_tau"]],
+                                            binomtest)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print("| drafter | " + " | ".join(f"τ {n}" for n in names) + " | " + " | ".join(f"a1..a3 {n}" for n in names) + " |")
@@ -126,6 +131,9 @@ def main(argv=None) -> int:
                 if d != first:
                     v = row[n]["vs_first"]
                     print(f"| {Path(d).name} | {n} | {v['mean_delta']:+.3f} | {v['won']} / {v['lost']} | {v['p']:.3g} |")
+            if "pooled_vs_first" in row:
+                v = row["pooled_vs_first"]
+                print(f"| {Path(d).name} | pooled | {v['mean_delta']:+.3f} | {v['won']} / {v['lost']} | {v['p']:.3g} |")
     return 0
 
 
