@@ -157,6 +157,7 @@ def _check_args(args):
             drafter or data made with another packaged target than the one this run loads.
     """
     from modeling_dspark import DSparkConfig
+    from modeling_dspark.target import DEFAULT_TARGET
 
     check_min(args, {"lora_r": 1, "lora_dropout": 0, "max_steps": 1, "warmup_steps": 0, "batch_size": 1,
                      "grad_accum": 1, "anchors_per_seq": 1, "max_length": 2, "seed": 0, "save_steps": 1,
@@ -177,11 +178,12 @@ def _check_args(args):
     if args.eval_block_size is not None and args.eval_block_size > base_cfg.block_size:
         raise CLIError(f"--eval-block-size must be in [1, {base_cfg.block_size}] for this drafter, "
                        f"got {args.eval_block_size}")
+    target = _resolve_target(args, base_cfg)
     if args.target:
-        check_made_for_target(args.target, [base_dir], "--drafter")
-    check_made_for_target(_resolve_target(args, base_cfg), [args.data], "--data")
-    if args.eval_data:
-        check_made_for_target(_resolve_target(args, base_cfg), [args.eval_data], "--eval-data")
+        check_made_for_target(target, "--drafter", base_dir, drafter=True, shown=args.drafter)
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path:  # the drafter's target is this run's: the data must be built with it
+            check_made_for_target(target, flag, path, fix=f"build it with --target {target or DEFAULT_TARGET}")
     return base_dir, base_cfg
 
 

@@ -119,44 +119,49 @@ def shipped_drafter_for(target: str | None) -> str | None:
 
 def target_for_drafter(target: str | None, drafter: str | None) -> str | None:
     """``--target``, else the packaged target that drafter directory ``drafter`` was trained for (its config's
-    ``target_name_or_path``), else None (the default target): a drafter for Qwen2.5-Coder-0.5B-Instruct runs with that
-    target without ``--target``."""
-    from modeling_dspark.formats import read_json
-    from modeling_dspark.target import PACKAGED_TARGETS
-
+    ``target_name_or_path``: :func:`made_with_target`), else None (the default target): a drafter for
+    Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``."""
     if target is not None or drafter in (None, "random"):
         return target
+    return made_with_target(drafter, drafter=True)
+
+
+def made_with_target(path, drafter: bool = False) -> str | None:
+    """The packaged target that directory ``path`` was made with: a ``dspark data build`` directory's
+    (``manifest.json``, ``config.target``) or, with ``drafter``, a drafter's (``config.json``,
+    ``target_name_or_path``); None when it records none (a ``save_to_disk`` directory, another target, unreadable)."""
+    from modeling_dspark.formats import read_json
+    from modeling_dspark.target import packaged_target_name
+
     try:
-        name = read_json(Path(drafter) / "config.json").get("target_name_or_path")
-    except OSError:
+        if drafter:
+            made = read_json(Path(path) / "config.json").get("target_name_or_path")
+        else:
+            made = (read_json(Path(path) / "manifest.json").get("config") or {}).get("target")
+    except (OSError, ValueError, AttributeError):
         return None
-    return name if name in PACKAGED_TARGETS else None
+    return packaged_target_name(made) if isinstance(made, str) else None
 
 
-def check_made_for_target(target: str | None, dirs, flag: str) -> None:
-    """Refuse data directories (``dspark data build``: ``manifest.json``) or drafter directories (``config.json``)
-    made with another packaged target than ``target`` (None: the default target), before anything loads: their token
-    ids and features belong to that target. A directory that records no packaged target is not checked.
+def check_made_for_target(target: str | None, flag: str, path, *, drafter: bool = False, shown: str | None = None,
+                          fix: str | None = None) -> None:
+    """Refuse data (or, with ``drafter``, a drafter) at ``path`` made with another packaged target than ``target``
+    (None: the default target), before anything loads: its token ids and features belong to that target.
+
+    Args:
+        flag: the option that named ``path``, for the message; ``shown``: the value to show (default ``path``).
+        fix: what the message advises (default: pass ``--target`` with the target ``path`` was made with).
 
     Raises:
         CLIError: naming the flag, the directory and the target it was made with.
     """
-    from modeling_dspark.formats import read_json
     from modeling_dspark.target import DEFAULT_TARGET, packaged_target_name
 
     want = packaged_target_name(target or DEFAULT_TARGET)
-    for d in dirs:
-        try:
-            if (Path(d) / "manifest.json").is_file():
-                made = (read_json(Path(d) / "manifest.json").get("config") or {}).get("target")
-            else:
-                made = read_json(Path(d) / "config.json").get("target_name_or_path")
-        except (OSError, AttributeError):  # not a directory these commands write: no target recorded
-            continue
-        other = packaged_target_name(made)
-        if other is not None and want is not None and other != want:
-            raise CLIError(f"{flag} {d} was made with target {other}, not {target or DEFAULT_TARGET}: pass "
-                           f"--target {other}")
+    other = made_with_target(path, drafter)
+    if other is not None and want is not None and other != want:
+        raise CLIError(f"{flag} {shown or path} was made with target {other}, not {target or DEFAULT_TARGET}: "
+                       f"{fix or f'pass --target {other}'}")
 
 
 def resolve_device(spec: str | None) -> str:

@@ -22,9 +22,9 @@ from .common import (
     add_out_dir_option,
     add_progress_option,
     add_threads_option,
+    check_made_for_target,
     check_min,
     check_out_dir,
-    check_made_for_target,
     check_target,
     drafter_dir,
     load_data_dir,
@@ -185,8 +185,9 @@ def _check_args(args) -> tuple[list[int] | None, list[int] | None]:
     ``(--target-layer-ids, --init-from-target)`` layer ids (None: the default).
 
     Raises:
-        CLIError: a value out of its range, unparsable layer ids, a missing --target, a non-empty --out-dir without
-            --resume.
+        CLIError: a value out of its range, unparsable layer ids, --init-from-drafter with --init-from-target, a
+            missing --target, --data or --init-from-drafter made with another packaged target, a non-empty
+            --out-dir without --resume.
     """
     check_min(args, {"block_size": 1, "markov_rank": 1, "num_draft_layers": 1, "draft_vocab_size": 1,
                      "mask_token_id": 0, "anchors_per_seq": 1, "max_length": 2, "max_steps": 1, "warmup_steps": 0,
@@ -201,12 +202,12 @@ def _check_args(args) -> tuple[list[int] | None, list[int] | None]:
                    else parse_ints("--init-from-target", args.init_from_target))
     if args.init_from_drafter is not None and args.init_from_target is not None:
         raise CLIError("--init-from-drafter and --init-from-target both initialise the draft layers: give one")
-    if args.init_from_drafter is not None:
-        args.init_from_drafter = drafter_dir(args.init_from_drafter)
     check_target(args.target)
-    check_made_for_target(args.target, args.data, "--data")
+    for d in args.data:
+        check_made_for_target(args.target, "--data", d)
     if args.init_from_drafter is not None:
-        check_made_for_target(args.target, [args.init_from_drafter], "--init-from-drafter")
+        given, args.init_from_drafter = args.init_from_drafter, drafter_dir(args.init_from_drafter)
+        check_made_for_target(args.target, "--init-from-drafter", args.init_from_drafter, drafter=True, shown=given)
     check_out_dir(args.out_dir, args.resume)
     return layer_ids, init_layers
 

@@ -331,9 +331,18 @@ def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path,
     (smol / "manifest.json").write_text(json.dumps({"config": {"target": str(cache_dir() / "SmolLM2-135M-Instruct")}}))
     adapt = ["adapt", "--drafter", str(SHIPPED_DRAFTERS[qwen]), "--out-dir", str(tmp_path / "c")]
     assert main(adapt + ["--data", str(smol)]) == 2
-    assert f"--data {smol} was made with target SmolLM2-135M-Instruct, not {qwen}" in capsys.readouterr().err
-    assert main(adapt + ["--data", str(data), "--target", "SmolLM2-135M-Instruct"]) == 2
+    assert (f"--data {smol} was made with target SmolLM2-135M-Instruct, not {qwen}: build it with --target {qwen}"
+            in capsys.readouterr().err)
+    assert main(adapt + ["--data", str(data), "--eval-data", str(smol)]) == 2
+    assert f"--eval-data {smol} was made with target SmolLM2-135M-Instruct" in capsys.readouterr().err
+    assert main(adapt + ["--data", str(smol), "--target", "SmolLM2-135M-Instruct"]) == 2
     assert f"--drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+    # a drafter directory given as --data records no data build's target: not refused for that
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("")  # the next check's refusal shows the target checks passed
+    assert main(["train", "--data", str(SHIPPED_DRAFTERS[qwen]), "--target", qwen, "--init-from-drafter",
+                 str(SHIPPED_DRAFTERS[qwen]), "--out-dir", str(tmp_path / "d")]) == 2
+    assert f"--out-dir {tmp_path / 'd'} is not empty" in capsys.readouterr().err
 
 
 def test_paired_eval_compares_prompt_by_prompt(tmp_path, capsys):

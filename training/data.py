@@ -28,7 +28,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from modeling_dspark.target import apply_chat_template
+from modeling_dspark.target import apply_chat_template, packaged_target_name
 
 __all__ = ["build_dataset", "load_data", "read_plans", "DEFAULT_SOURCES", "generate_responses", "DataBuildError"]
 
@@ -39,6 +39,13 @@ _FORMAT_VERSION = 1
 class DataBuildError(ValueError):
     """``build_dataset`` cannot build: ``out_dir`` holds a build made with different arguments, or no prompt is left
     after the filters."""
+
+
+def _target_name(target) -> str:
+    """What a build records as its target: a packaged target's name (so the record holds on any machine and cache
+    directory), else the checkpoint path the target was loaded from."""
+    path = str(getattr(target.config, "name_or_path", "") or getattr(target.config, "_name_or_path", ""))
+    return packaged_target_name(path) or path
 
 
 def _record(p, i: int, default_source: str) -> dict:
@@ -225,7 +232,7 @@ def build_dataset(
         injected_prompts=prompts is not None,
         max_new_tokens=int(max_new_tokens), batch_size=int(batch_size), seed=int(seed),
         overlap_threshold=overlap_threshold, max_prompt_tokens=int(max_prompt_tokens), shard_size=int(shard_size),
-        target=str(getattr(target.config, "name_or_path", "") or getattr(target.config, "_name_or_path", "")),
+        target=_target_name(target),
         target_dtype=str(next(target.parameters()).dtype),
         format_version=_FORMAT_VERSION,
     )
@@ -234,7 +241,8 @@ def build_dataset(
     manifest_path, plan_path = out / "manifest.json", out / "plan.json"
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
-        old = manifest.get("config") or {}
+        old = dict(manifest.get("config") or {})
+        old["target"] = packaged_target_name(old.get("target")) or old.get("target")  # cache path or name: same
         if old != config:
             diff = "; ".join(f"{k}: build {old.get(k)!r}, now {config.get(k)!r}" for k in sorted({*old, *config})
                              if old.get(k) != config.get(k))
