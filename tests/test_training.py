@@ -537,3 +537,26 @@ def test_data_build_into_another_build_names_out_dir(tmp_path, capsys):
     rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "data", "--target", tdir, "--sources",
                        "gsm_symbolic", "--per-source", "2", "--dtype", "float32", "--device", "cpu"], capsys)
     assert rc == 2 and "holds a build with different arguments" in err and "another --out-dir" in err, err
+
+
+def test_data_build_records_a_packaged_target_by_name(tmp_path, monkeypatch):
+    """A build records a packaged target by name, not by the path of its cached copy, and resumes a build that
+    recorded that path."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    tok = char_tokenizer()
+    tgt = make_target(seed=1)
+    tgt.generation_config.eos_token_id = tok.eos_token_id
+    tgt.generation_config.pad_token_id = tok.pad_token_id
+    tgt.config._name_or_path = str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    kw = dict(max_new_tokens=4, batch_size=2, seed=0, prompts=["Add 2 and 3.", "Name a colour!", "Hi there."],
+              eval_sets={}, shard_size=2, progress=False)
+    m = build_dataset(tgt, tok, tmp_path / "a", **kw, max_shards=1)
+    assert m["config"]["target"] == "SmolLM2-135M-Instruct" and not m["generation"]["complete"]
+    path = tmp_path / "a" / "manifest.json"
+    old = json.loads(path.read_text())
+    old["config"]["target"] = str(tmp_path / "cache" / "SmolLM2-135M-Instruct")  # what earlier builds recorded
+    path.write_text(json.dumps(old))
+    assert build_dataset(tgt, tok, tmp_path / "a", **kw)["generation"]["complete"]
+    tgt.config._name_or_path = str(tmp_path / "elsewhere")  # another target is still refused
+    with pytest.raises(ValueError, match="different arguments"):
+        build_dataset(tgt, tok, tmp_path / "a", **kw)
