@@ -148,8 +148,8 @@ def split_eval(data, n: int, seed: int, eval_data=None):
 
 
 def _check_args(args):
-    """The options that need no model, checked before any is loaded; returns the drafter's local directory and its
-    config.
+    """The options that need no model, checked before any is loaded; returns the drafter's local directory and the
+    target to load (:func:`_resolve_target`).
 
     Raises:
         CLIError: a value out of its range, no --target-modules, a missing --target, a non-empty --out-dir without
@@ -184,13 +184,13 @@ def _check_args(args):
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path:  # the drafter's target is this run's: the data must be built with it
             check_made_for_target(target, flag, path, fix=f"build it with --target {target or DEFAULT_TARGET}")
-    return base_dir, base_cfg
+    return base_dir, target
 
 
 @reports_cli_errors("dspark adapt")
 def run(args) -> int:
     require_out_dir(args, "dspark adapt")
-    base_dir, base_cfg = _check_args(args)
+    base_dir, target_spec = _check_args(args)
     silence_progress(args.no_progress)
     import json
     import time
@@ -219,7 +219,7 @@ def run(args) -> int:
     use_cpu = device.startswith("cpu")
     args.bf16 = resolve_dtype(args.dtype, device, announce="dspark adapt", measure=False) == "bfloat16"
     transformers.set_seed(args.seed)
-    target, tok = load_target_checked(_resolve_target(args, base_cfg),
+    target, tok = load_target_checked(target_spec,
                                       dtype=torch.bfloat16 if args.bf16 else torch.float32, device=device)
     try:
         drafter = DSparkDraftModel.from_pretrained(base_dir, target=target)
