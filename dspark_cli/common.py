@@ -192,7 +192,11 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *
     dtypes once where the processor leaves the choice open; with ``measure=False`` the processor alone decides
     (:func:`modeling_dspark.target.fast_dtype`: training, where a generate() timing says nothing). With ``announce``
     (the command's name) the choice and its reason are said in one line on stderr, and an explicit bfloat16 on a CPU
-    without native bf16 gets a warning."""
+    without native bf16 gets a warning.
+
+    Raises:
+        CLIError: the timing could not load the drafter for the target (e.g. one built for another target).
+    """
     import torch
 
     from modeling_dspark.target import fast_dtype
@@ -205,7 +209,10 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *
     if measure:
         from generation.profiling import auto_dtype
 
-        dtype, why = auto_dtype(target, drafter, device=device)
+        try:
+            dtype, why = auto_dtype(target, drafter, device=device)
+        except (OSError, ValueError) as err:  # e.g. a drafter built for another target, found by the timing's load
+            raise CLIError(f"--dtype auto could not time this drafter with this target: {err}") from None
     else:
         dtype = fast_dtype(device)
         why = ("bf16 matrix instructions on this " + ("GPU" if device.startswith("cuda") else "CPU")

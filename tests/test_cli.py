@@ -263,6 +263,16 @@ def test_auto_dtype_is_announced(monkeypatch, capsys):
     assert resolve_dtype("float32", "cpu", announce="x") == "float32" and capsys.readouterr().err == ""
     monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"amx_bf16"}))
     assert resolve_dtype("bfloat16", "cpu", announce="x") == "bfloat16" and capsys.readouterr().err == ""
+    # a drafter built for another target fails the timing's load: a CLI error naming the mismatch, no traceback
+    from dspark_cli.common import CLIError
+
+    def mismatch(*a):
+        raise ValueError("drafter/target mismatch: the drafter was built for a target with hidden size 576")
+
+    monkeypatch.setattr(profiling, "_time_generate", mismatch)
+    with pytest.raises(CLIError, match="--dtype auto could not time this drafter with this target: drafter/target "
+                                       "mismatch"):
+        resolve_dtype("auto", "cpu", announce="dspark generate", drafter="drafters/another-target")
     del torch
 
 
