@@ -715,14 +715,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation at start (default: warm up)")
     args = p.parse_args(argv)
+    from dspark_cli.common import CLIError, target_for_drafter
+
     try:
         drafter = validate_request("x", drafter=args.drafter or default_drafter_spec(args.target)).drafter
-    except AppError as err:
+        args.target = target_for_drafter(args.target, drafter)
+    except (AppError, CLIError) as err:
         print(f"app.py: error: {err}", file=sys.stderr)
         return 2
-    from dspark_cli.common import target_for_drafter
-
-    args.target = target_for_drafter(args.target, drafter)
     dtype, why = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(drafter, args.target)
     print(f"app.py: dtype {dtype} ({why})", file=sys.stderr)
     from transformers.utils import logging as hf_logging

@@ -120,10 +120,19 @@ def shipped_drafter_for(target: str | None) -> str | None:
 def target_for_drafter(target: str | None, drafter: str | None) -> str | None:
     """``--target``, else the packaged target that drafter directory ``drafter`` was trained for (its config's
     ``target_name_or_path``: :func:`made_with_target`), else None (the default target): a drafter for
-    Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``."""
-    if target is not None or drafter in (None, "random"):
+    Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``.
+
+    Raises:
+        CLIError: ``target`` is a packaged target and the drafter records another one (checked from the configs,
+            before either model loads).
+    """
+    if drafter in (None, "random"):
         return target
-    return made_with_target(drafter, drafter=True)
+    if target is None:
+        return made_with_target(drafter, drafter=True)
+    check_made_for_target(target, "--drafter", drafter, drafter=True,
+                          fix="leave out --target to run it with that target, or pass a drafter for this one")
+    return target
 
 
 def made_with_target(path, drafter: bool = False) -> str | None:

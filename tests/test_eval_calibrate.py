@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from dspark_cli.common import CLIError
 from dspark_cli.main import main
 from generation.stats import RoundStats
 from modeling_dspark import DSparkDraftModel
@@ -304,6 +305,11 @@ def test_a_drafter_brings_its_packaged_target(tmp_path):
         assert target_for_drafter(None, str(tmp_path)) == expected
         assert target_for_drafter("/models/other", str(tmp_path)) == "/models/other"
     assert target_for_drafter(None, "random") is None and target_for_drafter(None, None) is None
+    # a packaged --target that is not the drafter's own is refused from the configs, before anything loads
+    (tmp_path / "config.json").write_text(json.dumps({"target_name_or_path": "Qwen2.5-Coder-0.5B-Instruct"}))
+    assert target_for_drafter("Qwen2.5-Coder-0.5B-Instruct", str(tmp_path)) == "Qwen2.5-Coder-0.5B-Instruct"
+    with pytest.raises(CLIError, match="made with target Qwen2.5-Coder-0.5B-Instruct, not SmolLM2-135M-Instruct"):
+        target_for_drafter("SmolLM2-135M-Instruct", str(tmp_path))
 
 
 def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path, capsys):
@@ -337,6 +343,9 @@ def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path,
     assert f"--eval-data {smol} was made with target SmolLM2-135M-Instruct" in capsys.readouterr().err
     assert main(adapt + ["--data", str(smol), "--target", "SmolLM2-135M-Instruct"]) == 2
     assert f"--drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+    for command in (["generate", "--prompt", "x"], ["eval", "--sets", "gsm8k", "--limit", "1"]):
+        assert main(command + ["--target", "SmolLM2-135M-Instruct", "--drafter", str(SHIPPED_DRAFTERS[qwen])]) == 2
+        assert f"--drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
     # a drafter directory given as --data records no data build's target: not refused for that
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").write_text("")  # the next check's refusal shows the target checks passed
