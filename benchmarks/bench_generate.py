@@ -334,9 +334,12 @@ def main(argv=None) -> int:
         pass
     if args.drafter != "random" and not Path(args.drafter).is_dir():
         sys.exit(f"drafter directory not found: {args.drafter}")
-    from dspark_cli.common import target_for_drafter
+    from dspark_cli.common import CLIError, target_for_drafter
 
-    args.target = target_for_drafter(args.target, args.drafter)
+    try:
+        args.target = target_for_drafter(args.target, args.drafter)
+    except CLIError as err:
+        sys.exit(str(err))
 
     from modeling_dspark.target import DEFAULT_TARGET, target_dir
 

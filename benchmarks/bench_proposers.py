@@ -227,9 +227,12 @@ def main(argv=None) -> int:
         sys.exit("this checkout's dspark_options has no lookup= option (the lookup proposer is not wired in)")
     if args.drafter != "random" and not Path(args.drafter).is_dir():
         sys.exit(f"drafter directory not found: {args.drafter}")
-    from dspark_cli.common import target_for_drafter
+    from dspark_cli.common import CLIError, target_for_drafter
 
-    args.target = target_for_drafter(args.target, args.drafter)
+    try:
+        args.target = target_for_drafter(args.target, args.drafter)
+    except CLIError as err:
+        sys.exit(str(err))
     if args.per_domain < 1 or args.max_new_tokens < 2:
         sys.exit("--per-domain must be >= 1 and --max-new-tokens >= 2")
     hf_logging.disable_progress_bar()

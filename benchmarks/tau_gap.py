@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from scipy.stats import binomtest
     from transformers import TrainingArguments
 
-    from dspark_cli.common import target_for_drafter
+    from dspark_cli.common import CLIError, check_made_for_target, target_for_drafter
     from modeling_dspark import DSparkDraftModel
     from modeling_dspark.target import load_target
     from training.data import load_data, read_plans
@@ -71,6 +71,12 @@ def main(argv=None) -> int:
             self.batch_tau.append(after[0] - before[0] if after[1] > before[1] else float("nan"))
             return loss
 
+    try:  # every drafter is compared on one target: each must be made for it, checked before anything loads
+        target_name = target_for_drafter(args.target, args.drafter[0])
+        for d in args.drafter[1:]:
+            check_made_for_target(target_name, "--drafter", d, drafter=True, fix="compare drafters made for one target")
+    except CLIError as err:
+        sys.exit(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -85,7 +91,7 @@ def main(argv=None) -> int:
             keep = set(args.sources.split(","))
             data = data.filter(lambda src: src in keep, input_columns=["source"])
         sets[name] = (path, prepare_dataset(data.select(range(min(args.rows, len(data))))))
-    target, tok = load_target(target_for_drafter(args.target, args.drafter[0]), dtype=dtype)
+    target, tok = load_target(target_name, dtype=dtype)
     results = {"rows": args.rows, "sources": args.sources, "anchors_per_seq": args.anchors_per_seq, "dtype": args.dtype, "drafters": {}}
     for d in args.drafter:
         drafter = DSparkDraftModel.from_pretrained(d).to(dtype)

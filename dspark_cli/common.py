@@ -117,10 +117,13 @@ def shipped_drafter_for(target: str | None) -> str | None:
     return str(drafter) if drafter is not None and (drafter / "config.json").is_file() else None
 
 
-def target_for_drafter(target: str | None, drafter: str | None) -> str | None:
+def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--drafter") -> str | None:
     """``--target``, else the packaged target that drafter directory ``drafter`` was trained for (its config's
     ``target_name_or_path``: :func:`made_with_target`), else None (the default target): a drafter for
     Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``.
+
+    Args:
+        flag: the option or argument that named ``drafter``, for the error message.
 
     Raises:
         CLIError: ``target`` is a packaged target and the drafter records another one (checked from the configs,
@@ -130,8 +133,8 @@ def target_for_drafter(target: str | None, drafter: str | None) -> str | None:
         return target
     if target is None:
         return made_with_target(drafter, drafter=True)
-    check_made_for_target(target, "--drafter", drafter, drafter=True,
-                          fix="leave out --target to run it with that target, or pass a drafter for this one")
+    check_made_for_target(target, flag, drafter, drafter=True,
+                          fix="leave out --target to use the drafter's own, or give a drafter made for this one")
     return target
 
 

@@ -74,7 +74,7 @@ def _export(args) -> Path:
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
     if formats.export_needs_target(drafter.config, args.format):
-        args.target = target_for_drafter(args.target, path)
+        args.target = target_for_drafter(args.target, path, flag="DRAFTER")
         try:
             drafter.bind_target(_load_target(args.target, next(drafter.parameters()).dtype))
         except (OSError, ValueError) as err:

@@ -346,6 +346,10 @@ def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path,
     for command in (["generate", "--prompt", "x"], ["eval", "--sets", "gsm8k", "--limit", "1"]):
         assert main(command + ["--target", "SmolLM2-135M-Instruct", "--drafter", str(SHIPPED_DRAFTERS[qwen])]) == 2
         assert f"--drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+    assert main(["export", str(SHIPPED_DRAFTERS[qwen]), str(tmp_path / "e"), "--format", "speculators",
+                 "--target", "SmolLM2-135M-Instruct"]) == 2
+    assert f"DRAFTER {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
     # a drafter directory given as --data records no data build's target: not refused for that
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").write_text("")  # the next check's refusal shows the target checks passed
