@@ -43,6 +43,7 @@ from .common import (
     resolve_resume,
     set_threads,
     silence_progress,
+    target_for_drafter,
 )
 
 DEFAULT_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -111,19 +112,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _resolve_target(args, cfg):
-    """``--target``, else the drafter config ``cfg``'s ``target_name_or_path`` when that is a packaged target or a
-    local directory, else None (the default target)."""
-    import os
-
-    from modeling_dspark.target import packaged_target_name
-
-    if args.target:
-        return args.target
-    name = cfg.target_name_or_path
-    return packaged_target_name(name) or (name if name and os.path.isdir(name) else None)
-
-
 def split_eval(data, n: int, seed: int, eval_data=None):
     """(train rows, held-out eval rows): ``n`` rows of ``eval_data`` if given, else ``n`` rows held out of ``data``.
 
@@ -149,7 +137,7 @@ def split_eval(data, n: int, seed: int, eval_data=None):
 
 def _check_args(args):
     """The options that need no model, checked before any is loaded; returns the drafter's local directory and the
-    target to load (:func:`_resolve_target`).
+    target to load (:func:`~dspark_cli.common.target_for_drafter`).
 
     Raises:
         CLIError: a value out of its range, no --target-modules, a missing --target, a non-empty --out-dir without
@@ -178,9 +166,7 @@ def _check_args(args):
     if args.eval_block_size is not None and args.eval_block_size > base_cfg.block_size:
         raise CLIError(f"--eval-block-size must be in [1, {base_cfg.block_size}] for this drafter, "
                        f"got {args.eval_block_size}")
-    target = _resolve_target(args, base_cfg)
-    if args.target:
-        check_made_for_target(target, "--drafter", base_dir, drafter=True, shown=args.drafter)
+    target = target_for_drafter(args.target, base_dir, shown=args.drafter)
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path:  # the drafter's target is this run's: the data must be built with it
             check_made_for_target(target, flag, path, fix=f"build it with --target {target or DEFAULT_TARGET}")

@@ -117,13 +117,15 @@ def shipped_drafter_for(target: str | None) -> str | None:
     return str(drafter) if drafter is not None and (drafter / "config.json").is_file() else None
 
 
-def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--drafter") -> str | None:
-    """``--target``, else the packaged target that drafter directory ``drafter`` was trained for (its config's
-    ``target_name_or_path``: :func:`made_with_target`), else None (the default target): a drafter for
-    Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``.
+def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--drafter",
+                       shown: str | None = None) -> str | None:
+    """``--target``, else the target that drafter directory ``drafter`` was trained for (its config's
+    ``target_name_or_path``) when that is a packaged target or an existing local directory, else None (the default
+    target): a drafter for Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``.
 
     Args:
-        flag: the option or argument that named ``drafter``, for the error message.
+        flag: the option or argument that named ``drafter``, for the error message; ``shown``: the value to show
+            (default ``drafter``).
 
     Raises:
         CLIError: ``target`` is a packaged target and the drafter records another one (checked from the configs,
@@ -132,10 +134,21 @@ def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--d
     if drafter in (None, "random"):
         return target
     if target is None:
-        return made_with_target(drafter, drafter=True)
-    check_made_for_target(target, flag, drafter, drafter=True,
+        return made_with_target(drafter, drafter=True) or _local_target_of(drafter)
+    check_made_for_target(target, flag, drafter, drafter=True, shown=shown,
                           fix="leave out --target to use the drafter's own, or give a drafter made for this one")
     return target
+
+
+def _local_target_of(drafter) -> str | None:
+    """The drafter config's ``target_name_or_path`` when it is an existing local directory, else None."""
+    from modeling_dspark.formats import read_json
+
+    try:
+        name = read_json(Path(drafter) / "config.json").get("target_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name and Path(name).is_dir() else None
 
 
 def made_with_target(path, drafter: bool = False) -> str | None:

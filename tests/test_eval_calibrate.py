@@ -295,12 +295,14 @@ def test_eval_default_drafter_follows_the_target():
 
 
 def test_a_drafter_brings_its_packaged_target(tmp_path):
-    """Without --target, a drafter trained for a packaged target runs with it; an explicit --target wins, and a drafter
-    for a local directory (not portable) or a random one keeps the default target."""
+    """Without --target, a drafter trained for a packaged target or a local directory that exists here runs with it;
+    an explicit --target wins, and a drafter for a directory missing here, or a random one, keeps the default target."""
     from dspark_cli.common import target_for_drafter
 
+    here = tmp_path / "target"
+    here.mkdir()
     for name, expected in (("Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct"), ("/models/mine", None),
-                           ("", None)):
+                           ("", None), (str(here), str(here))):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "dspark", "target_name_or_path": name}))
         assert target_for_drafter(None, str(tmp_path)) == expected
         assert target_for_drafter("/models/other", str(tmp_path)) == "/models/other"
