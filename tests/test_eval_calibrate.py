@@ -398,3 +398,41 @@ def test_paired_eval_compares_prompt_by_prompt(tmp_path, capsys):
     assert pe.main([str(tmp_path / "base.json"), str(tmp_path / "new.json"), "--out", str(tmp_path / "p.json")]) == 0
     assert "| pooled | 6 | +0.667 | 4 / 1 | 0.375 |" in capsys.readouterr().out
     assert json.loads((tmp_path / "p.json").read_text())["paired"]["pooled"]["won"] == 4
+
+
+def test_tau_scaling_fits_tau_on_log_sequences(tmp_path, capsys):
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("tau_scaling", Path(__file__).parent.parent / "benchmarks"
+                                                  / "tau_scaling.py")
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+    # points on τ = 0.5 + 0.2 ln N exactly: the fit recovers the line and where it reaches the goal
+    res = ts.fit([(n, 0.5 + 0.2 * math.log(n)) for n in (1000, 2000, 4000)], goal=2.0)
+    assert res["slope"] == pytest.approx(0.2) and res["intercept"] == pytest.approx(0.5)
+    assert res["per_doubling"] == pytest.approx(0.2 * math.log(2)) and res["r2"] == pytest.approx(1.0)
+    assert res["sequences_for_goal"] == pytest.approx(math.exp(1.5 / 0.2))
+    # noisy points: the range brackets the estimate; a flat trend never reaches the goal
+    res = ts.fit([(1000, 1.40), (2000, 1.50), (4000, 1.66), (8000, 1.72)], goal=2.1)
+    lo, hi = res["sequences_for_goal_range"]
+    assert 8000 < lo < res["sequences_for_goal"] < hi
+    assert ts.fit([(1000, 1.5), (2000, 1.5), (4000, 1.5)], goal=2.0)["sequences_for_goal"] == math.inf
+    with pytest.raises(ValueError, match="at least 3"):
+        ts.fit([(1000, 1.4), (2000, 1.5)], goal=2.0)
+    with pytest.raises(ValueError, match="differ in their sequence counts"):
+        ts.fit([(1000, 1.4)] * 3, goal=2.0)
+    config = {"sets": ["gsm8k"], "limit": 3, "block_size": 8, "policy": "full", "max_new_tokens": 16,
+              "dtype": "float32", "seed": 0}
+    for i, tau in enumerate((1.4, 1.6, 1.7)):
+        (tmp_path / f"{i}.json").write_text(json.dumps({"config": config, "summary": {"tau_greedy_macro": tau}}))
+    args = [f"{n}={tmp_path / f'{i}.json'}" for i, n in enumerate((1000, 3000, 5000))]
+    assert ts.main(args + ["--out", str(tmp_path / "fit.json")]) == 0
+    assert "| 3,000 | 1.600 |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "fit.json").read_text())["fit"]["points"][2] == {"sequences": 5000, "tau": 1.7}
+    (tmp_path / "x.json").write_text(json.dumps({"config": dict(config, limit=4), "summary": {"tau_greedy_macro": 2}}))
+    assert ts.main(args[:2] + [f"7000={tmp_path / 'x.json'}"]) == 2
+    assert "differ in limit" in capsys.readouterr().err
+    assert ts.main(args[:2] + [str(tmp_path / "2.json")]) == 2
+    assert "expected SEQUENCES=EVAL_JSON" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""Benchmark: how dev-set τ grows with the training sequences, and how many it would take to reach a goal.
+
+Fits the macro τ of ``dspark eval`` reports (``summary.tau_greedy_macro``) against the natural log of the number of
+training sequences behind each drafter by least squares (``scipy.stats.linregress``):
+
+    τ(N) = intercept + slope · ln N,        N_goal = exp((goal − intercept) / slope)
+
+and gives N_goal also at slope ± one standard error (infinite where that slope is ≤ 0). Each point is one drafter,
+named ``N=EVAL_JSON``; the reports must share their eval options (sets, limit, block size, policy, response length,
+dtype, seed, target). The fit extrapolates a trend: it says what the recipe that made the points would need, not
+what another recipe would.
+
+    python benchmarks/tau_scaling.py 1024=A/eval.json 2918=B/eval.json 4794=C/eval.json --goal 2.1 --out fit.json
+
+Writes JSON to ``--out`` (when given) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def fit(points: list[tuple[int, float]], goal: float) -> dict:
+    """The log-linear fit of τ on sequences.
+
+    Args:
+        points: ``(sequences, macro τ)`` per drafter, at least 3, with at least 2 distinct sequence counts.
+        goal: the τ to extrapolate to.
+
+    Returns:
+        ``slope`` (τ per unit of ln N), ``per_doubling`` (slope · ln 2), ``intercept``, ``r2``, ``slope_stderr``,
+        ``sequences_for_goal`` and ``sequences_for_goal_range`` (at slope + and − one standard error; ``inf``
+        where the slope is ≤ 0), and ``points``.
+
+    Raises:
+        ValueError: fewer than 3 points, fewer than 2 distinct sequence counts, or a count below 1.
+    """
+    from scipy.stats import linregress
+
+    if len(points) < 3:
+        raise ValueError(f"need at least 3 drafters to fit a trend with an error, got {len(points)}")
+    if any(n < 1 for n, _ in points):
+        raise ValueError("sequence counts must be >= 1")
+    if len({n for n, _ in points}) < 2:
+        raise ValueError("the drafters must differ in their sequence counts")
+    res = linregress([math.log(n) for n, _ in points], [t for _, t in points])
+
+    def needed(slope: float) -> float:
+        return math.exp((goal - res.intercept) / slope) if slope > 0 else math.inf
+
+    return {"slope": res.slope, "per_doubling": res.slope * math.log(2), "intercept": res.intercept,
+            "r2": res.rvalue ** 2, "slope_stderr": res.stderr, "goal": goal,
+            "sequences_for_goal": needed(res.slope),
+            "sequences_for_goal_range": [needed(res.slope + res.stderr), needed(res.slope - res.stderr)],
+            "points": [{"sequences": n, "tau": t} for n, t in points]}
+
+
+def read_points(specs: list[str]) -> list[tuple[int, float]]:
+    """``(sequences, macro τ)`` from ``N=EVAL_JSON`` arguments.
+
+    Raises:
+        ValueError: a malformed argument, a report without ``summary.tau_greedy_macro``, or reports whose eval
+            options differ (:data:`paired_eval.SAME`).
+        OSError: an unreadable report.
+    """
+    from paired_eval import SAME
+
+    points, configs = [], []
+    for spec in specs:
+        n, sep, path = spec.partition("=")
+        if not sep or not n.strip().isdigit():
+            raise ValueError(f"{spec!r}: expected SEQUENCES=EVAL_JSON, e.g. 1024=runs/a/eval.json")
+        report = json.loads(Path(path).read_text())
+        tau = (report.get("summary") or {}).get("tau_greedy_macro")
+        if tau is None:
+            raise ValueError(f"{path}: no summary.tau_greedy_macro (not a greedy dspark eval report)")
+        points.append((int(n), float(tau)))
+        configs.append((path, report.get("config", {})))
+    first_path, first = configs[0]
+    for path, cfg in configs[1:]:
+        diff = [k for k in SAME if cfg.get(k) != first.get(k)]
+        if diff:
+            raise ValueError(f"{path} and {first_path} differ in " + ", ".join(diff) + ": their τ do not compare")
+    return points
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("points", nargs="+", metavar="N=EVAL_JSON",
+                   help="training sequences behind a drafter and its dspark eval report")
+    p.add_argument("--goal", type=float, default=2.1, help="the macro τ to extrapolate to (default: 2.1)")
+    p.add_argument("--out", default=None, help="JSON output (default: print only)")
+    args = p.parse_args(argv)
+    try:
+        res = fit(read_points(args.points), args.goal)
+    except (OSError, ValueError) as err:
+        print(f"tau_scaling: error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"points": args.points, "fit": res}, indent=2))
+    print("| sequences | macro τ | fitted |\n|---:|---:|---:|")
+    for pt in res["points"]:
+        print(f"| {pt['sequences']:,} | {pt['tau']:.3f} | {res['intercept'] + res['slope'] * math.log(pt['sequences']):.3f} |")
+    lo, hi = res["sequences_for_goal_range"]
+    print(f"\nτ = {res['intercept']:.3f} + {res['slope']:.3f} ln N (+{res['per_doubling']:.3f} per doubling, "
+          f"r² {res['r2']:.3f}); τ {res['goal']} at N ≈ {res['sequences_for_goal']:,.0f} "
+          f"({lo:,.0f} to {hi:,.0f} at slope ± 1 s.e.)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
