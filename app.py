@@ -705,8 +705,8 @@ def main(argv: list[str] | None = None) -> int:
                         "for the drafter (default: auto)")
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link (off by default)")
     p.add_argument("--target", default=None, metavar="PATH",
-                   help="local target checkpoint or packaged target name (default: the packaged target the drafter "
-                        "was trained for, else SmolLM2-135M-Instruct)")
+                   help="local target checkpoint or packaged target name (default: the drafter's target if it is "
+                        "a packaged target or a local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, metavar="PATH|random",
                    help="default drafter (default: the target's shipped drafter if present, else random)")
     p.add_argument("--profile", action="store_true",

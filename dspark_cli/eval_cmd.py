@@ -63,8 +63,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         f"drafter, e.g. {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}, if present, else random)")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: the packaged target the drafter was trained for, "
-                        "else SmolLM2-135M-Instruct)")
+                        "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
+                        "local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--sets", default=DEFAULT_SETS,
                    help=f"comma-separated eval sets among gsm8k, humaneval, mtbench, alpaca, arena-hard "
                         f"(default: {DEFAULT_SETS})")

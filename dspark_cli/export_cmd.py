@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deepspec: vLLM method dspark / SGLang DSPARK; speculators: vLLM speculators; dflash: DFlash")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="the target's local directory, for --format deepspec, a reduced-vocabulary speculators "
-                        "export and a DeepSpec import written as speculators / dflash (default: "
-                        "SmolLM2-135M-Instruct)")
+                        "export and a DeepSpec import written as speculators / dflash (default: the drafter's "
+                        "target if it is a packaged target or a local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--verifier-name", default=None, metavar="NAME",
                    help="--format speculators: the verifier's Hub id or relative path written into the export "
                         "(speculators_config.verifier.name_or_path; default: the drafter's target, which must not "

@@ -60,8 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                           "is required)")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: the packaged target the drafter was trained for, "
-                        "else SmolLM2-135M-Instruct)")
+                        "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
+                        "local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory, or a Hugging Face Hub id (read through huggingface_hub; "
                         "HF_HUB_OFFLINE=1: from the local cache only), or 'random' for an untrained drafter "

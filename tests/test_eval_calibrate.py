@@ -294,19 +294,25 @@ def test_eval_default_drafter_follows_the_target():
     assert _resolve_drafter(None, "/some/other/target") == "random"
 
 
-def test_a_drafter_brings_its_packaged_target(tmp_path):
-    """Without --target, a drafter trained for a packaged target or a local directory that exists here runs with it;
-    an explicit --target wins, and a drafter for a directory missing here, or a random one, keeps the default target."""
+def test_a_drafter_brings_its_target(tmp_path):
+    """Without --target, a drafter trained for a packaged target, or for a model directory here named by absolute
+    path, runs with it; an explicit --target wins, and a drafter for a directory missing here, named relatively or
+    without a config.json, or a random one, keeps the default target."""
     from dspark_cli.common import target_for_drafter
 
     here = tmp_path / "target"
     here.mkdir()
+    (tmp_path / "empty").mkdir()
+    (here / "config.json").write_text("{}")
     for name, expected in (("Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct"), ("/models/mine", None),
-                           ("", None), (str(here), str(here))):
+                           ("", None), (str(here), str(here)), (os.path.relpath(here), None),
+                           (str(tmp_path / "empty"), None)):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "dspark", "target_name_or_path": name}))
         assert target_for_drafter(None, str(tmp_path)) == expected
         assert target_for_drafter("/models/other", str(tmp_path)) == "/models/other"
     assert target_for_drafter(None, "random") is None and target_for_drafter(None, None) is None
+    (tmp_path / "config.json").write_text("[")  # unreadable: no target recorded
+    assert target_for_drafter(None, str(tmp_path)) is None
     # a packaged --target that is not the drafter's own is refused from the configs, before anything loads
     (tmp_path / "config.json").write_text(json.dumps({"target_name_or_path": "Qwen2.5-Coder-0.5B-Instruct"}))
     assert target_for_drafter("Qwen2.5-Coder-0.5B-Instruct", str(tmp_path)) == "Qwen2.5-Coder-0.5B-Instruct"
@@ -414,11 +420,25 @@ def test_tau_scaling_fits_tau_on_log_sequences(tmp_path, capsys):
     assert res["slope"] == pytest.approx(0.2) and res["intercept"] == pytest.approx(0.5)
     assert res["per_doubling"] == pytest.approx(0.2 * math.log(2)) and res["r2"] == pytest.approx(1.0)
     assert res["sequences_for_goal"] == pytest.approx(math.exp(1.5 / 0.2))
-    # noisy points: the range brackets the estimate; a flat trend never reaches the goal
-    res = ts.fit([(1000, 1.40), (2000, 1.50), (4000, 1.66), (8000, 1.72)], goal=2.1)
-    lo, hi = res["sequences_for_goal_range"]
-    assert 8000 < lo < res["sequences_for_goal"] < hi
+    # noisy points: the interval's ends are N_goal at b ± t(0.95, n - 2) s.e.(b), pivoting on the centroid
+    import numpy as np
+    from scipy.stats import t
+
+    pts = [(1000, 1.40), (2000, 1.50), (4000, 1.66), (8000, 1.72)]
+    res = ts.fit(pts, goal=2.1)
+    x, y = np.log([n for n, _ in pts]), np.array([tau for _, tau in pts])
+    b, a = np.polyfit(x, y, 1)
+    se = np.sqrt(((y - a - b * x) ** 2).sum() / 2 / ((x - x.mean()) ** 2).sum())
+    ends = [np.exp(x.mean() + (2.1 - y.mean()) / (b + d * t.ppf(0.95, 2) * se)) for d in (1, -1)]
+    assert res["sequences_for_goal"] == pytest.approx(np.exp((2.1 - a) / b))
+    assert res["sequences_for_goal_ci90"] == pytest.approx(ends) and 8000 < ends[0] < ends[1]
+    # the answer does not depend on the unit of N: a thousandfold N needs a thousandfold N_goal
+    big = ts.fit([(1000 * n, tau) for n, tau in pts], goal=2.1)
+    assert big["sequences_for_goal"] == pytest.approx(1000 * res["sequences_for_goal"])
+    assert big["sequences_for_goal_ci90"] == pytest.approx([1000 * e for e in ends])
+    # a flat trend never reaches the goal; a nearly flat one's far end is infinite, not an overflow
     assert ts.fit([(1000, 1.5), (2000, 1.5), (4000, 1.5)], goal=2.0)["sequences_for_goal"] == math.inf
+    assert ts.fit([(1000, 1.5), (2000, 1.6), (4000, 1.5)], goal=9.0)["sequences_for_goal_ci90"][1] == math.inf
     with pytest.raises(ValueError, match="at least 3"):
         ts.fit([(1000, 1.4), (2000, 1.5)], goal=2.0)
     with pytest.raises(ValueError, match="differ in their sequence counts"):
@@ -436,3 +456,9 @@ def test_tau_scaling_fits_tau_on_log_sequences(tmp_path, capsys):
     assert "differ in limit" in capsys.readouterr().err
     assert ts.main(args[:2] + [str(tmp_path / "2.json")]) == 2
     assert "expected SEQUENCES=EVAL_JSON" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("[1]")
+    assert ts.main(args[:2] + [f"7000={tmp_path / 'bad.json'}"]) == 2
+    assert "no summary.tau_greedy_macro" in capsys.readouterr().err
+    # an unreachable goal is written as null: JSON has no infinity
+    assert ts.main(args + ["--goal", "1e6", "--out", str(tmp_path / "inf.json")]) == 0
+    assert json.loads((tmp_path / "inf.json").read_text())["fit"]["sequences_for_goal"] is None
