@@ -84,11 +84,11 @@ def read_points(specs: list[str]) -> list[tuple[int, float]]:
     points, configs = [], []
     for spec in specs:
         n, sep, path = spec.partition("=")
-        if not sep or not n.strip().isdigit():
+        if not sep or not (n.strip().isascii() and n.strip().isdigit()):
             raise ValueError(f"{spec!r}: expected SEQUENCES=EVAL_JSON, e.g. 1024=runs/a/eval.json")
         try:
             report = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path}: not JSON ({err})") from None
         tau = (report.get("summary") or {}).get("tau_greedy_macro") if isinstance(report, dict) else None
         if not isinstance(tau, (int, float)):

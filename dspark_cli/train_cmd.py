@@ -253,6 +253,9 @@ def run(args) -> int:
         raise CLIError(f"the drafter options do not fit this target: {err}") from None
     if not cfg.target_name_or_path or args.target is None or args.target in PACKAGED_TARGETS:
         cfg.target_name_or_path = str(args.target or DEFAULT_TARGET)  # a packaged target by name, not its cache path
+    elif Path(args.target).is_dir():
+        # a local checkpoint by its absolute path, which the other commands accept from any working directory
+        cfg.target_name_or_path = str(Path(args.target).resolve())
     resume = resolve_resume(args.resume, args.output_dir)
     if resume is not None:
         _check_resume_config(resume, cfg)

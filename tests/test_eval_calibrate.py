@@ -459,6 +459,11 @@ def test_tau_scaling_fits_tau_on_log_sequences(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("[1]")
     assert ts.main(args[:2] + [f"7000={tmp_path / 'bad.json'}"]) == 2
     assert "no summary.tau_greedy_macro" in capsys.readouterr().err
+    (tmp_path / "latin1.json").write_bytes(b"\xff\xfe{")
+    assert ts.main(args[:2] + [f"7000={tmp_path / 'latin1.json'}"]) == 2
+    assert f"{tmp_path / 'latin1.json'}: not JSON" in capsys.readouterr().err
+    assert ts.main(args[:2] + [f"7\u00b2={tmp_path / '2.json'}"]) == 2  # a superscript digit is not a count
+    assert "expected SEQUENCES=EVAL_JSON" in capsys.readouterr().err
     # an unreachable goal is written as null: JSON has no infinity
     assert ts.main(args + ["--goal", "1e6", "--out", str(tmp_path / "inf.json")]) == 0
     assert json.loads((tmp_path / "inf.json").read_text())["fit"]["sequences_for_goal"] is None

@@ -474,13 +474,18 @@ def test_train_refuses_a_mask_token_outside_the_vocabulary(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_train_no_progress_shows_no_progress_bar(tmp_path, one_thread, capsys):
+def test_train_no_progress_shows_no_progress_bar(tmp_path, one_thread, capsys, monkeypatch):
+    """--no-progress silences every bar; a local --target given relative is recorded by its absolute path, which
+    the other commands take as the drafter's own target from any working directory."""
     import datasets
     import transformers
 
+    from dspark_cli.common import _local_target_of
+
     tdir = saved_tiny_target(tmp_path, {"data": [f"what is {a} plus {b}?" for a in range(3) for b in range(2)]})
+    monkeypatch.chdir(tmp_path)
     try:
-        rc, err = run_cli(["train", "--data", tmp_path / "data", "--out-dir", tmp_path / "out", "--target", tdir,
+        rc, err = run_cli(["train", "--data", tmp_path / "data", "--out-dir", tmp_path / "out", "--target", "target",
                            "--target-layer-ids", "0,2", "--num-draft-layers", "1", "--block-size", "4",
                            "--markov-rank", "8", "--anchors-per-seq", "2", "--batch-size", "2", "--max-steps", "1",
                            "--feature-cache", tmp_path / "cache", "--device", "cpu", "--threads", "1",
@@ -490,6 +495,7 @@ def test_train_no_progress_shows_no_progress_bar(tmp_path, one_thread, capsys):
         transformers.utils.logging.enable_progress_bar()
     assert rc == 0, err
     assert (tmp_path / "out" / "training_manifest.json").is_file()
+    assert _local_target_of(tmp_path / "out") == str(tdir.resolve())
     for bar in ("target features", "Filter", "Writing model shards", "it/s]"):
         assert bar not in err, (bar, err)
 
