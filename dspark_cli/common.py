@@ -156,18 +156,25 @@ def _local_target_of(drafter) -> str | None:
 def made_with_target(path, drafter: bool = False) -> str | None:
     """The packaged target that directory ``path`` was made with: a ``dspark data build`` directory's
     (``manifest.json``, ``config.target``) or, with ``drafter``, a drafter's (``config.json``,
-    ``target_name_or_path``); None when it records none (a ``save_to_disk`` directory, another target, unreadable)."""
+    ``target_name_or_path``, or a speculators export's ``speculators_config.verifier.name_or_path``), recorded by
+    name, by the path of its cached copy or by its Hub id (what an export writes); None when it records none (a
+    ``save_to_disk`` directory, another target, unreadable)."""
     from modeling_dspark.formats import read_json
-    from modeling_dspark.target import packaged_target_name
+    from modeling_dspark.target import PACKAGED_TARGETS, packaged_target_name
 
     try:
         if drafter:
-            made = read_json(Path(path) / "config.json").get("target_name_or_path")
+            config = read_json(Path(path) / "config.json")
+            made = config.get("target_name_or_path") or (
+                ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"))
         else:
             made = (read_json(Path(path) / "manifest.json").get("config") or {}).get("target")
     except (OSError, ValueError, AttributeError):
         return None
-    return packaged_target_name(made) if isinstance(made, str) else None
+    if not isinstance(made, str):
+        return None
+    by_hub_id = {packaged.hub_id: name for name, packaged in PACKAGED_TARGETS.items()}
+    return packaged_target_name(made) or by_hub_id.get(made)
 
 
 def check_made_for_target(target: str | None, flag: str, path, *, drafter: bool = False, shown: str | None = None,

@@ -808,7 +808,8 @@ def auto_dtype(
     cached = entry is not None and entry.get("cpu_model") == here
     busy = ""
     if not cached:
-        logger.warning("timing generate() in float32 and bfloat16 once to pick the faster (%s); cached in %s",
+        logger.warning("timing generate() in float32 and bfloat16 to pick the faster (%s; an explicit dtype skips "
+                       "this); kept in %s unless every core is busy",
                        "plain decoding" if drafter is None else f"drafter {drafter}", path)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         old = torch.get_num_threads()

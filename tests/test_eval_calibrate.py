@@ -318,6 +318,14 @@ def test_a_drafter_brings_its_target(tmp_path):
     assert target_for_drafter("Qwen2.5-Coder-0.5B-Instruct", str(tmp_path)) == "Qwen2.5-Coder-0.5B-Instruct"
     with pytest.raises(CLIError, match="made with target Qwen2.5-Coder-0.5B-Instruct, not SmolLM2-135M-Instruct"):
         target_for_drafter("SmolLM2-135M-Instruct", str(tmp_path))
+    # a speculators export names its verifier by Hub id: a packaged target's Hub id is that target
+    for verifier, expected in (("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"), ("org/other", None),
+                               ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct")):
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"speculators_model_type": "dspark", "speculators_config": {"verifier": {"name_or_path": verifier}}}))
+        assert target_for_drafter(None, str(tmp_path)) == expected
+    with pytest.raises(CLIError, match="made with target Qwen2.5-Coder-0.5B-Instruct, not SmolLM2-135M-Instruct"):
+        target_for_drafter("SmolLM2-135M-Instruct", str(tmp_path))
 
 
 def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path, capsys):

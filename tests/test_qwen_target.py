@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import modeling_dspark as md
-from dspark_cli.common import SHIPPED_DRAFTERS
+from dspark_cli.common import SHIPPED_DRAFTERS, target_for_drafter
 from generation import collect_stats, dspark_options
 from modeling_dspark import formats
 from modeling_dspark.target import apply_chat_template, load_target
@@ -51,12 +51,14 @@ def test_shipped_qwen_drafter_is_lossless_and_drafts(qwen, lookup):
 
 
 def test_shipped_qwen_drafter_exports_to_speculators(qwen, tmp_path):
-    """The speculators export names the verifier by its Hub id and loads back tensor for tensor equal."""
+    """The speculators export names the verifier by its Hub id, which the commands map back to the packaged target,
+    and loads back tensor for tensor equal."""
     target, _, _ = qwen
     drafter = md.DSparkDraftModel.from_pretrained(DRAFTER, target=target)
     out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
     config = formats.read_json(out / "config.json")
     assert config["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert target_for_drafter(None, str(out)) == QWEN
     back = md.DSparkDraftModel.from_pretrained(out, target=target)
     state = back.state_dict()
     for key, value in drafter.state_dict().items():
