@@ -61,13 +61,27 @@ def build_parser() -> argparse.ArgumentParser:
         mod.add_parser(subparsers)
         for cmd in set(subparsers.choices) - before:
             subparsers.choices[cmd].set_defaults(_dspark_run=mod.run)
+    _name_parsers(parser)
     return parser
+
+
+def _name_parsers(parser: argparse.ArgumentParser) -> None:
+    """Give every (sub)command parser a default naming itself: the deepest one parsed is the command run, whose
+    ``prog`` (e.g. ``dspark data build``) an error about unknown options should carry."""
+    parser.set_defaults(_dspark_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _name_parsers(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command = vars(args).pop("_dspark_parser", parser)
+    if unknown:  # reported by the command's own parser, with its usage line
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     runner = vars(args).pop("_dspark_run", None)  # so that a command's args (kept in manifests) hold options only
     if runner is None:
         parser.print_help(sys.stderr)

@@ -187,6 +187,18 @@ def test_old_spellings_still_parse():
     assert a.out_dir == "o"
 
 
+@pytest.mark.parametrize("argv, prog, unknown", [(["generate", "--promt", "hi"], "dspark generate", "--promt hi"),
+                                                 (["data", "build", "--bogus"], "dspark data build", "--bogus"),
+                                                 (["--bogus"], "dspark", "--bogus")])
+def test_an_unknown_option_is_named_by_its_command(argv, prog, unknown, capsys):
+    """A typo'd option is reported by the command it was given to, with that command's usage line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{prog}: error: unrecognized arguments: {unknown}" in err
+    assert f"usage: {prog}" in err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
