@@ -75,8 +75,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None,
                    help="draft slots per round, 1..the drafter's block size (default: the drafter's)")
     p.add_argument("--policy", default=None, metavar="POLICY",
-                   help="verify policy: none, full, fixed:N, threshold:P, scheduler or lagged[:LAG] (README, policy "
-                        "table); scheduler profiles SPS(B) on first use where no table is cached (default: the "
+                   help="verify policy: none, full, fixed:N, threshold:P, scheduler or lagged[:LAG] (docs/usage.md, "
+                        "policy table); scheduler profiles SPS(B) on first use where no table is cached (default: the "
                         "scheduler when the drafter has a confidence head and a table is cached, else full)")
     samp = p.add_argument_group("sampling")
     samp.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")

@@ -14,7 +14,7 @@ The χ² test pools the evidence of all cells, so it catches rules that shift pr
 N = 3000, in one run at these seeds, it caught resampling a rejected draft from p instead of the residual
 norm(max(0, p − q)) in every drafter test here, and candidate logits handed to the verify without the temperature at
 T = 0.7, where a per-cell bound of 4.5 standard errors missed both in some tests (benchmarks/sampling_test_power.py;
-docs/benchmarks.md, "Power of the sampling tests").
+docs/studies/2026-12-sampling-test-power.md).
 """
 
 from __future__ import annotations
