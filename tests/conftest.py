@@ -64,6 +64,51 @@ def pytest_collection_modifyitems(config, items):
     items[:] = order + rest
 
 
+def under_ci() -> bool:
+    """True where the environment says this is CI (``CI=true``, any case)."""
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def require(condition: bool, why: str) -> None:
+    """Go on when ``condition`` holds; else skip the caller (a test, a fixture or a whole module) with ``why``, or,
+    under ``CI=true``, fail it: CI installs every prerequisite, so one that is missing there is a broken setup, not a
+    reason to skip."""
+    if condition:
+        return
+    if under_ci():
+        pytest.fail(f"CI must run this test: {why}", pytrace=False)
+    pytest.skip(why, allow_module_level=True)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires(condition, why): run the test only where condition holds; skip "
+                                       "it elsewhere, fail it under CI=true (tests/conftest.py: require)")
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("requires"):
+        require(*mark.args, **mark.kwargs)
+
+
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """The matplotlib figures written with ``Figure.savefig`` during the test, in order, so a test can check their
+    axes and lines instead of the file's bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figures, savefig = [], Figure.savefig
+
+    def record(self, *args, **kwargs):
+        figures.append(self)
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return figures
+
+
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a Python function that returns the square of a number.",

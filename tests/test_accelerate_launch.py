@@ -60,7 +60,7 @@ def _skip_reason():
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = pytest.mark.requires(_skip_reason() is None, str(_skip_reason()))
 
 
 def test_train_cli_under_accelerate_launch_two_cpu_processes(tmp_path, one_thread):

@@ -58,7 +58,7 @@ def test_auroc_hand_cases():
 
 
 def test_auroc_matches_scipy_mannwhitney():
-    scipy_stats = pytest.importorskip("scipy.stats")
+    import scipy.stats as scipy_stats
     rng = np.random.default_rng(0)
     s = rng.integers(0, 5, 200).astype(float)  # many ties
     y = rng.random(200) < 0.4
@@ -211,13 +211,24 @@ def test_sts_grid_and_shape_errors():
     assert len(tt) == 3
 
 
-def test_plot_reliability(tmp_path):
-    pytest.importorskip("matplotlib")
+def test_plot_reliability(tmp_path, saved_figures):
+    """One panel per asked position: the diagonal, the raw and the calibrated curve, each labelled with the ECE that
+    calibration_report computes; the PNG decodes at the figure's size (3 panels of 3.2 in at 120 dpi)."""
+    import matplotlib.pyplot as plt
+
     logits, acc = _synthetic(3000, 5, seed=7)
     temps = fit_sts(logits, acc)
     path = plot_reliability(logits, acc, temps, str(tmp_path / "rel.png"), positions=[1, 3, 5], title="synthetic")
-    data = open(path, "rb").read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    (fig,) = saved_figures
+    report = calibration_report(logits, acc, temps)
+    assert [ax.get_title().split(",")[0] for ax in fig.axes] == ["position 1", "position 3", "position 5"]
+    for ax, k in zip(fig.axes, (0, 2, 4)):
+        diagonal, raw, sts = ax.get_lines()
+        assert list(diagonal.get_xdata()) == [0, 1] == list(diagonal.get_ydata())
+        ece = report["positions"][k]
+        assert raw.get_label() == f"raw, ECE {100 * ece['ece_before']:.1f}%"
+        assert sts.get_label() == f"STS (T={temps[k]:.2f}), ECE {100 * ece['ece_after']:.1f}%"
+    assert plt.imread(path).shape[:2] == (round(3.2 * 120), round(3 * 3.2 * 120))
     with pytest.raises(ValueError):
         plot_reliability(logits, acc, temps, str(tmp_path / "x.png"), positions=[6])
 

@@ -31,8 +31,16 @@ def test_json_compare_fp32_identical(capsys):
     assert REQUIRED | {"baseline_tokens_per_s", "speedup", "identical"} <= rec.keys()
     assert rec["identical"] is True
     assert 1 <= len(rec["token_ids"]) <= 4 and all(isinstance(t, int) for t in rec["token_ids"])
-    assert rec["tokens_per_s"] > 0 and rec["baseline_tokens_per_s"] > 0 and rec["speedup"] > 0
-    assert rec["rounds"] >= 1 and rec["tau"] >= 1.0
+    n = len(rec["token_ids"])
+    assert rec["tokens_per_s"] == pytest.approx(n / rec["seconds"])
+    # identical outputs: the speed-up is the ratio of the tokens/s, and the inverse ratio of the seconds
+    assert rec["speedup"] == pytest.approx(rec["tokens_per_s"] / rec["baseline_tokens_per_s"])
+    assert rec["speedup"] == pytest.approx(rec["baseline_seconds"] / rec["seconds"])
+    # τ = committed / rounds; a round commits its accepted drafts and at most one more token, and the rounds commit
+    # every token but the prefill's and at most one last plain step
+    committed = rec["tau"] * rec["rounds"]
+    assert rec["rounds"] >= 1 and committed == pytest.approx(round(committed))
+    assert n - 2 <= round(committed) <= min(n - 1, rec["accepted"] + rec["rounds"])
     # the default drafter is the shipped one (no network, no random fallback when it is present)
     from dspark_cli.generate_cmd import SHIPPED_DRAFTER
 

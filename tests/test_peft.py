@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-pytest.importorskip("peft")
+from .conftest import require
+
+require(importlib.util.find_spec("peft") is not None, "peft is not installed: pip install -e '.[train]'")
 
 import modeling_dspark as md  # noqa: E402
 from training.peft_adapt import (  # noqa: E402
@@ -250,8 +253,13 @@ def test_adapt_cli_end_to_end(tmp_path):
     assert (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists()
     man = json.loads((out / "adapt_manifest.json").read_text())
     assert man["global_step"] == 3 and man["train_sequences"] == 7 and len(man["eval_ids"]) == 2
-    assert man["tau_before"]["tau"] >= 1 and man["tau_after"]["tau"] >= 1
-    assert man["lora"]["trainable_params"] > 0
+    for key in ("tau_before", "tau_after"):  # τ = committed / rounds; the prefill's token is not a round's
+        t = man[key]
+        assert t["prompts"] == 2 and 1 <= t["rounds"] <= t["tokens"] <= 2 * (6 - 1)
+        assert t["tau"] == pytest.approx(t["tokens"] / t["rounds"])
+    # the trainable parameters are the adapter's: every tensor in the saved adapter file
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert man["lora"]["trainable_params"] == sum(v.numel() for v in adapter.values()) > 0
     info = read_adapter_info(out)
     assert info["base_drafter"] == str(tmp_path / "base") and info["tau_after"] == man["tau_after"]["tau"]
     merged = md.DSparkDraftModel.from_pretrained(out / "merged")

