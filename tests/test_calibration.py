@@ -15,7 +15,6 @@ from training.calibration import (
     expected_calibration_error,
     fit_sts,
     fit_sts_bias,
-    plot_reliability,
     survival_from_confidences,
 )
 
@@ -215,6 +214,8 @@ def test_plot_reliability(tmp_path, saved_figures):
     """One panel per asked position: the diagonal, the raw and the calibrated curve, each labelled with the ECE that
     calibration_report computes; the PNG decodes at the figure's size (3 panels of 3.2 in at 120 dpi)."""
     import matplotlib.pyplot as plt
+
+    from dspark_cli.calibrate_cmd import plot_reliability
 
     logits, acc = _synthetic(3000, 5, seed=7)
     temps = fit_sts(logits, acc)

@@ -12,7 +12,8 @@ from dspark_cli.common import CLIError
 from dspark_cli.main import main
 from generation.stats import RoundStats
 from modeling_dspark import DSparkDraftModel
-from training import calibration
+from evaluation import acceptance
+from training import calibration, heldout
 from training import prompts as P
 
 from .conftest import make_drafter
@@ -37,42 +38,42 @@ def test_acceptance_matrix_lengths_and_eos():
         RoundStats(drafted=4, verified=4, accepted=2, committed=3, draft_tokens=[5, 6, 7, 8]),
         RoundStats(drafted=2, verified=2, accepted=0, committed=1, draft_tokens=[5, 6]),  # cut by max length
     ]
-    acc, valid = calibration.acceptance_matrix(rounds, 4)
+    acc, valid = acceptance.acceptance_matrix(rounds, 4)
     assert acc.tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
     assert valid.tolist() == [[True] * 4, [True, True, False, False]]
 
     # transformers crops its match count at a committed EOS: a draft EOS that matched is accepted, later slots unknown
     eos_round = [RoundStats(drafted=4, verified=4, accepted=1, committed=2, draft_tokens=[5, 2, 9, 9])]
-    acc, valid = calibration.acceptance_matrix(eos_round, 4, eos_ids=[2], last_round_hit_eos=True)
+    acc, valid = acceptance.acceptance_matrix(eos_round, 4, eos_ids=[2], last_round_hit_eos=True)
     assert acc.tolist() == [[1, 1, 0, 0]] and valid.tolist() == [[True, True, False, False]]
     # the target's own EOS after a real mismatch stays a rejection
     miss = [RoundStats(drafted=4, verified=4, accepted=1, committed=2, draft_tokens=[5, 7, 9, 9])]
-    acc, valid = calibration.acceptance_matrix(miss, 4, eos_ids=[2], last_round_hit_eos=True)
+    acc, valid = acceptance.acceptance_matrix(miss, 4, eos_ids=[2], last_round_hit_eos=True)
     assert acc.tolist() == [[1, 0, 0, 0]] and valid.tolist() == [[True] * 4]
 
 
 # ---------------------------------------------------------------------------------------------- held-out prompts
 def test_calibration_prompts_share_nothing_with_eval_sets(tmp_path):
-    recs, info = calibration.calibration_prompts("sharegpt,gsm_symbolic", limit=40)
+    recs, info = heldout.calibration_prompts("sharegpt,gsm_symbolic", limit=40)
     assert len(recs) == 40 and info["per_source"] == {"sharegpt": 20, "gsm_symbolic": 20}
     assert len({r["id"] for r in recs}) == 40
     evals = [p for name in P.EVAL_SETS for p in P.load_eval_prompts(name)]
     assert P.find_overlap(recs, evals) == []
-    assert P.find_overlap(recs, evals, threshold=calibration.OVERLAP_THRESHOLD) == []
+    assert P.find_overlap(recs, evals, threshold=heldout.OVERLAP_THRESHOLD) == []
     # not the prompts a default `dspark data build` (seed 0, head of the shuffle) trains on
     train = list(P.iter_train_prompts("sharegpt", seed=0, limit=4416))
     train += list(P.iter_train_prompts("gsm_symbolic", seed=0, limit=500))
     assert P.find_overlap(recs, train) == []
     # --exclude-data drops the prompts of a training data set
     (tmp_path / "plan.json").write_text(json.dumps([{"id": recs[0]["id"], "source": "sharegpt", "prompt_ids": []}]))
-    again, info2 = calibration.calibration_prompts("sharegpt,gsm_symbolic", limit=40, exclude_data=[str(tmp_path)])
+    again, info2 = heldout.calibration_prompts("sharegpt,gsm_symbolic", limit=40, exclude_data=[str(tmp_path)])
     assert recs[0]["id"] not in {r["id"] for r in again} and info2["dropped_training_data"] == 1
 
 
 def test_calibration_prompts_after_extends_with_new_prompts_only():
-    first, _ = calibration.calibration_prompts("sharegpt,gsm_symbolic", limit=12)
-    both, _ = calibration.calibration_prompts("sharegpt,gsm_symbolic", limit=30)
-    extra, info = calibration.calibration_prompts("sharegpt,gsm_symbolic", limit=30, after=12)
+    first, _ = heldout.calibration_prompts("sharegpt,gsm_symbolic", limit=12)
+    both, _ = heldout.calibration_prompts("sharegpt,gsm_symbolic", limit=30)
+    extra, info = heldout.calibration_prompts("sharegpt,gsm_symbolic", limit=30, after=12)
     ids = [r["id"] for r in extra]
     assert not set(ids) & {r["id"] for r in first}
     assert set(ids) | {r["id"] for r in first} == {r["id"] for r in both} and len(ids) == 18
@@ -80,7 +81,7 @@ def test_calibration_prompts_after_extends_with_new_prompts_only():
     assert info["after"] == {"limit": 12, "left_out": 12}
     assert info["per_source"] == {"sharegpt": 9, "gsm_symbolic": 9}
     with pytest.raises(ValueError, match="after"):
-        calibration.calibration_prompts("sharegpt", limit=4, after=4)
+        heldout.calibration_prompts("sharegpt", limit=4, after=4)
 
 
 def _fake_pairs(path, n_prompts, rows_per_prompt, gamma, seed):
@@ -102,7 +103,7 @@ def test_calibrate_merges_several_pairs_files(tmp_path, capsys):
     a, b = tmp_path / "a.npz", tmp_path / "b.npz"
     _fake_pairs(a, 7, 20, BLOCK, 0)
     _fake_pairs(b, 5, 20, BLOCK, 1)
-    merged = calibration.load_pairs([a, b])
+    merged = acceptance.load_pairs([a, b])
     assert merged["logits"].shape == (240, BLOCK)
     # the second file's prompts come after the first's: 12 distinct prompts, none shared
     assert np.array_equal(np.unique(merged["prompt_index"]), np.arange(12))

