@@ -184,7 +184,6 @@ def run(args) -> int:
 
     import torch
     import transformers
-    from transformers import TrainingArguments
 
     from modeling_dspark import DSparkDraftModel
     from training.peft_adapt import (
@@ -194,7 +193,8 @@ def run(args) -> int:
         trainable_parameter_summary,
         write_adapter_info,
     )
-    from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset
+    from training.pipeline import train_drafter
+    from training.trainer import prepare_dataset
 
     set_threads(args.threads)
     data = prepare_dataset(load_data_dir(args.data))
@@ -237,23 +237,15 @@ def run(args) -> int:
           f"({100 * params['fraction']:.2f}%)")
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    collator = DSparkCollator(gamma, args.anchors_per_seq, pad, args.seed, args.max_length)
-    warmup = args.warmup_steps if args.warmup_steps is not None else int(0.03 * args.max_steps)
-    targs = TrainingArguments(
-        disable_tqdm=args.no_progress,
-        output_dir=args.output_dir, max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=warmup,
-        lr_scheduler_type="cosine", per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, bf16=args.bf16, seed=args.seed, data_seed=args.seed,
-        save_strategy="steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        logging_steps=args.logging_steps, report_to="none", dataloader_num_workers=args.num_workers,
-        remove_unused_columns=False, use_cpu=use_cpu, max_grad_norm=1.0,
-    )
-    trainer = DSparkTrainer(model=model, target=target, args=targs, train_dataset=train_rows, data_collator=collator)
     resume = resolve_resume(args.resume, args.output_dir)
-    t0 = time.time()
-    result = trainer.train(resume_from_checkpoint=resume)
-    wall = time.time() - t0
-    trainer.save_model(args.output_dir)  # a PeftModel: adapter_model.safetensors + adapter_config.json only
+    run_ = train_drafter(  # a PeftModel saves adapter_model.safetensors + adapter_config.json only
+        model, target, train_rows, output_dir=args.output_dir, block_size=gamma,
+        anchors_per_seq=args.anchors_per_seq, pad_id=pad, max_length=args.max_length, seed=args.seed,
+        max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup_steps, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, bf16=args.bf16, use_cpu=use_cpu, save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit, logging_steps=args.logging_steps, num_workers=args.num_workers,
+        progress=not args.no_progress, resume=resume)
+    trainer, result, wall = run_.trainer, run_.result, run_.wall_s
 
     tau_after = tau(model)
     if tau_after is not None:
@@ -268,7 +260,7 @@ def run(args) -> int:
         print(f"merged drafter saved to {merged_dir}")
 
     if trainer.is_world_process_zero():
-        logs = [h for h in trainer.state.log_history if "loss" in h]
+        logs = run_.logs()
         manifest = {
             "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
             "args": dict(vars(args)),

@@ -217,15 +217,13 @@ def run(args) -> int:
     require_out_dir(args, "dspark train")
     layer_ids, init_layers = _check_args(args)
     silence_progress(args.no_progress)
-    import time
-
     import torch
     import transformers
-    from transformers import TrainingArguments
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
     from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
-    from training.trainer import DSparkCollator, DSparkTrainer, init_from_target
+    from training.pipeline import train_drafter
+    from training.trainer import init_from_target
 
     set_threads(args.threads)
     data = load_training_data(args.data)
@@ -282,41 +280,19 @@ def run(args) -> int:
         eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else 0
         drafter.draft_vocab_ids.copy_(select_draft_vocab(data, args.draft_vocab_size, always=[eos]))
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    collator = DSparkCollator(args.block_size, args.anchors_per_seq, pad, args.seed, args.max_length)
-    cache_wall = None
-    warmup = args.warmup_steps if args.warmup_steps is not None else int(0.03 * args.max_steps)
-    targs = TrainingArguments(
-        disable_tqdm=args.no_progress,
-        output_dir=args.output_dir, max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=warmup,
-        weight_decay=args.weight_decay, lr_scheduler_type="cosine", per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, train_sampling_strategy=args.sampling, bf16=args.bf16, seed=args.seed, data_seed=args.seed,
-        save_strategy="steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        logging_steps=args.logging_steps, report_to="none", dataloader_num_workers=args.num_workers,
-        remove_unused_columns=False, use_cpu=args.cpu or not torch.cuda.is_available(), max_grad_norm=1.0,
-    )
-    if args.feature_cache:
-        from training.feature_cache import CachedFeatureCollator, FeatureCache, build_feature_cache
-
-        t_cache = time.time()
-        with targs.main_process_first(desc="feature cache"):
-            if targs.process_index == 0:
-                target.to(targs.device)
-                build_feature_cache(data, target, cfg.target_layer_ids, args.feature_cache,
-                                    batch_size=args.batch_size, max_length=args.max_length,
-                                    progress=not args.no_progress)
-        cache_wall = round(time.time() - t_cache, 1)
-        cache = FeatureCache(args.feature_cache, cfg.target_layer_ids, target.config.hidden_size, target=target)
-        collator = CachedFeatureCollator(args.block_size, args.anchors_per_seq, pad, args.seed, args.max_length,
-                                         cache=cache)
-    trainer = DSparkTrainer(model=drafter, target=target, args=targs, train_dataset=data, data_collator=collator)
-
-    t0 = time.time()
-    result = trainer.train(resume_from_checkpoint=resume)
-    wall = time.time() - t0
-    trainer.save_model(args.output_dir)
+    run_ = train_drafter(
+        drafter, target, data, output_dir=args.output_dir, block_size=args.block_size,
+        anchors_per_seq=args.anchors_per_seq, pad_id=pad, max_length=args.max_length, seed=args.seed,
+        max_steps=args.max_steps, lr=args.lr, warmup_steps=args.warmup_steps, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, bf16=args.bf16, use_cpu=args.cpu or not torch.cuda.is_available(),
+        save_steps=args.save_steps, save_total_limit=args.save_total_limit, logging_steps=args.logging_steps,
+        num_workers=args.num_workers, progress=not args.no_progress, weight_decay=args.weight_decay,
+        sampling=args.sampling, feature_cache=args.feature_cache, target_layer_ids=cfg.target_layer_ids,
+        resume=resume)
+    trainer, result, wall, cache_wall = run_.trainer, run_.result, run_.wall_s, run_.feature_cache_wall_s
 
     if trainer.is_world_process_zero():
-        logs = [h for h in trainer.state.log_history if "loss" in h]
+        logs = run_.logs()
         bps = [h["blocks_per_s"] for h in logs if "blocks_per_s" in h]
         data_manifests = {d: json.loads((Path(d) / "manifest.json").read_text())
                           for d in args.data if (Path(d) / "manifest.json").exists()}
