@@ -9,8 +9,8 @@ the command also converts between formats. ``--format deepspec`` writes copies o
 LM head, ``--format speculators`` of a drafter with a reduced draft vocabulary the LM head's rows, and a drafter
 with its own copies (a DeepSpec import) written as speculators or DFlash must have copies equal to the target's,
 so these load the target (``--target``, default SmolLM2-135M-Instruct;
-:func:`modeling_dspark.formats.export_needs_target`). What a format cannot hold is refused, with every reason,
-before anything is loaded or written (:func:`modeling_dspark.formats.check_exportable`); docs/serving.md has the
+:func:`modeling_dspark.export.export_needs_target`). What a format cannot hold is refused, with every reason,
+before anything is loaded or written (:func:`modeling_dspark.export.check_exportable`); docs/serving.md has the
 serving commands. No exported config holds an absolute path of this machine: the speculators format names its
 verifier by ``--verifier-name`` (a Hub id or a relative path), else by the drafter's target when that is portable
 (the default target is written as ``HuggingFaceTB/SmolLM2-135M-Instruct``); an absolute path is refused.
@@ -64,23 +64,23 @@ def _load_target(path, dtype):
 
 
 def _export(args) -> Path:
-    from modeling_dspark import DSparkDraftModel, formats
+    from modeling_dspark import DSparkDraftModel, export
 
     path = drafter_dir(args.drafter)
     try:
-        formats.check_output_dir(args.out)
+        export.check_output_dir(args.out)
         drafter = DSparkDraftModel.from_pretrained(path).eval()
-        formats.check_exportable(drafter, args.format, need_target=False, verifier_name=args.verifier_name)
+        export.check_exportable(drafter, args.format, need_target=False, verifier_name=args.verifier_name)
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
-    if formats.export_needs_target(drafter.config, args.format):
+    if export.export_needs_target(drafter.config, args.format):
         args.target = target_for_drafter(args.target, path, flag="DRAFTER")
         try:
             drafter.bind_target(_load_target(args.target, next(drafter.parameters()).dtype))
         except (OSError, ValueError) as err:
             raise CLIError(f"could not use target {args.target or 'SmolLM2-135M-Instruct'!r}: {err}") from None
     try:
-        return formats.export_drafter(drafter, args.out, format=args.format, verifier_name=args.verifier_name)
+        return export.export_drafter(drafter, args.out, format=args.format, verifier_name=args.verifier_name)
     except (OSError, ValueError) as err:
         raise CLIError(str(err)) from None
 

@@ -15,9 +15,8 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 import modeling_dspark as md
-from dspark_cli.common import SHIPPED_DRAFTER
 from dspark_cli.main import main as cli_main
-from modeling_dspark import formats
+from modeling_dspark import export, formats
 from tests.test_peers import MASK, VOCAB, check_rounds, dspark_rounds, prompt, scale_weights, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -279,7 +278,7 @@ def test_deepspec_export_round_trip(tmp_path):
     target = tiny_target("qwen3")
     config, state = deepspec_checkpoint(tmp_path / "src", target, layer_ids=(0, 2, 4))
     drafter = md.DSparkDraftModel.from_pretrained(tmp_path / "src", target=target)
-    formats.export_drafter(drafter, tmp_path / "out", format="deepspec")
+    export.export_drafter(drafter, tmp_path / "out", format="deepspec")
     out_config = json.loads((tmp_path / "out" / "config.json").read_text())
     for key in ("architectures", "num_target_layers", "num_hidden_layers", "block_size", "mask_token_id",
                 "target_layer_ids", "enable_confidence_head", "confidence_head_with_markov", "markov_rank",
@@ -298,7 +297,7 @@ def test_deepspec_import_exports_as_speculators(tmp_path):
     target = tiny_target("qwen3")
     deepspec_checkpoint(tmp_path / "src", target)
     drafter = md.DSparkDraftModel.from_pretrained(tmp_path / "src", target=target).eval()
-    formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
+    export.export_drafter(drafter, tmp_path / "spec", format="speculators")
     back = md.DSparkDraftModel.from_pretrained(tmp_path / "spec", target=target).eval()
     assert not back.config.own_embeddings and back.config.anchor_predicts
     ids = prompt(seed=7)
@@ -308,7 +307,7 @@ def test_deepspec_import_exports_as_speculators(tmp_path):
     with torch.no_grad():
         drafter.lm_head.weight[0] += 1.0
     with pytest.raises(ValueError, match="copies differ"):
-        formats.export_drafter(drafter, tmp_path / "bad", format="speculators")
+        export.export_drafter(drafter, tmp_path / "bad", format="speculators")
 
 
 def test_export_carries_sts_and_own_embeddings(tmp_path):
@@ -316,11 +315,11 @@ def test_export_carries_sts_and_own_embeddings(tmp_path):
     temperatures and offsets as extra keys, and drafts the same after loading back."""
     target = tiny_target("qwen3")
     drafter = new_drafter(target, sts_temperatures=[1.3, 0.9, 1.1, 1.0], sts_biases=[0.2, -0.1, 0.0, 0.3])
-    formats.export_drafter(drafter, tmp_path / "ds", format="deepspec")
+    export.export_drafter(drafter, tmp_path / "ds", format="deepspec")
     saved = load_file(str(tmp_path / "ds" / "model.safetensors"))
     assert torch.equal(saved["embed_tokens.weight"], target.get_input_embeddings().weight)
     assert torch.equal(saved["lm_head.weight"], target.get_output_embeddings().weight)
-    assert not (tmp_path / "ds" / formats.SGLANG_STS_FILE).exists()  # SGLang's STS file has no offsets
+    assert not (tmp_path / "ds" / export.SGLANG_STS_FILE).exists()  # SGLang's STS file has no offsets
     back = md.DSparkDraftModel.from_pretrained(tmp_path / "ds", target=target).eval()
     assert back.config.sts_temperatures == [1.3, 0.9, 1.1, 1.0] and back.config.sts_biases == [0.2, -0.1, 0.0, 0.3]
     ids = prompt(seed=5)
@@ -329,8 +328,8 @@ def test_export_carries_sts_and_own_embeddings(tmp_path):
     assert [(p.tolist(), t, c) for p, t, c in rounds_a] == [(p.tolist(), t, c) for p, t, c in rounds_b]
     assert any(c for _, _, c in rounds_a)
     back.config.sts_biases = [0.0] * 4
-    formats.export_drafter(back, tmp_path / "ds2", format="deepspec")
-    sts = json.loads((tmp_path / "ds2" / formats.SGLANG_STS_FILE).read_text())
+    export.export_drafter(back, tmp_path / "ds2", format="deepspec")
+    sts = json.loads((tmp_path / "ds2" / export.SGLANG_STS_FILE).read_text())
     assert sts == {"temperatures": [1.3, 0.9, 1.1, 1.0]}
 
 
@@ -339,7 +338,7 @@ def test_speculators_d2t_is_an_offset(tmp_path):
     """speculators' d2t holds offsets (target id = draft id + d2t[draft id]); dspark's draft_vocab_ids the ids."""
     target = tiny_target("qwen3")
     drafter = new_drafter(target, draft_vocab_size=24)
-    formats.export_drafter(drafter, tmp_path / "s", format="speculators")
+    export.export_drafter(drafter, tmp_path / "s", format="speculators")
     saved = load_file(str(tmp_path / "s" / "model.safetensors"))
     ids = drafter.draft_vocab_ids
     assert torch.equal(torch.arange(24) + saved["d2t"], ids)
@@ -414,7 +413,7 @@ def test_specforge_for_gemma_targets_is_refused():
         md.DSparkDraftModel(config).bind_target(Gemma3ForCausalLM(gemma).eval())
     # exporting it needs the target bound (the written file no longer says it came from SpecForge)
     with pytest.raises(ValueError, match="SpecForge conversion"):
-        formats.check_exportable(md.DSparkDraftModel(config), "speculators")
+        export.check_exportable(md.DSparkDraftModel(config), "speculators")
     with pytest.raises(ValueError, match="source_format"):
         md.DSparkConfig(source_format="SpecForge")
 
@@ -450,12 +449,12 @@ def test_shipped_drafter_exports_to_speculators_only(tmp_path, smollm):
     whose checkpoint loads back tensor for tensor equal with the same calibration; DeepSpec and DFlash, which cannot
     hold a reduced vocabulary, are refused with nothing written."""
     target, _ = smollm
-    drafter = md.DSparkDraftModel.from_pretrained(SHIPPED_DRAFTER, target=target)
+    drafter = md.DSparkDraftModel.from_pretrained("smollm2-135m-dspark", target=target)
     for fmt in ("deepspec", "dflash"):
         with pytest.raises(ValueError, match="reduced vocabulary"):
-            formats.export_drafter(drafter, tmp_path / fmt, format=fmt)
+            export.export_drafter(drafter, tmp_path / fmt, format=fmt)
         assert not (tmp_path / fmt).exists()
-    out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
+    out = export.export_drafter(drafter, tmp_path / "spec", format="speculators")
     back = md.DSparkDraftModel.from_pretrained(out, target=target)
     state = back.state_dict()
     for key, value in drafter.state_dict().items():
@@ -480,7 +479,7 @@ def test_export_refuses_what_the_format_cannot_hold(tmp_path, fields, fmt, messa
     drafter = new_drafter(tiny_target("qwen3"), **fields)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("{", r"\{")
                        .replace("}", r"\}")):
-        formats.export_drafter(drafter, tmp_path / "out", format=fmt)
+        export.export_drafter(drafter, tmp_path / "out", format=fmt)
     assert not (tmp_path / "out").exists()
 
 
@@ -488,7 +487,7 @@ def test_deepspec_export_needs_the_target(tmp_path):
     target = tiny_target("qwen3")
     drafter = md.DSparkDraftModel(new_drafter(target).config)  # unbound, shares no table
     with pytest.raises(ValueError, match="target="):
-        formats.export_drafter(drafter, tmp_path / "out", format="deepspec")
+        export.export_drafter(drafter, tmp_path / "out", format="deepspec")
 
 
 def test_deepspec_export_of_a_tied_target_and_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
@@ -499,7 +498,7 @@ def test_deepspec_export_of_a_tied_target_and_a_failed_export_leaves_nothing(tmp
     target.lm_head.weight = target.model.embed_tokens.weight
     drafter = new_drafter(target)
     (tmp_path / "ds").mkdir()  # an empty directory is written into
-    formats.export_drafter(drafter, tmp_path / "ds", format="deepspec")
+    export.export_drafter(drafter, tmp_path / "ds", format="deepspec")
     saved = load_file(str(tmp_path / "ds" / "model.safetensors"))
     assert torch.equal(saved["lm_head.weight"], saved["embed_tokens.weight"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temporary directory left
@@ -513,7 +512,7 @@ def test_deepspec_export_of_a_tied_target_and_a_failed_export_leaves_nothing(tmp
 
     monkeypatch.setattr("safetensors.torch.save_file", save_file)
     with pytest.raises(OSError, match="disk full"):
-        formats.export_drafter(drafter, tmp_path / "failed", format="deepspec")
+        export.export_drafter(drafter, tmp_path / "failed", format="deepspec")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
 
 
@@ -522,7 +521,7 @@ def test_export_refuses_a_non_empty_output(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("")
     with pytest.raises(ValueError, match="not an empty directory"):
-        formats.export_drafter(drafter, tmp_path / "out", format="speculators")
+        export.export_drafter(drafter, tmp_path / "out", format="speculators")
 
 
 def test_load_refuses_missing_or_invalid_pieces(tmp_path):
@@ -541,7 +540,7 @@ def test_load_refuses_missing_or_invalid_pieces(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- CLI
 def test_cli_export(tmp_path, capsys):
-    rc = cli_main(["export", str(SHIPPED_DRAFTER), str(tmp_path / "refused"), "--format", "deepspec"])
+    rc = cli_main(["export", "smollm2-135m-dspark", str(tmp_path / "refused"), "--format", "deepspec"])
     assert rc == 2 and not (tmp_path / "refused").exists()
     assert "reduced vocabulary" in capsys.readouterr().err
 
@@ -571,7 +570,7 @@ def _strings(obj):
             yield from _strings(value)
 
 
-@pytest.mark.parametrize("fmt", formats.EXPORT_FORMATS)
+@pytest.mark.parametrize("fmt", export.EXPORT_FORMATS)
 def test_exports_hold_no_absolute_path(tmp_path, monkeypatch, capsys, fmt):
     """No exported config holds a path of the exporting machine: the default target's local copy is written as its
     Hub id, another absolute path is refused (library and CLI, nothing written) unless --verifier-name names the
@@ -582,7 +581,7 @@ def test_exports_hold_no_absolute_path(tmp_path, monkeypatch, capsys, fmt):
     extra = dict(anchor_predicts=False, sequential_head="none", use_confidence_head=False) if fmt == "dflash" else {}
     drafter = new_drafter(target, **extra)
     drafter.config.target_name_or_path = str(tmp_path / "cache" / "SmolLM2-135M-Instruct")  # the default target
-    config = formats.export_drafter(drafter, tmp_path / "default", format=fmt)
+    config = export.export_drafter(drafter, tmp_path / "default", format=fmt)
     config = json.loads((config / "config.json").read_text())
     assert not [s for s in _strings(config) if s.startswith(str(tmp_path)) or s.startswith("/")]
     if fmt == "speculators":
@@ -599,29 +598,29 @@ def test_exports_hold_no_absolute_path(tmp_path, monkeypatch, capsys, fmt):
         assert "speculators format only" in capsys.readouterr().err and not (tmp_path / "named").exists()
         return
     with pytest.raises(ValueError, match="absolute path of this machine"):
-        formats.export_drafter(drafter, tmp_path / "lib", format=fmt)
+        export.export_drafter(drafter, tmp_path / "lib", format=fmt)
     assert cli_main(args) == 2
     assert "--verifier-name" in capsys.readouterr().err and not (tmp_path / "cli").exists()
     assert cli_main([*args, "--verifier-name", "Qwen/Qwen3-8B"]) == 0
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-8B"
     with pytest.raises(ValueError, match="absolute path"):
-        formats.export_drafter(drafter, tmp_path / "abs", format=fmt, verifier_name=str(tmp_path / "target"))
+        export.export_drafter(drafter, tmp_path / "abs", format=fmt, verifier_name=str(tmp_path / "target"))
 
 
 def test_portable_verifier_name(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / "0123abc"
-    assert formats.portable_verifier_name(str(snapshot)) == "Qwen/Qwen3-8B"
+    assert export.portable_verifier_name(str(snapshot)) == "Qwen/Qwen3-8B"
     for name in ("SmolLM2-135M-Instruct", str(tmp_path / "SmolLM2-135M-Instruct")):
-        assert formats.portable_verifier_name(name) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert export.portable_verifier_name(name) == "HuggingFaceTB/SmolLM2-135M-Instruct"
     for name in ("Qwen2.5-Coder-0.5B-Instruct", str(tmp_path / "Qwen2.5-Coder-0.5B-Instruct")):
-        assert formats.portable_verifier_name(name) == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
-    assert formats.portable_verifier_name("models/target") == "models/target"
-    assert formats.portable_verifier_name("") is None
+        assert export.portable_verifier_name(name) == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert export.portable_verifier_name("models/target") == "models/target"
+    assert export.portable_verifier_name("") is None
     for name in (str(tmp_path / "target"), "~/target"):
         with pytest.raises(ValueError, match="absolute path"):
-            formats.portable_verifier_name(name)
+            export.portable_verifier_name(name)
 
 
 def test_dflash_export_for_a_llama_target_loads_without_target(tmp_path):
@@ -629,7 +628,7 @@ def test_dflash_export_for_a_llama_target_loads_without_target(tmp_path):
     binds to a Llama target at its first generate() and drafts losslessly; the CLI export with --target too."""
     target = tiny_target("llama")
     drafter = new_drafter(target, anchor_predicts=False, sequential_head="none", use_confidence_head=False)
-    formats.export_drafter(drafter, tmp_path / "lib", format="dflash")
+    export.export_drafter(drafter, tmp_path / "lib", format="dflash")
     drafter.save_pretrained(tmp_path / "mine")
     target.save_pretrained(tmp_path / "target")
     assert cli_main(["export", str(tmp_path / "mine"), str(tmp_path / "cli"), "--format", "dflash",
@@ -652,7 +651,7 @@ def test_deepspec_import_as_speculators_checks_its_copies(tmp_path, capsys):
     state["lm_head.weight"] = state["lm_head.weight"] + 1.0
     save_file(state, str(tmp_path / "bad" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"own embedding / LM-head copies.*target="):
-        formats.export_drafter(md.DSparkDraftModel.from_pretrained(tmp_path / "good"), tmp_path / "x",
+        export.export_drafter(md.DSparkDraftModel.from_pretrained(tmp_path / "good"), tmp_path / "x",
                                format="speculators")
     args = ["--format", "speculators", "--target", str(tmp_path / "target")]
     assert cli_main(["export", str(tmp_path / "bad"), str(tmp_path / "bad_out"), *args]) == 2

@@ -175,14 +175,14 @@ def test_auto_model_drafter_in_generate_and_pipeline_equals_plain_greedy(smollm,
     sets the block size."""
     from transformers import pipeline
 
-    from modeling_dspark import formats
+    from modeling_dspark import export
 
     target, tok = smollm
     shipped = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
     if which == "shipped":
         drafter = AutoModel.from_pretrained(shipped)
     elif which == "shipped-exported":  # what vLLM loads, back in transformers
-        out = formats.export_drafter(md.DSparkDraftModel.from_pretrained(shipped, target=target), tmp_path / "spec",
+        out = export.export_drafter(md.DSparkDraftModel.from_pretrained(shipped, target=target), tmp_path / "spec",
                                      format="speculators")
         drafter = md.DSparkDraftModel.from_pretrained(out)  # unbound, as the other cases
     else:
@@ -246,17 +246,47 @@ def test_unknown_hub_id_or_revision_is_a_clear_not_found(tiny, tmp_path, revisio
 
 
 def test_relative_paths_resolve_as_paths(tiny, tmp_path, monkeypatch):
-    """Outside the repository root, the shipped drafter's relative path is not found (a clear error, no network);
-    an existing relative directory loads as a path even when it also has the form of a Hub id."""
+    """Outside the repository root, an old relative path of a shipped drafter is not found (a clear error naming the
+    shipped name, no network); an existing relative directory loads as a path even when it also has the form of a
+    Hub id; a missing directory under an existing one fails before any Hub lookup."""
+    import huggingface_hub
+
     target, drafter_dir = tiny
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"drafters/smollm2-135m-dspark.*not found: no local directory"):
+    with pytest.raises(FileNotFoundError, match=r"drafters/smollm2-135m-dspark.*not found: no local directory.*"
+                                                r"loads as 'smollm2-135m-dspark'"):
         md.DSparkDraftModel.from_pretrained("drafters/smollm2-135m-dspark", local_files_only=True)
     with pytest.raises(FileNotFoundError, match=r"drafter directory not found: './absent'"):
         md.DSparkDraftModel.from_pretrained("./absent")
     shutil.copytree(drafter_dir, tmp_path / "someorg" / "tiny-dspark")
     d = md.DSparkDraftModel.from_pretrained("someorg/tiny-dspark", target=target)
     assert torch.equal(_generate(target, d), _generate(target))
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a local path was looked up on the Hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    with pytest.raises(FileNotFoundError, match=r"drafter directory not found: 'someorg/absent'.*shipped drafters: "
+                                                r"qwen2.5-coder-0.5b-dspark, smollm2-135m-dspark"):
+        md.DSparkDraftModel.from_pretrained("someorg/absent")
+
+
+def test_shipped_drafters_load_by_name_from_any_directory(tmp_path, monkeypatch):
+    """Each packaged target's shipped drafter loads by its name from outside the repository, from the package's own
+    files, and is the one the CLI picks by default."""
+    from dspark_cli.common import shipped_drafter_for as cli_default
+    from modeling_dspark.hub import SHIPPED_DRAFTERS_DIR
+    from modeling_dspark.target import PACKAGED_TARGETS, shipped_drafter_for
+
+    monkeypatch.chdir(tmp_path)
+    for name, packaged in PACKAGED_TARGETS.items():
+        path = shipped_drafter_for(name)
+        assert path == SHIPPED_DRAFTERS_DIR / packaged.drafter and cli_default(name) == str(path)
+        assert json.loads((path / "config.json").read_text())["target_name_or_path"] == name
+    drafter = md.DSparkDraftModel.from_pretrained("smollm2-135m-dspark")
+    assert drafter.config.target_name_or_path == "SmolLM2-135M-Instruct"
+    assert shipped_drafter_for(None) == shipped_drafter_for("SmolLM2-135M-Instruct")
+    assert shipped_drafter_for(str(tmp_path)) is None
 
 
 def test_drafter_directory_without_config_json_fails(tiny, tmp_path):
@@ -277,12 +307,12 @@ def test_not_a_dspark_config_is_refused(tiny, tmp_path):
 def test_other_formats_load_through_from_pretrained(tiny, tmp_path):
     """A checkpoint in another implementation's format (here speculators, written by dspark's exporter) loads with
     from_pretrained, from a directory and from a Hub id, and drafts what the original drafts."""
-    from modeling_dspark import formats
+    from modeling_dspark import export, formats
 
     target, _ = tiny
     original = md.DSparkDraftModel.from_pretrained(_save_drafter(target, tmp_path / "d", mask_token_id=3),
                                                    target=target)
-    exported = formats.export_drafter(original, tmp_path / "spec", format="speculators", verifier_name="tiny-target")
+    exported = export.export_drafter(original, tmp_path / "spec", format="speculators", verifier_name="tiny-target")
     assert formats.detect_format(json.loads((exported / "config.json").read_text())) == "speculators"
     _fill_hub_cache(tmp_path / "hub", "someorg/spec-drafter", exported)
     # lookup off: every round drafts, so the recorded drafts compare the drafters (the lookup's choice is timed)

@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 import modeling_dspark as md
 from generation.integration import dspark_options
 from generation.stats import collect_stats
-from modeling_dspark import formats
+from modeling_dspark import export, formats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,7 +176,7 @@ def test_dflash_export_loads_in_zlab_dflash(tmp_path):
     drafter = md.DSparkDraftModel(cfg).eval()
     scale_weights(drafter, seed=5)
     drafter.bind_target(target)
-    formats.export_drafter(drafter, tmp_path / "out", format="dflash")
+    export.export_drafter(drafter, tmp_path / "out", format="dflash")
     peer = DFlashDraftModel.from_pretrained(tmp_path / "out").eval()
     assert peer.block_size == 5 and peer.target_layer_ids == [-1, 1, 3]
     check_rounds(target, drafter, zlab_round(peer, target), prompt(seed=2))
@@ -193,7 +193,7 @@ def test_dflash_export_loads_in_specforge(tmp_path):
     drafter = md.DSparkDraftModel(cfg).eval()
     scale_weights(drafter, seed=8)
     drafter.bind_target(target)
-    formats.export_drafter(drafter, tmp_path / "out", format="dflash")
+    export.export_drafter(drafter, tmp_path / "out", format="dflash")
     peer = DFlashDraftModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     check_rounds(target, drafter, specforge_round(peer, target), prompt(seed=4))
 
@@ -395,7 +395,7 @@ def test_speculators_export_loads_in_speculators(tmp_path, monkeypatch, anchor, 
     drafter.bind_target(target)
     # exports name their verifier portably (an absolute path, as target_name_or_path above, is refused): here a path
     # relative to the directory speculators is run from
-    out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators", verifier_name="verifier")
+    out = export.export_drafter(drafter, tmp_path / "spec", format="speculators", verifier_name="verifier")
     monkeypatch.chdir(tmp_path)
     model_cls, config_cls = (DSparkDraftModel, DSparkSpeculatorConfig) if heads else (
         DFlashDraftModel, DFlashSpeculatorConfig)

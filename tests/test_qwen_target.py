@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import modeling_dspark as md
-from dspark_cli.common import SHIPPED_DRAFTERS, target_for_drafter
+from dspark_cli.common import target_for_drafter
 from generation import collect_stats, dspark_options
-from modeling_dspark import formats
-from modeling_dspark.target import apply_chat_template, load_target
+from modeling_dspark import export, formats
+from modeling_dspark.target import apply_chat_template, load_target, shipped_drafter_for
 
 QWEN = "Qwen2.5-Coder-0.5B-Instruct"
-DRAFTER = SHIPPED_DRAFTERS[QWEN]
+DRAFTER = shipped_drafter_for(QWEN)
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Natalia sold 48 clips in April and half as many in May. How many clips did she sell in all?"]
 
@@ -55,7 +55,7 @@ def test_shipped_qwen_drafter_exports_to_speculators(qwen, tmp_path):
     and loads back tensor for tensor equal."""
     target, _, _ = qwen
     drafter = md.DSparkDraftModel.from_pretrained(DRAFTER, target=target)
-    out = formats.export_drafter(drafter, tmp_path / "spec", format="speculators")
+    out = export.export_drafter(drafter, tmp_path / "spec", format="speculators")
     config = formats.read_json(out / "config.json")
     assert config["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
     assert target_for_drafter(None, str(out)) == QWEN

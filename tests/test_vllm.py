@@ -35,7 +35,7 @@ import modeling_dspark as md
 from dspark_cli.main import main as cli_main
 from generation.integration import dspark_options
 from generation.stats import collect_stats
-from modeling_dspark import formats
+from modeling_dspark import export
 from modeling_dspark.target import apply_chat_template, default_target_path
 from tests.test_peers import scale_weights
 
@@ -114,7 +114,7 @@ def run_worker(tmp: Path, target, tok, flash, spark) -> None:
     flash.save_pretrained(tmp / "dflash-trained")
     assert cli_main(["export", str(tmp / "dflash-trained"), str(tmp / "dflash"), "--format", "dflash"]) == 0
     for fmt in ("deepspec", "speculators"):
-        formats.export_drafter(spark, tmp / fmt, format=fmt)
+        export.export_drafter(spark, tmp / fmt, format=fmt)
     job = {"target": str(default_target_path()), "prompts": [apply_chat_template(tok, p) for p in PROMPTS],
            "max_new_tokens": MAX_NEW_TOKENS, "dflash": str(tmp / "dflash"), "num_speculative_tokens": GAMMA,
            "dspark": {fmt: str(tmp / fmt) for fmt in ("deepspec", "speculators")}}
