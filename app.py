@@ -178,9 +178,9 @@ def encode_prompt(tok, prompt: str, limit: int = MAX_PROMPT_TOKENS) -> torch.Lon
 # ---------------------------------------------------------------------------------------------- models
 def auto_dtype(drafter: str | None = None, target: str | None = None, device="cpu") -> tuple[str, str]:
     """The faster dtype's name for ``generate()`` with ``drafter`` (a directory; None or ``"random"``: plain
-    decoding) on ``target`` here, and why, for the page (:func:`generation.profiling.auto_dtype`: the processor
+    decoding) on ``target`` here, and why, for the page (:func:`dspark_cli.dtype.auto_dtype`: the processor
     decides, or both dtypes are timed once and the result cached)."""
-    from generation.profiling import auto_dtype as pick
+    from dspark_cli.dtype import auto_dtype as pick
 
     dtype, why = pick(target, None if drafter in (None, "random") else drafter, device=device)
     return ("bfloat16" if dtype == torch.bfloat16 else "float32"), why
@@ -193,35 +193,6 @@ def default_drafter_spec(target: str | None = None) -> str:
     return shipped_drafter_for(target) or "random"
 
 
-def resolve_sps(target, drafter, context_len: int | None = None, block_size: int | None = None,
-                profile_if_missing: bool = False) -> tuple[object | None, str]:
-    """The SPS(B) curve the scheduler needs for this target (name, dtype, threads) and drafter, from the cached
-    profile (:func:`generation.profiling.sps_for_generate`; with ``profile_if_missing`` it measures one first).
-
-    Returns:
-        ``(sps, "")`` or ``(None, reason)`` (the page says why the scheduler cannot run).
-    """
-    if getattr(drafter, "confidence_head", None) is None:
-        return None, "this drafter has no confidence head (the scheduler needs c_k)"
-    try:
-        from generation.profiling import dtype_name, sps_for_generate, target_name
-    except ImportError:
-        return None, "no SPS(B) profiler in this build (generation.profiling is missing)"
-    try:
-        sps = sps_for_generate(target, drafter, context_len, block_size=block_size,
-                               profile_if_missing=profile_if_missing)
-    except Exception as err:  # a profile that cannot be read or measured must not take the page down
-        return None, f"could not load the SPS(B) profile: {type(err).__name__}: {err}"
-    if sps is None:
-        if os.environ.get("DSPARK_SCHEDULER", "").strip().lower() in ("0", "off", "false", "no"):
-            return None, "turned off by DSPARK_SCHEDULER"
-        gamma = block_size or drafter.config.block_size
-        return None, (f"no SPS(B) profile for {target_name(target)} / {dtype_name(target.dtype)} / "
-                      f"{torch.get_num_threads()} threads up to B = {gamma + 1} yet; run `dspark profile` or start "
-                      "the app with --profile")
-    return sps, ""
-
-
 @dataclass
 class Models:
     """What one request uses: shared weights (read-only) plus facts the page shows."""
@@ -231,8 +202,6 @@ class Models:
     drafter: object
     drafter_label: str
     notice: str = ""
-    sps: object | None = None
-    scheduler_reason: str = ""
 
 
 class ModelBank:
@@ -244,17 +213,15 @@ class ModelBank:
     """
 
     def __init__(self, target_path: str | None = None, default_drafter: str | None = None,
-                 profile_if_missing: bool = False, default_dtype: str = "float32", dtype_reason: str | None = None):
+                 default_dtype: str = "float32", dtype_reason: str | None = None):
         self.target_path = target_path
         self.default_dtype = default_dtype
         self.dtype_reason = dtype_reason
-        self.profile_if_missing = profile_if_missing
         self.default_drafter = default_drafter or default_drafter_spec(target_path)
         self.lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._targets: dict[str, tuple] = {}
         self._drafters: OrderedDict = OrderedDict()
-        self._sps: dict[str, tuple] = {}
 
     def target(self, dtype: str):
         with self._load_lock:
@@ -291,16 +258,6 @@ class ModelBank:
                 self._drafters.popitem(last=False)
             return drafter
 
-    def sps(self, dtype: str, spec: str, target, drafter) -> tuple[object | None, str]:
-        """Whether the scheduler can run for this target and drafter (the context bucket is chosen per request)."""
-        with self._load_lock:
-            if (dtype, spec) in self._sps:
-                return self._sps[(dtype, spec)]
-            sps, reason = resolve_sps(target, drafter, profile_if_missing=self.profile_if_missing)
-            if sps is not None:  # a missing profile is looked up again next time (`dspark profile` may have run)
-                self._sps[(dtype, spec)] = (sps, reason)
-            return sps, reason
-
     def get(self, dtype: str = "float32", drafter: str | None = None) -> Models:
         """The models for one request (loading them on first use).
 
@@ -315,8 +272,7 @@ class ModelBank:
             notice = ("Using a random (untrained) drafter: the output is still exactly the target's, but few drafts "
                       "are accepted, so expect a slowdown. Train one with `dspark train` or give a drafter path.")
         label = "random (untrained)" if spec == "random" else spec
-        sps, reason = self.sps(dtype, spec, target, d)
-        return Models(target, tok, d, label, notice, sps, reason)
+        return Models(target, tok, d, label, notice)
 
 
 # ---------------------------------------------------------------------------------------------- one generation
@@ -356,8 +312,7 @@ def gen_kwargs(req: Request, tok) -> dict:
 
 
 def stream_generate(models: Models, ids: torch.LongTensor, req: Request, speculative: bool,
-                    cancel: threading.Event | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
-                    sps=None) -> Iterator:
+                    cancel: threading.Event | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> Iterator:
     """Run one `generate()` in a worker thread and yield the text so far as it grows; the last item is the
     :class:`RunResult` (``.error`` set when generation failed; never hangs: the worker is always joined)."""
     from transformers import StoppingCriteriaList, TextIteratorStreamer
@@ -376,7 +331,7 @@ def stream_generate(models: Models, ids: torch.LongTensor, req: Request, specula
             mask = torch.ones_like(ids)
             with torch.inference_mode():
                 if speculative:
-                    with dspark_options(policy=req.policy, block_size=req.block_size, sps=sps), \
+                    with dspark_options(policy=req.policy, block_size=req.block_size), \
                             collect_stats() as runs:
                         t0 = time.perf_counter()
                         out = models.target.generate(ids, attention_mask=mask, assistant_model=models.drafter,
@@ -502,23 +457,16 @@ def run_demo(bank: ModelBank, req: Request, counts: dict | None = None, cancel: 
             raise AppError(f"block size must be between 1 and {gamma} for this drafter, got {req.block_size}.")
         ids = encode_prompt(models.tok, req.prompt).to(models.target.device)
         block = req.block_size or gamma
-        sps = None
         from generation.policies import parse_policy
 
         policy = parse_policy(req.policy)
         if policy.needs_confidence and getattr(models.drafter, "confidence_head", None) is None:
             raise AppError(f"The policy {policy.name} is not available: this drafter has no confidence head. "
                            "Choose full or fixed:N.")
-        if policy.needs_sps:
-            if models.sps is None:
-                yield "status", "Measuring the target's step rate SPS(B) on first use (a few seconds)…"
-            sps, reason = resolve_sps(models.target, models.drafter, ids.shape[1], block, profile_if_missing=True)
-            if sps is None:
-                raise AppError(f"The scheduler is not available: {reason}. Choose full or fixed:N.")
 
         yield "status", "Generating with DSpark…"
         spec = None
-        with contextlib.closing(stream_generate(models, ids, req, True, cancel, sps=sps)) as stream:
+        with contextlib.closing(stream_generate(models, ids, req, True, cancel)) as stream:
             for item in stream:
                 if isinstance(item, RunResult):
                     spec = item
@@ -580,10 +528,10 @@ def build_ui(bank: ModelBank):
     try:
         models = bank.get(bank.default_dtype, bank.default_drafter)
         gamma, notice = models.drafter.config.block_size, models.notice
-        sched_ok, sched_reason = models.sps is not None, models.scheduler_reason
+        sched_ok = getattr(models.drafter, "confidence_head", None) is not None
         drafter_label = models.drafter_label
     except AppError as err:  # the page still comes up and says what is wrong
-        gamma, notice, sched_ok, sched_reason, drafter_label = 16, f"Models not loaded: {err}", False, str(err), "?"
+        gamma, notice, sched_ok, drafter_label = 16, f"Models not loaded: {err}", False, "?"
 
     theme = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],
                            font_mono=["ui-monospace", "monospace"])
@@ -622,10 +570,9 @@ def build_ui(bank: ModelBank):
                     policy_box = gr.Dropdown(
                         list(POLICY_CHOICES), value="scheduler" if sched_ok else "full", allow_custom_value=True,
                         elem_id="dspark-policy", label="verify policy (none, full, fixed:N, threshold:P, scheduler)",
-                        info=("scheduler: ℓ each round from c_k and the measured SPS(B)" if sched_ok
-                              else "scheduler: SPS(B) is measured on its first request (a few seconds; "
-                                   "`dspark profile` does it ahead)" if sched_reason.startswith("no SPS(B)")
-                              else f"scheduler: {sched_reason}"))
+                        info=("scheduler (the default): ℓ each round from c_k, priced by this machine's measured "
+                              "verify and drafting times" if sched_ok
+                              else "scheduler: this drafter has no confidence head (it needs c_k)"))
                     if bank.dtype_reason == "--dtype":  # chosen on the command line: nothing to time
                         picked = f"set with --dtype {bank.default_dtype}"
                     else:
@@ -700,27 +647,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=7860, help="port to listen on (default: 7860)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="the page's starting dtype: auto picks float32 (token-exact) on a CPU without bf16 matrix "
-                        "instructions, and on one with them (AMX, AVX512-BF16) times both once and picks the faster "
-                        "for the drafter (default: auto)")
+                   help="the page's starting dtype: auto times both once on this processor and picks the faster "
+                        "for the drafter (float32 is token-exact; default: auto)")
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link (off by default)")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local target checkpoint or packaged target name (default: the drafter's target if it is "
                         "a packaged target or a local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, metavar="PATH|random",
                    help="default drafter (default: the target's shipped drafter if present, else random)")
-    p.add_argument("--profile", action="store_true",
-                   help="measure the SPS(B) profile the scheduler needs at start if none is cached (seconds; "
-                        "it serves this page, not other programs' defaults: `dspark profile` makes that one)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation at start (default: warm up)")
     args = p.parse_args(argv)
-    from dspark_cli.common import CLIError, target_for_drafter
+    from modeling_dspark.pairing import InputError, target_for_drafter
 
     try:
         drafter = validate_request("x", drafter=args.drafter or default_drafter_spec(args.target)).drafter
         args.target = target_for_drafter(args.target, drafter)
-    except (AppError, CLIError) as err:
+    except (AppError, InputError) as err:
         print(f"app.py: error: {err}", file=sys.stderr)
         return 2
     dtype, why = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(drafter, args.target)
@@ -729,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    bank = ModelBank(args.target, drafter, profile_if_missing=args.profile, default_dtype=dtype, dtype_reason=why)
+    bank = ModelBank(args.target, drafter, default_dtype=dtype, dtype_reason=why)
     try:
         bank.get(dtype, drafter)
         if not args.no_warmup:

@@ -1,6 +1,6 @@
 """Benchmark: the dtype `--dtype auto` picks, against a longer measurement of the same jobs.
 
-:func:`generation.profiling.auto_dtype` times greedy ``generate()`` of one prompt for 32 tokens in float32 and
+:func:`dspark_cli.dtype.auto_dtype` times greedy ``generate()`` of one prompt for 32 tokens in float32 and
 bfloat16 and picks the faster (float32 within 5 %). This script times the same two jobs (plain decoding, and
 with the shipped drafter at its default options) longer — ``--max-new-tokens`` tokens, ``--repeats`` interleaved
 runs, the fastest kept — and reports, per job, tokens/s in each dtype, the ratio bf16 / fp32 and what the short
@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
+    from dspark_cli import dtype as choice
     from generation import profiling
 
     hf_logging.disable_progress_bar()
@@ -45,15 +46,15 @@ def main(argv=None) -> int:
     rows = []
     for job, drafter in (("plain", None), ("drafter", args.drafter)):
         load = os.getloadavg()[0]
-        rates = profiling._time_generate(None, drafter, (torch.float32, torch.bfloat16), args.max_new_tokens,
+        rates = choice._time_generate(None, drafter, (torch.float32, torch.bfloat16), args.max_new_tokens,
                                          args.repeats, "cpu")
         with tempfile.TemporaryDirectory() as tmp:  # auto_dtype's own short measurement, not the user's cache
-            picked, why = profiling.auto_dtype(None, drafter, path=Path(tmp) / "sps.json")
+            picked, why = choice.auto_dtype(None, drafter, path=Path(tmp) / "sps.json")
         rows.append({"job": job, "tokens_per_s": rates, "bf16_over_fp32": rates["bfloat16"] / rates["float32"],
                      "auto_picks": profiling.dtype_name(picked), "auto_reason": why,
                      "load_average_before": round(load, 2)})
     result = {"processor": profiling.cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompt": profiling.DTYPE_PROMPT,
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompt": choice.DTYPE_PROMPT,
               "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 
 from .common import (
-    REPO_ROOT,
-    SHIPPED_DRAFTER,
     CLIError,
     add_device_option,
     add_dtype_option,
@@ -68,7 +66,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "local directory, else SmolLM2-135M-Instruct)")
     s.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory or Hugging Face Hub id (default: the target's shipped drafter, "
-                        f"e.g. {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}, if present, else a random drafter, with a "
+                        "e.g. smollm2-135m-dspark, if present, else a random drafter, with a "
                         "warning)")
     add_dtype_option(s)
     add_device_option(s)
@@ -104,7 +102,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="engines without the n-gram lookup proposer beside the drafter (default: on in every policy "
                         "but none, which stays plain decoding)")
     s.add_argument("--profile", default=None, metavar="FILE.json",
-                   help="SPS(B) profile file (default: the profile cache, see `dspark profile`)")
+                   help="price the scheduler with the SPS(B) tables of this profile file (`dspark profile --out`) "
+                        "instead of the verify times learned from the rounds")
     return p
 
 
@@ -172,11 +171,12 @@ def _serve_command(args) -> int:
     levels = sorted(set(args.requests))
     context = serving.sps_context(prompts, args.max_new_tokens)
     sps = None
-    if any(parse_policy(p).needs_sps for p in args.policies):
-        log(f"SPS profile for context {context}, R {levels} (cached after the first run) ...")
-        sps = profiling.ensure_profile(target, contexts=[context], requests=levels,
-                                       tokens=profiling.first_use_tokens(gamma), threads=threads, path=args.profile,
-                                       progress=lambda s: log("  " + s))
+    if args.profile is not None:  # an explicit SPS(B) table prices the scheduler instead of the learned prices
+        try:
+            sps = profiling.load_profile(profiling.target_name(target), args.dtype, threads, args.profile,
+                                         device=target.device)
+        except (FileNotFoundError, ValueError) as err:
+            raise CLIError(str(err)) from None
     engines = {pol: serving.serving_engine(target, drafter, pol, gamma, sps, not args.no_lookup)
                for pol in args.policies}
     results = serving.bench_serve(engines, prompts, levels, waves=args.waves, min_requests=args.min_requests,

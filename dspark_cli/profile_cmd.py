@@ -6,7 +6,8 @@
 
 The table lands in the profile cache (``$DSPARK_PROFILE_DIR`` or ``$DSPARK_CACHE/profiles`` or
 ``~/.cache/dspark/profiles``, file ``sps.json``) keyed by model, dtype, threads, context bucket and R, where
-``generate()`` and ``dspark bench serve`` find it; a PNG of the curves is written next to it.
+``dspark bench serve`` finds it (``generate()`` learns its prices from its own rounds, or takes a table given as
+``dspark_options(sps=...)``); a PNG of the curves is written next to it.
 
 Exit codes: 0 success, 2 usage or input error.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -142,7 +144,37 @@ def run(args) -> int:
     print(f"saved to {path} ({result['meta']['seconds']} s)", file=sys.stderr)
     if not args.no_plot:
         png = Path(args.plot) if args.plot else path.with_name(f"{name}-{args.dtype}-t{threads}.png")
-        profiling.plot_profile(prof, png)
+        plot_profile(prof, png)
         print(f"plot: {png}", file=sys.stderr)
     _print_tables(prof, args.json)
     return 0
+
+
+def plot_profile(profile, out_png: str | os.PathLike, title: str | None = None) -> Path:
+    """Plot SPS(B) and the step time for every (context, R) curve of ``profile`` into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ctx in profile.contexts:
+        for r in profile.requests(ctx):
+            pts = sorted(profile.tables[ctx][r].items())
+            bs = [b for b, _ in pts]
+            ax1.plot(bs, [s for _, s in pts], marker="o", ms=3, label=f"ctx {ctx}, R={r}")
+            ax2.plot(bs, [1e3 / s for _, s in pts], marker="o", ms=3, label=f"ctx {ctx}, R={r}")
+    ax1.set_xlabel("verify batch B (tokens)")
+    ax1.set_ylabel("SPS(B)  (target steps / s)")
+    ax2.set_xlabel("verify batch B (tokens)")
+    ax2.set_ylabel("step time (ms)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title or f"{profile.model}  {profile.dtype}  {profile.threads} threads")
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

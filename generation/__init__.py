@@ -9,7 +9,7 @@ from .drafting import draft_round
 from .engine import DSparkEngine, RequestOutput, generate_batch
 from .integration import dspark_options
 from .policies import POLICY_NAMES, Policy, parse_policy
-from .profiling import SPSCurve, SPSProfile, ensure_profile, load_profile, load_sps
+from .profiling import SPSCurve, SPSProfile, load_profile, load_sps
 from .stats import GenerationStats, RoundStats, collect_stats
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "parse_policy",
     "SPSCurve",
     "SPSProfile",
-    "ensure_profile",
     "load_profile",
     "load_sps",
     "GenerationStats",

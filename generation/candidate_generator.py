@@ -32,11 +32,11 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 from modeling_dspark.target import context_features, hidden_state_indices
 
+from .costs import Prices, prices_for
 from .drafting import DraftContext, Sampler
 from .lookup import NGramLookup
 from .packed_target import RequestKV
 from .policies import Policy, parse_policy
-from .profiling import sps_for_generate
 from .round import Chain, RequestState, propose, record
 from .stats import register
 
@@ -97,21 +97,16 @@ def check_drafter(drafter, target, block_size: int | None = None, policy: str | 
     return gamma
 
 
-def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps, context_len: int | None) -> Policy:
-    """The verify policy of a `generate()` call, started with its SPS(B) table: ``policy``, or the default (the
-    scheduler when the drafter has a confidence head and an explicitly profiled table is cached, else ``full``).
-
-    Raises:
-        ValueError: ``scheduler`` / ``lagged`` and no SPS(B) table given, cached or measurable.
-    """
-    if sps is None and (policy is None or policy.needs_sps):
-        sps = sps_for_generate(target, drafter, context_len, block_size=gamma, profile_if_missing=policy is not None)
+def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps) -> Policy:
+    """The verify policy of a `generate()` call, started with its prices: ``policy``, or the default (``scheduler``
+    when the drafter has a confidence head, else ``full``). The scheduler's prices are an explicit SPS(B) ``sps``,
+    or those learned by earlier calls with the same target and drafter in this process
+    (:func:`generation.costs.prices_for`)."""
     if policy is None:
-        policy = parse_policy("scheduler" if sps is not None and drafter.confidence_head is not None else "full")
-    if policy.needs_sps and sps is None:
-        raise ValueError(f"verify policy {policy.name!r} needs an SPS(B) table and none could be profiled "
-                         "(the drafter has no confidence head, or $DSPARK_SCHEDULER is off)")
-    return policy.start(sps if policy.needs_sps else None)
+        policy = parse_policy("scheduler" if drafter.confidence_head is not None else "full")
+    if not policy.priced:
+        return policy.start()
+    return policy.start(prices=Prices(sps) if sps is not None else prices_for(target, drafter, gamma))
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -127,21 +122,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
         logits_processor: the call's processors (incl. temperature / top-k / top-p warpers when sampling); applied
             to the draft logits exactly as the target's logits are processed.
         input_ids: ``[1, P]`` prompt ids.
-        policy: a verify policy spec or :class:`~generation.policies.Policy`; None: the scheduler when the drafter
-            has a confidence head and ``sps`` is given or an SPS(B) table made by ``dspark profile`` is cached for
-            ``target`` (its name, dtype, torch's thread count), else ``full``.
+        policy: a verify policy spec or :class:`~generation.policies.Policy`; None: ``scheduler`` (every round
+            priced on this machine, :mod:`generation.costs`) when the drafter has a confidence head, else ``full``.
         block_size: γ' ≤ γ slots per round (default ``drafter.config.block_size``).
-        sps: SPS(B) (a mapping or callable, steps/s) that prices ``scheduler`` / ``lagged`` rounds; when None they
-            use the cached table, profiled on first use where none is cached
-            (:func:`generation.profiling.sps_for_generate`).
+        sps: an explicit SPS(B) (a mapping or callable, steps/s) for the verify prices of ``scheduler`` /
+            ``lagged``; None: learned from the rounds.
         tokenizer: the call's tokenizer (needed with ``stop_strings``, as for plain `generate()`).
         lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
             proposer.
 
     Raises:
         ValueError: batch size > 1, an empty prompt, block_size out of range, a drafter that does not match the
-            target, stop strings without a tokenizer — all before any compute or profiling — and ``scheduler`` /
-            ``lagged`` when no SPS(B) table can be had (no confidence head, ``$DSPARK_SCHEDULER`` off).
+            target, stop strings without a tokenizer — all before any compute.
     """
 
     requires_model_outputs = True
@@ -165,8 +157,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         stop_strings = getattr(generation_config, "stop_strings", None)
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate()")
-        self.policy = _start_policy(drafter, target, requested, gamma, sps,
-                                    None if input_ids is None else input_ids.shape[1])
+        self.policy = _start_policy(drafter, target, requested, gamma, sps)
         self.drafter = drafter
         self.block_size = gamma
         self.layer_ids = list(drafter.config.target_layer_ids)
@@ -236,4 +227,5 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return
         chain, t1 = self._chain
         self._chain = None
-        record([self.state], [chain], [int(num_matches)], [int(num_matches) + 1], (time.perf_counter() - t1) * 1e3)
+        record(self.policy, [self.state], [chain], [int(num_matches)], [int(num_matches) + 1],
+               (time.perf_counter() - t1) * 1e3, self.block_size)

@@ -212,7 +212,7 @@ class DSparkEngine:
 
     Usage::
 
-        engine = DSparkEngine(target, drafter, policy="scheduler")  # SPS(B) profiled on first use, then cached
+        engine = DSparkEngine(target, drafter)          # the default policy prices every round (generation.costs)
         a = engine.add_request(prompt_ids_a, max_new_tokens=64)
         engine.step()                                  # one round (new requests are prefilled first)
         outputs = engine.run()                         # until every request is finished; sorted by id
@@ -221,11 +221,13 @@ class DSparkEngine:
         target: the target causal LM (eval mode; float32 for exact greedy equality with ``generate()``).
         drafter: a :class:`~modeling_dspark.DSparkDraftModel` (bound to ``target`` here if it is not yet); may be
             None only with ``policy="none"``.
-        policy: a spec of :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`.
+        policy: a spec of :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`;
+            None: ``scheduler`` when the drafter has a confidence head, ``full`` with one without, ``none`` without
+            a drafter.
         block_size: γ' ≤ the drafter's γ slots per round (default γ).
-        sps: SPS(B) for ``scheduler`` / ``lagged``: a mapping ``{B: steps/s}``, a callable, or a
+        sps: an explicit SPS(B) for ``scheduler`` / ``lagged``: a mapping ``{B: steps/s}``, a callable, or a
             :class:`generation.profiling.SPSProfile` (then the curve for the round's R and mean context is used);
-            default: the cached profile of this target, measured on first use.
+            default: verify prices learned from the rounds (:mod:`generation.costs`).
         max_batch_size: at most this many requests run at once; more wait in a queue (FIFO).
         eos_token_id: int or list; default the target's ``generation_config.eos_token_id``.
         lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
@@ -242,7 +244,7 @@ class DSparkEngine:
         self,
         target,
         drafter=None,
-        policy: str | Policy = "full",
+        policy: str | Policy | None = None,
         *,
         block_size: int | None = None,
         sps=None,
@@ -250,6 +252,9 @@ class DSparkEngine:
         eos_token_id: int | Sequence[int] | None = None,
         lookup: bool = True,
     ):
+        if policy is None:
+            has_head = drafter is not None and getattr(drafter, "confidence_head", None) is not None
+            policy = "scheduler" if has_head else ("full" if drafter is not None else "none")
         policy = parse_policy(policy)
         if not isinstance(lookup, bool):
             raise ValueError(f"lookup must be True or False; got {lookup!r}")
@@ -263,9 +268,7 @@ class DSparkEngine:
         self.block_size = gamma
         self.max_batch_size = int(max_batch_size)
         self.packed = PackedTarget(target)
-        if policy.needs_sps and sps is None:
-            sps = self._profile()
-        self.policy = policy.start(sps if policy.needs_sps else None)
+        self.policy = policy.start(sps=sps)
         if eos_token_id is None:
             eos_token_id = target.generation_config.eos_token_id
         if eos_token_id is None:
@@ -281,13 +284,6 @@ class DSparkEngine:
         self._finished: dict[int, RequestOutput] = {}
         self._next_id = 0
         self.stats = EngineStats()
-
-    def _profile(self):
-        """The cached SPS(B) profile of this target for R up to ``max_batch_size``, measured where missing."""
-        from .profiling import ensure_profile, first_use_tokens
-
-        requests = {1, self.max_batch_size} | {2 ** i for i in range(8) if 2 ** i < self.max_batch_size}
-        return ensure_profile(self.target, requests=requests, tokens=first_use_tokens(self.block_size))
 
     # ------------------------------------------------------------------ public API
     def add_request(self, prompt_ids, max_new_tokens: int = 128) -> int:
@@ -388,7 +384,7 @@ class DSparkEngine:
             accepted.append(n)
             off += ell + 1
         t2 = time.perf_counter()
-        record(reqs, chains, accepted, committed, (t2 - t1) * 1e3)
+        record(self.policy, reqs, chains, accepted, committed, (t2 - t1) * 1e3, self.block_size)
         self.stats.rounds.append(EngineRound([r.stats.rounds[-1] for r in reqs]))
 
     # ------------------------------------------------------------------ bookkeeping
@@ -428,7 +424,7 @@ def generate_batch(
     target,
     prompts: Sequence,
     drafter=None,
-    policy: str | Policy = "full",
+    policy: str | Policy | None = None,
     max_new_tokens: int | Sequence[int] = 128,
     **engine_kwargs,
 ) -> list[RequestOutput]:

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from transformers import GenerationConfig
 
+from modeling_dspark.compat import check_transformers
 from modeling_dspark.modeling_dspark import DSparkDraftModel
 
 from .candidate_generator import DSparkCandidateGenerator
@@ -138,7 +139,11 @@ def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_con
     or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
 
     The policy and its SPS(B) table are resolved by :class:`DSparkCandidateGenerator` (after its checks).
+
+    Raises:
+        RuntimeError: the installed transformers is outside the supported range (:mod:`modeling_dspark.compat`).
     """
+    check_transformers()
     opts = _options.get()
     block_size = _assistant_options(generation_config, opts.get("block_size"), drafter.config.block_size)
     return DSparkCandidateGenerator(drafter, target, generation_config, logits_processor=logits_processor,

@@ -1,25 +1,32 @@
-"""Verify policies: how many drafted tokens ℓ_r of each request are sent to the target in a round.
+"""Verify policies: how many proposed tokens ℓ_r of each request are sent to the target in a round.
 
 One vocabulary, one parser (:func:`parse_policy`), used by `generate()`, the batched engine, the CLI and the app:
 
 ==================  =====================================================================================
-``none``            no speculation: every round verifies the anchor token only (one plain decoding step)
-``full``            verify every drafted slot (γ' tokens; plain DFlash)
+``none``            no drafter: every round verifies the anchor only (one plain step), or the lookup chain
+``full``            verify every drafted slot (γ' tokens; plain DFlash) and every lookup match
 ``fixed:N``         verify the first N drafted tokens (``fixed:1`` is the MTP-1 analogue)
 ``threshold:P``     verify while the survival a_k = Π_{j≤k} c_j stays ≥ P (DeepSpec style)
-``scheduler``       DSpark Algorithm 1 over all running requests (docs/method.md §4)
+``scheduler``       the default: every round priced on this machine (Algorithm 1 with a drafting-cost term)
 ``lagged[:LAG]``    the production variant: verify budget K from the confidences of LAG (default 2) rounds
                     earlier, filled by the current round's a_{r,j} ranking
 ==================  =====================================================================================
 
 A :class:`Policy` is parsed and checked once, where the user hands it over (``dspark_options``, the engine, the
-CLI); :meth:`Policy.start` gives the object one run uses, which owns the run's state: the SPS(B) table the
-``scheduler`` and ``lagged`` rounds are priced with, and the ``lagged`` budgets of earlier rounds.
+CLI); :meth:`Policy.start` gives the object one run uses, with the run's :class:`~generation.costs.Prices`.
 
-:meth:`Policy.lengths` turns the confidences known so far into ℓ_r. The drafting round
-(:func:`generation.drafting.draft_round`) asks it before sampling slot k, with c_{r,1..k} known and later
-confidences unknown (0), so whether x_{r,k} is verified never depends on x_{r,k} itself (non-anticipation,
-docs/method.md §4): the output stays lossless whatever the policy.
+A round asks the policy twice (:mod:`generation.round`):
+
+1. :meth:`Policy.plan`, before anything is drafted: ``scheduler`` and ``lagged`` price the lookup chains (their
+   tokens are known; survival p^j from the lookup's :class:`~generation.costs.Record`) and then whether drafting
+   pays at all: the best Θ with the drafter's expected survivals and the drafting time against Θ without drafting
+   (ℓ = 0 everywhere: plain steps, and the drafter does not run);
+2. :meth:`Policy.lengths`, in the drafting round before sampling slot k, with c_{r,1..k} known and later
+   confidences unknown (0): ``scheduler`` runs Algorithm 1 with its early STOP, pricing a verify of B tokens at
+   the learned verify time plus the (now spent) drafting time, so whether x_{r,k} is verified never depends on
+   x_{r,k} itself (non-anticipation, docs/method.md §4): the output stays lossless whatever the policy.
+
+Θ(B) = τ*(B) / seconds(B), committed tokens per second (Algorithm 1's τ* · SPS(B) with seconds = 1 / SPS).
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
-from .scheduler import budget_from_confidences, fill_budget, prefix_schedule, survival_row
+from .costs import Prices
+from .scheduler import fill_budget, greedy_prefix, survival_row
 
 __all__ = ["POLICY_NAMES", "Policy", "parse_policy"]
 
@@ -48,17 +56,15 @@ class Policy:
         length: N of ``fixed:N`` (draft tokens verified per round, ≥ 0).
         threshold: P of ``threshold:P`` (a survival in [0, 1]).
         lag: LAG of ``lagged:LAG`` (rounds, ≥ 1).
-        sps: the run's SPS(B) in steps/s (``scheduler`` / ``lagged``): a table ``{B: steps/s}``, a callable, or an
-            :class:`~generation.profiling.SPSProfile` (then the curve for the round's R and mean context is used).
+        prices: the run's :class:`~generation.costs.Prices` (``scheduler`` / ``lagged``).
     """
 
     kind: str
     length: int = 0
     threshold: float = 0.0
     lag: int = 2
-    sps: object = field(default=None, compare=False, repr=False)
-    _curves: dict = field(default_factory=dict, compare=False, repr=False)  # (R, context bucket) -> SPS curve
-    _round_sps: object = field(default=None, compare=False, repr=False)  # this round's SPS(B)
+    prices: Prices | None = field(default=None, compare=False, repr=False)
+    _round: tuple = field(default=(1, 1.0, 0.0, None), compare=False, repr=False)  # base B, base τ*, draft s, ctx
     _budgets: deque = field(default_factory=deque, compare=False, repr=False)  # lagged: K of later rounds
     _budget: int = field(default=0, compare=False, repr=False)  # lagged: this round's K
 
@@ -84,41 +90,63 @@ class Policy:
         return self.kind in ("threshold", "scheduler", "lagged")
 
     @property
-    def needs_sps(self) -> bool:
-        """Whether the policy reads an SPS(B) table (profiled on first use where none is cached)."""
+    def priced(self) -> bool:
+        """Whether the policy prices rounds (``scheduler``, ``lagged``)."""
         return self.kind in ("scheduler", "lagged")
 
     def __str__(self) -> str:
         return self.name
 
     # ------------------------------------------------------------------ one run
-    def start(self, sps=None) -> Policy:
-        """A fresh copy of this policy for one run (a `generate()` call, an engine), with its SPS(B) table.
+    def start(self, sps=None, *, prices: Prices | None = None) -> Policy:
+        """A fresh copy of this policy for one run (a `generate()` call, an engine) with its prices: ``prices``, or
+        new ones with an explicit SPS(B) ``sps`` (None: learned from the rounds)."""
+        if self.priced and prices is None:
+            prices = Prices(sps)
+        return dataclasses.replace(self, prices=prices if self.priced else None, _round=(1, 1.0, 0.0, None),
+                                   _budgets=deque(), _budget=0)
 
-        Raises:
-            ValueError: ``scheduler`` / ``lagged`` without ``sps``.
+    def _seconds(self, requests: int, context_len: float | None, extra: float = 0.0):
+        return lambda b: self.prices.verify_s(b, requests, context_len) + extra
+
+    def plan(self, states, budgets: list[int], lookups: list[list[int]], context_len: float) -> tuple[list, list]:
+        """Step 1 of the module doc: the lookup chains' lengths and the drafting budgets of this round.
+
+        Args:
+            states: per request its :class:`~generation.round.RequestState` (its acceptance records).
+            budgets: per request the most draft tokens it may verify (0: it cannot draft).
+            lookups: per request the lookup's proposed tokens (empty: no match).
+            context_len: mean committed tokens per request.
+
+        Returns:
+            ``(lookup_lengths, budgets)``: a request verifying a lookup chain (length > 0) does not draft; without
+            prices (unpriced policies, or a run that has not timed a round yet) every lookup match is verified whole
+            and every other request drafts.
         """
-        if self.needs_sps and sps is None:
-            raise ValueError(f"verify policy {self.name!r} needs an SPS(B) table (generation.profiling)")
-        return dataclasses.replace(self, sps=sps, _curves={}, _round_sps=None, _budgets=deque(), _budget=0)
-
-    def begin_round(self, num_requests: int, context_len: float) -> None:
-        """Set this round's SPS(B) curve (for R = ``num_requests`` at mean context ``context_len`` tokens) and,
-        for ``lagged``, take the budget K computed LAG rounds earlier (R, one draft token per request, before)."""
-        if not self.needs_sps:
-            return
-        sps = self.sps
-        if hasattr(sps, "curve"):
-            key = (num_requests, sps.context_bucket(context_len))
-            if key not in self._curves:
-                self._curves[key] = sps.curve(requests=num_requests, context_len=context_len)
-            sps = self._curves[key]
-        self._round_sps = sps
+        num = len(states)
+        self._round = (num, float(num), 0.0, context_len)
         if self.kind == "lagged":
-            self._budget = self._budgets.popleft() if len(self._budgets) >= self.lag else num_requests
+            self._budget = self._budgets.popleft() if len(self._budgets) >= self.lag else num
+        if not self.priced or not self.prices.known:
+            lookup_lengths = [len(t) for t in lookups]
+            return lookup_lengths, [0 if n else b for n, b in zip(lookup_lengths, budgets)]
+        seconds = self._seconds(num, context_len)
+        rows = [s.lookup_record.survival(len(t)) if t else [] for s, t in zip(states, lookups)]
+        plain = greedy_prefix(rows, seconds, base_tokens=num, base_expected=num, stop=False)
+        budgets = [0 if n else b for n, b in zip(plain.lengths, budgets)]
+        draft_s = self.prices.draft_s or 0.0  # unknown: free, so the first rounds draft and time it
+        rows = [s.draft_record.survival(b) for s, b in zip(states, budgets)]
+        drafting = greedy_prefix(rows, self._seconds(num, context_len, draft_s), base_tokens=plain.batch_tokens,
+                                 base_expected=plain.expected_tokens, stop=False)
+        if drafting.theta > plain.theta:
+            budgets = [b if n else 0 for n, b in zip(drafting.lengths, budgets)]
+        else:
+            budgets = [0] * num
+        self._round = (plain.batch_tokens, plain.expected_tokens, draft_s, context_len)
+        return plain.lengths, budgets
 
     def lengths(self, confidences: list[list[float]], budgets: list[int]) -> list[int]:
-        """ℓ_r for every request from the confidences known so far.
+        """ℓ_r for every drafting request from the confidences known so far (step 2 of the module doc).
 
         Args:
             confidences: R rows of calibrated c_{r,k} (any length; a slot not drafted yet, or beyond the row's
@@ -127,41 +155,45 @@ class Policy:
 
         Returns:
             R ints, 0 ≤ ℓ_r ≤ budgets[r]. ``threshold``: the longest prefix with a_k ≥ P (docs/method.md eq. 9);
-            ``scheduler``: Algorithm 1 with its early stop (:func:`generation.scheduler.prefix_schedule`);
-            ``lagged``: the top-K pooled a_{r,j} (:func:`generation.scheduler.fill_budget`).
+            ``scheduler``: Algorithm 1 with its early stop, priced (module doc; every budget while nothing is
+            timed yet); ``lagged``: the top-K pooled a_{r,j} (:func:`generation.scheduler.fill_budget`).
         """
         kind = self.kind
         if kind == "none":
             return [0] * len(budgets)
-        if kind == "full":
+        if kind == "full" or (kind == "scheduler" and not self.prices.known):
             return list(budgets)
         if kind == "fixed":
             return [min(self.length, b) for b in budgets]
-        rows = _rows(confidences, budgets)
-        if rows is None:
-            return [0] * len(budgets)
+        if kind == "lagged":
+            return fill_budget(_pad([row[:b] for row, b in zip(confidences, budgets)]), self._budget)
+        rows = [survival_row(row[:b]) for row, b in zip(confidences, budgets)]
         if kind == "threshold":
-            return [sum(a >= self.threshold for a in survival_row(row)[:b]) for row, b in zip(rows, budgets)]
-        assert self._round_sps is not None, "begin_round() sets the SPS(B) curve before lengths()"
-        lengths = prefix_schedule(rows, self._round_sps) if kind == "scheduler" else fill_budget(rows, self._budget)
-        return [min(ell, b) for ell, b in zip(lengths, budgets)]
+            return [sum(a >= self.threshold for a in row) for row in rows]
+        base_tokens, base_expected, draft_s, context = self._round
+        best = greedy_prefix(rows, self._seconds(len(rows), context, draft_s), base_tokens=base_tokens,
+                             base_expected=base_expected)
+        return best.lengths
 
     def end_round(self, confidences: list[list[float]], budgets: list[int]) -> None:
         """``lagged``: fold this round's confidences into the budget of LAG rounds ahead (a full Θ(B) search
-        without early stop, :func:`generation.scheduler.budget_from_confidences`). K never depends on the round
-        it is spent on."""
+        without early stop over the priced round). K never depends on the round it is spent on."""
         if self.kind != "lagged":
             return
-        rows = _rows(confidences, budgets)
-        self._budgets.append(0 if rows is None else budget_from_confidences(rows, self._round_sps))
+        if not self.prices.known or not any(budgets):
+            self._budgets.append(sum(budgets) if not self.prices.known else 0)
+            return
+        rows = [survival_row(row[:b]) for row, b in zip(confidences, budgets)]
+        base_tokens, base_expected, draft_s, context = self._round
+        best = greedy_prefix(rows, self._seconds(len(rows), context, draft_s), base_tokens=base_tokens,
+                             base_expected=base_expected, stop=False)
+        self._budgets.append(best.batch_tokens - base_tokens)
 
 
-def _rows(confidences: list[list[float]], budgets: list[int]) -> list[list[float]] | None:
-    """R rows of width max(budgets): c_{r,k} where k < budgets[r] and known, else 0; None when every budget is 0."""
-    width = max(budgets, default=0)
-    if width == 0:
-        return None
-    return [[(row[k] if k < len(row) and k < b else 0.0) for k in range(width)] for row, b in zip(confidences, budgets)]
+def _pad(rows: list[list[float]]) -> list[list[float]]:
+    """Ragged confidence rows as a rectangle (0 past each row's end)."""
+    width = max((len(r) for r in rows), default=0) or 1
+    return [r + [0.0] * (width - len(r)) for r in rows]
 
 
 def parse_policy(spec: str | Policy | None) -> Policy:

@@ -1,10 +1,11 @@
 """SPS(B) profiling: how many verify forwards per second the target runs when the verify batch holds B tokens.
 
-DSpark's scheduler (Algorithm 1, docs/method.md §4) weighs the expected committed tokens of a verify batch against
-its cost, read from a step-rate table SPS(B) measured once on the real hardware. :func:`profile_target` times the
-target's verify forward exactly as :class:`generation.packed_target.PackedTarget` runs it (R requests × q new tokens
-each, packed into one forward of B = R·q tokens, on top of per-request KV caches holding ``context`` tokens), with
-warm-up, interleaved repeats and medians, for given context lengths, requests counts, dtype and thread count.
+The scheduler learns its prices from the rounds themselves (:mod:`generation.costs`); an explicit table measured
+here (``dspark profile``, ``dspark bench serve --profile``) replaces the learned verify prices when given as
+``dspark_options(sps=...)`` or to the engine. :func:`profile_target` times the target's verify forward exactly as
+:class:`generation.packed_target.PackedTarget` runs it (R requests × q new tokens each, packed into one forward of
+B = R·q tokens, on top of per-request KV caches holding ``context`` tokens), with warm-up, interleaved repeats and
+medians, for given context lengths, requests counts, dtype and thread count.
 
 Tables are stored in one JSON file (default ``$DSPARK_PROFILE_DIR/sps.json``, else
 ``$DSPARK_CACHE/profiles/sps.json``, else ``~/.cache/dspark/profiles/sps.json``)::
@@ -14,28 +15,17 @@ Tables are stored in one JSON file (default ``$DSPARK_PROFILE_DIR/sps.json``, el
      "meta":     {"MODEL|DTYPE|THREADS|CONTEXT|R": {"raw_sps": {B: ...}, "cpu_model": ..., "warmup": ..., ...}},
      "dtype":    {"TARGET|DRAFTER|THREADS|DEVICE": {"tokens_per_s": {DTYPE: ...}, "cpu_model": ..., ...}}}
 
-(all keys are strings in JSON). The stored curve is the medians made non-increasing in B (isotonic regression of
-the step time): a bigger verify batch is never faster, and Algorithm 1's early stop relies on a unimodal Θ(B);
-the raw medians are kept under ``meta``, with the processor that measured them (``cpu_model``, see
-:func:`device_model`): a table from another processor is never used.
+(all keys are strings in JSON; ``"dtype"`` is the cache of ``--dtype auto``, :mod:`dspark_cli.dtype`). The stored
+curve is the medians made non-increasing in B (isotonic regression of the step time): a bigger verify batch is
+never faster, and Algorithm 1's early stop relies on a unimodal Θ(B); the raw medians are kept under ``meta``, with
+the processor that measured them (``cpu_model``, see :func:`device_model`): a table from another processor is never
+used. A measurement that fails :func:`timing_problem` (repeats spread too wide, or a bigger B much faster than a
+smaller one: another program was competing for the cores) is reported with the result.
 
 Loading: :func:`load_sps` gives a callable B -> steps/s for one (model, dtype, threads, context, R); between
 measured B it interpolates the step time linearly; a B outside the measured range raises a ValueError naming the
 range. Context lengths snap to the nearest measured bucket; R between measured values is interpolated (at the same
-tokens per request q = B / R). :func:`sps_for_generate` is what ``generate()`` uses to turn the scheduler on by
-default.
-
-Profile on first use (:func:`ensure_profile`, when ``policy="scheduler"`` / ``"lagged"`` is asked for and nothing
-is cached): a few B values (:func:`first_use_tokens`, the loader interpolates between them) and
-:data:`FIRST_USE_REPEATS` repeats, so it takes seconds; it says once what it measures and where it writes. A
-measurement that fails :func:`timing_problem` (repeats spread too wide, or a bigger B much faster than a smaller
-one: another program was competing for the cores) is used for that call only and not cached. A table measured on
-first use is marked ``"origin": "first use"`` and never changes the default policy of later programs: only a table
-from an explicit act (``dspark profile``, or a program calling :func:`profile_target` and :func:`save_profile`)
-turns the scheduler on by default. (Tables written before origins were recorded count as explicit.)
-
-:func:`auto_dtype` (the ``--dtype auto`` of every command) times ``generate()`` in float32 and bfloat16 where the
-processor leaves the choice open and caches the result in the same file (``"dtype"``).
+tokens per request q = B / R).
 """
 
 from __future__ import annotations
@@ -72,12 +62,7 @@ __all__ = [
     "save_profile",
     "load_profile",
     "load_sps",
-    "ensure_profile",
-    "first_use_tokens",
     "timing_problem",
-    "sps_for_generate",
-    "auto_dtype",
-    "plot_profile",
 ]
 
 PROFILE_FORMAT = "dspark-sps-profile/1"
@@ -87,22 +72,10 @@ BATCHED_TOKENS = (1, 2, 3, 5, 9, 17)
 """q values measured for R > 1 (B = R·q); the loader interpolates in between."""
 DEFAULT_CONTEXTS = (256,)
 """Context lengths (tokens already in each request's KV cache) of the default quick profile."""
-FIRST_USE_REPEATS = 3
-"""Timed passes of a profile measured on first use (after one warm-up pass)."""
 MAX_REPEAT_SPREAD = 0.5
 """A measurement is refused when the repeats of one B spread more than this fraction of their median."""
 MAX_FASTER_AT_LARGER_B = 0.25
 """A measurement is refused when a larger B's median step time is more than this fraction below a smaller B's."""
-FIRST_USE = "first use"
-"""The ``origin`` recorded for tables measured on first use (they never change the default policy)."""
-
-
-def first_use_tokens(block_size: int) -> tuple[int, ...]:
-    """q values measured on first use for block size γ': those of :data:`BATCHED_TOKENS` up to γ' + 1, and γ' + 1
-    (the largest verify of one request: γ' drafts + the anchor)."""
-    return tuple(sorted({q for q in BATCHED_TOKENS if q <= block_size + 1} | {block_size + 1}))
-
-
 def timing_problem(times: Mapping[int, Sequence[float]]) -> str | None:
     """Why a measurement ``{B: [seconds per forward, …]}`` is implausible, or None when it is plausible.
 
@@ -419,7 +392,7 @@ def profile_target(
         threads: torch CPU threads during the measurement (default: the current setting); restored afterwards.
         warmup, repeats: discarded passes and timed passes (the median is kept).
         progress: optional callback receiving one line per (context, R).
-        origin: recorded in ``meta``; ``"first use"`` (:data:`FIRST_USE`) keeps the table out of the default policy.
+        origin: recorded in ``meta``.
 
     Returns:
         ``{"model", "dtype", "threads", "tables": {context: {R: {B: sps}}}, "raw": {context: {R: {B: sps}}},
@@ -531,16 +504,13 @@ def save_profile(result: Mapping, path: str | os.PathLike | None = None) -> Path
 
 def load_profile(
     target_name: str, dtype, threads: int, path: str | os.PathLike | None = None, device="cpu",
-    include_first_use: bool = True,
 ) -> SPSProfile:
     """The stored :class:`SPSProfile` of (model, dtype, threads), measured on this processor (:func:`device_model`
-    of ``device``: the CPU, or the GPU for a CUDA device); without ``include_first_use``, only the tables not
-    measured on first use (module doc).
+    of ``device``: the CPU, or the GPU for a CUDA device).
 
     Raises:
-        FileNotFoundError: no profile file, none for this (model, dtype, threads), one measured on another
-            processor (a copied cache, a home directory shared across machines), or (without
-            ``include_first_use``) only tables measured on first use — the message says how to make one.
+        FileNotFoundError: no profile file, none for this (model, dtype, threads), or one measured on another
+            processor (a copied cache, a home directory shared across machines) — the message says how to make one.
         ValueError: a corrupt file.
     """
     path = Path(path) if path is not None else default_profile_path()
@@ -563,17 +533,7 @@ def load_profile(
             f"another processor ({data['meta'].get(stale[0], {}).get('cpu_model') or 'not recorded'}; this one is "
             f"{here!r}); {hint}"
         )
-    meta = data.get("meta", {})
-    tables = {int(c): {int(r): t for r, t in rs.items()
-                       if include_first_use or meta.get(f"{target_name}|{dtype}|{int(threads)}|{c}|{r}", {}).get(
-                           "origin") != FIRST_USE}
-              for c, rs in node.items()}
-    tables = {c: rs for c, rs in tables.items() if rs}
-    if not tables:
-        raise FileNotFoundError(
-            f"the SPS profile for {target_name!r} / {dtype} / {threads} threads in {str(path)!r} was measured on "
-            f"first use, which does not change the default policy; {hint}"
-        )
+    tables = {int(c): {int(r): t for r, t in rs.items()} for c, rs in node.items()}
     return SPSProfile(target_name, dtype, threads, tables)
 
 
@@ -594,273 +554,3 @@ def load_sps(
         ValueError: R outside the measured range; later, B outside the profiled range when called.
     """
     return load_profile(target_name, dtype, threads, path, device=device).curve(requests, context_len)
-
-
-def ensure_profile(
-    target,
-    *,
-    contexts: Iterable[int] | None = None,
-    requests: Iterable[int] = (1,),
-    tokens: Sequence[int] | None = None,
-    threads: int | None = None,
-    path: str | os.PathLike | None = None,
-    force: bool = False,
-    warmup: int = 1,
-    repeats: int = FIRST_USE_REPEATS,
-    progress: Callable[[str], None] | None = None,
-) -> SPSProfile:
-    """Profile on first use: return the cached profile of ``target`` (its name, dtype; ``threads`` default the
-    current torch setting), measuring the (context, R) entries that are missing (all with ``force``).
-
-    What is measured is saved with ``"origin": "first use"`` (it never changes the default policy; module doc),
-    after one warning naming what is measured and the file written. A measurement that fails
-    :func:`timing_problem` is not saved: a warning gives the reason and the returned profile holds it for this
-    caller only (its curves made non-increasing in B, as always).
-
-    Args:
-        contexts: context lengths (default :data:`DEFAULT_CONTEXTS`).
-        requests: R values.
-        tokens: q values (default those of :func:`profile_target`; :func:`first_use_tokens` for a few).
-        threads, path, force, warmup, repeats, progress: as in :func:`profile_target` / :func:`save_profile`.
-    """
-    if contexts is None:
-        contexts = DEFAULT_CONTEXTS
-    threads = int(threads or torch.get_num_threads())
-    name, dtype = target_name(target), dtype_name(target.dtype)
-    contexts = sorted({int(c) for c in contexts})
-    requests = sorted({int(r) for r in requests})
-    need_q = max(tokens) if tokens else None
-    try:
-        prof = load_profile(name, dtype, threads, path, device=target.device)
-    except FileNotFoundError:
-        prof = None
-    missing_ctx: dict[int, list[int]] = {}
-    for c in contexts:
-        for r in requests:
-            have = prof.tables.get(c, {}).get(r) if prof is not None else None
-            top = max(QUICK_TOKENS if r == 1 else BATCHED_TOKENS) if need_q is None else need_q
-            if force or not have or max(have) < r * top:
-                missing_ctx.setdefault(c, []).append(r)
-    if not missing_ctx:
-        return prof
-    where = Path(path) if path is not None else default_profile_path()
-    logger.warning("measuring SPS(B) of %s (%s, %d threads; context, R: %s) once, for the scheduler; writing %s. "
-                   "Tables measured on first use do not change the default policy: `dspark profile` makes one that "
-                   "does", name, dtype, threads, "; ".join(f"{c}, {rs}" for c, rs in missing_ctx.items()), where)
-    refused: dict[int, dict[int, dict[int, float]]] = {}
-    for c, rs in missing_ctx.items():
-        result = profile_target(target, contexts=[c], requests=rs, tokens=tokens, threads=threads, warmup=warmup,
-                                repeats=repeats, progress=progress, origin=FIRST_USE)
-        for r, reason in result["problems"].get(c, {}).items():
-            logger.warning("SPS(B) of %s at context %d, R=%d not cached: %s; used for this call only (`dspark "
-                           "profile` on a quiet machine measures one to keep)", name, c, r, reason)
-            refused.setdefault(c, {})[r] = result["tables"][c].pop(r)
-        if any(result["tables"][c].values()):
-            save_profile(result, where)
-    try:
-        prof = load_profile(name, dtype, threads, where, device=target.device)
-        tables = {ctx: dict(rs) for ctx, rs in prof.tables.items()}
-    except FileNotFoundError:
-        tables = {}
-    for c, rs in refused.items():
-        tables.setdefault(c, {}).update(rs)
-    return SPSProfile(name, dtype, threads, tables)
-
-
-def sps_for_generate(
-    target,
-    drafter,
-    context_len: int | None = None,
-    *,
-    block_size: int | None = None,
-    threads: int | None = None,
-    path: str | os.PathLike | None = None,
-    profile_if_missing: bool = False,
-) -> SPSCurve | None:
-    """The SPS(B) curve ``generate(assistant_model=drafter)`` should schedule with (R = 1), or None.
-
-    None when the drafter has no confidence head, when ``$DSPARK_SCHEDULER`` is ``0``/``off``, or when no cached
-    profile for this target (name, dtype, thread count) covers B = 1 + block size. Without ``profile_if_missing``
-    (the default policy) only a table made by an explicit act counts, never one measured on first use (module doc);
-    with it (``scheduler`` / ``lagged`` asked for) any cached table counts, and a missing one is measured on first
-    use (R = 1, B from :func:`first_use_tokens`, one context: seconds; :func:`ensure_profile`).
-    Never raises for a missing or unreadable profile (returns None).
-    """
-    if getattr(drafter, "confidence_head", None) is None:
-        return None
-    if os.environ.get("DSPARK_SCHEDULER", "").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    gamma = block_size or drafter.config.block_size
-    threads = int(threads or torch.get_num_threads())
-    name, dtype = target_name(target), dtype_name(target.dtype)
-    try:
-        prof = load_profile(name, dtype, threads, path, device=target.device, include_first_use=profile_if_missing)
-    except (FileNotFoundError, ValueError):
-        prof = None
-    if prof is not None and not prof.covers(1, gamma + 1, context_len):
-        prof = None
-    if prof is None and profile_if_missing:
-        prof = ensure_profile(target, requests=(1,), tokens=first_use_tokens(gamma), threads=threads, path=path)
-    if prof is None:
-        return None
-    return prof.curve(1, context_len)
-
-
-# ---------------------------------------------------------------------------------------------- dtype
-DTYPE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain how it works."
-"""The prompt :func:`auto_dtype` times ``generate()`` on (chat template applied)."""
-DTYPE_MARGIN = 0.05
-"""bfloat16 is chosen only when it runs more than this fraction faster than float32 (the token-exact mode)."""
-
-
-def _dtype_key(target, drafter, threads: int, device) -> str:
-    """``TARGET|DRAFTER|THREADS|DEVICE`` naming one measured job in the profile file's ``"dtype"`` section."""
-    from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
-
-    t = str(target or DEFAULT_TARGET)
-    t = t if t in PACKAGED_TARGETS else str(Path(t).expanduser().resolve())
-    d = "plain" if drafter is None else (str(Path(drafter).resolve()) if Path(drafter).is_dir() else str(drafter))
-    return f"{t}|{d}|{threads}|{torch.device(device).type}"
-
-
-@torch.inference_mode()
-def _time_generate(target, drafter, dtypes, max_new_tokens: int, repeats: int, device) -> dict[str, float]:
-    """Tokens/s of greedy ``generate()`` on :data:`DTYPE_PROMPT` in each of ``dtypes``: one warm-up call each, then
-    ``repeats`` interleaved timed calls, the fastest kept (the least disturbed by other load)."""
-    import copy
-
-    from modeling_dspark import DSparkDraftModel
-    from modeling_dspark.target import apply_chat_template, load_target
-
-    base, tok = load_target(target, dtype=torch.float32, device=str(device))
-    ids = torch.tensor([apply_chat_template(tok, DTYPE_PROMPT)], device=base.device)
-    models = {}
-    for dt in dtypes:
-        t = base if dt == torch.float32 else copy.deepcopy(base).to(dt)
-        d = None if drafter is None else DSparkDraftModel.from_pretrained(drafter, target=t, dtype=dt)
-        models[dtype_name(dt)] = (t, d)
-    kw = {"do_sample": False, "attention_mask": torch.ones_like(ids), "pad_token_id": tok.eos_token_id}
-    best: dict[str, float] = {}
-    for rep in range(1 + repeats):
-        for name, (t, d) in models.items():
-            synchronize(device)
-            t0 = time.perf_counter()
-            out = t.generate(ids, assistant_model=d, max_new_tokens=max_new_tokens if rep else 4, **kw)
-            synchronize(device)
-            if rep:
-                rate = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
-                best[name] = max(best.get(name, 0.0), rate)
-    return best
-
-
-def auto_dtype(
-    target: str | os.PathLike | None = None,
-    drafter: str | os.PathLike | None = None,
-    *,
-    device="cpu",
-    threads: int | None = None,
-    path: str | os.PathLike | None = None,
-    flags: frozenset[str] | None = None,
-    max_new_tokens: int = 32,
-    repeats: int = 2,
-) -> tuple[torch.dtype, str]:
-    """The faster dtype for ``generate()`` of ``target`` (with ``drafter``, or plain decoding) here, and why.
-
-    The processor settles it where it can: bfloat16 on CUDA, float32 on a CPU without native bf16 matrix
-    instructions (:func:`modeling_dspark.target.fast_dtype`: bf16 products are emulated there). On a CPU with them
-    it depends on the processor and the job: a one-token step of a small target can run slower in bf16 than in fp32
-    while a B-token verify runs faster. So both dtypes run the job itself — greedy ``generate()`` of
-    :data:`DTYPE_PROMPT`, ``max_new_tokens`` tokens, with the drafter's default options — interleaved, ``repeats``
-    times each, the fastest run kept; bfloat16 wins only when more than :data:`DTYPE_MARGIN` faster (float32 is
-    the token-exact mode). The tokens/s are cached in the SPS profile file (:func:`default_profile_path`, section
-    ``"dtype"``, keyed by target, drafter, threads and device type, with the processor): measured once, a few
-    seconds for a small target; a cache entry from another processor is measured again, and a measurement taken
-    while other programs kept every core busy (load average >= cores) is used once and not cached.
-
-    Args:
-        target: a target directory, a packaged target's name, or None for the default target.
-        drafter: a drafter directory or Hub id, or None for plain decoding.
-        device: ``"cpu"`` or a CUDA device.
-        threads: torch CPU threads (default: the current setting), part of the cache key.
-        path: the profile file (default :func:`default_profile_path`).
-        flags: CPU flags (default: ``/proc/cpuinfo``'s), for tests.
-        max_new_tokens, repeats: the size of the measurement (each >= 1).
-
-    Returns:
-        ``(dtype, reason)``: ``torch.float32`` or ``torch.bfloat16``, and one line saying why.
-
-    Raises:
-        ValueError: ``max_new_tokens`` or ``repeats`` < 1; errors of loading the target or drafter as they are.
-    """
-    from modeling_dspark.target import fast_dtype
-
-    if max_new_tokens < 1 or repeats < 1:
-        raise ValueError(f"max_new_tokens and repeats must be >= 1; got {max_new_tokens}, {repeats}")
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16, "a GPU"
-    if fast_dtype("cpu", flags) != torch.bfloat16:
-        return torch.float32, "no native bf16 matrix instructions on this CPU"
-    threads = int(threads or torch.get_num_threads())
-    path = Path(path) if path is not None else default_profile_path()
-    key, here = _dtype_key(target, drafter, threads, device), device_model(device)
-    data = _read(path)
-    entry = data.setdefault("dtype", {}).get(key)
-    cached = entry is not None and entry.get("cpu_model") == here
-    busy = ""
-    if not cached:
-        logger.warning("timing generate() in float32 and bfloat16 to pick the faster (%s; an explicit dtype skips "
-                       "this); kept in %s unless every core is busy",
-                       "plain decoding" if drafter is None else f"drafter {drafter}", path)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            rates = _time_generate(target, drafter, (torch.float32, torch.bfloat16), max_new_tokens, repeats, device)
-        finally:
-            torch.set_num_threads(old)
-        entry = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}, "cpu_model": here,
-                 "max_new_tokens": max_new_tokens, "repeats": repeats, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        if load >= (os.cpu_count() or 1):  # other programs held every core: a measurement to use once, not keep
-            busy = f"; the CPU was busy (load average {load:.1f}), so this is not cached"
-        else:
-            data = _read(path)  # re-read: keep what another process wrote meanwhile
-            data.setdefault("dtype", {})[key] = entry
-            _write(path, data)
-    fp32, bf16 = entry["tokens_per_s"]["float32"], entry["tokens_per_s"]["bfloat16"]
-    dtype = torch.bfloat16 if bf16 > fp32 * (1 + DTYPE_MARGIN) else torch.float32
-    job = "plain generate()" if drafter is None else "generate() with this drafter"
-    why = (f"{'measured' if not cached else 'measured before'} on this CPU for {job}: bfloat16 {bf16:.1f} tok/s, "
-           f"float32 {fp32:.1f}" + ("" if dtype == torch.bfloat16 else
-                                    f"; bfloat16 is not more than {DTYPE_MARGIN:.0%} faster") + busy)
-    return dtype, why
-
-
-# ---------------------------------------------------------------------------------------------- plotting
-def plot_profile(profile: SPSProfile, out_png: str | os.PathLike, title: str | None = None) -> Path:
-    """Plot SPS(B) and the step time for every (context, R) curve of ``profile`` into a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ctx in profile.contexts:
-        for r in profile.requests(ctx):
-            pts = sorted(profile.tables[ctx][r].items())
-            bs = [b for b, _ in pts]
-            ax1.plot(bs, [s for _, s in pts], marker="o", ms=3, label=f"ctx {ctx}, R={r}")
-            ax2.plot(bs, [1e3 / s for _, s in pts], marker="o", ms=3, label=f"ctx {ctx}, R={r}")
-    ax1.set_xlabel("verify batch B (tokens)")
-    ax1.set_ylabel("SPS(B)  (target steps / s)")
-    ax2.set_xlabel("verify batch B (tokens)")
-    ax2.set_ylabel("step time (ms)")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title or f"{profile.model}  {profile.dtype}  {profile.threads} threads")
-    fig.tight_layout()
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

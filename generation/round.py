@@ -7,16 +7,19 @@ A round, read top to bottom (:func:`propose`, then the caller's verify, then :fu
 1. **budget**: the most tokens each request may verify (γ', and the room left before its length limit); the
    drafter's budget is 0 where the policy does not draft;
 2. **lookup**: each request's n-gram lookup (:class:`~generation.lookup.NGramLookup`) matches the end of its
-   committed text; a request with a match verifies the lookup continuation and skips the drafter this round
-   (the rule of vLLM's hybrid proposer); the features it committed meanwhile wait for its next drafting round;
-3. **draft**: one drafting round for the other requests (:func:`~generation.drafting.draft_round`), which also
+   committed text;
+3. **plan** (:meth:`~generation.policies.Policy.plan`): how much of each lookup chain to verify, and whether the
+   drafter runs, for which requests; a request that verifies a lookup chain skips the drafter this round (the rule
+   of vLLM's hybrid proposer); the features it committed meanwhile wait for its next drafting round;
+4. **draft**: one drafting round for the drafting requests (:func:`~generation.drafting.draft_round`), which also
    chooses their verify lengths ℓ_r by the policy (Algorithm 1 over all of them for ``scheduler``);
-4. **verify** (the caller): one target forward over every request's anchor and chain; greedy or rejection-sampling
+5. **verify** (the caller): one target forward over every request's anchor and chain; greedy or rejection-sampling
    acceptance;
-5. **record**: each request's :class:`~generation.stats.RoundStats`.
+6. **record**: each request's :class:`~generation.stats.RoundStats`, its proposers' acceptance records and the
+   run's prices (:mod:`generation.costs`).
 
-Every decision reads only the committed text and the confidences known before a token is sampled, so none can
-change the output (greedy: token for token; sampling: the same distribution).
+Every decision reads only the committed text, earlier rounds and the confidences known before a token is sampled,
+so none can change the output (greedy: token for token; sampling: the same distribution).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .costs import Record
 from .drafting import DraftContext, DraftResult, Sampler, draft_round
 from .lookup import NGramLookup
 from .policies import Policy
@@ -42,11 +46,14 @@ class RequestState:
         draft: the drafter's context (None without a drafter).
         lookup: the n-gram lookup over the committed text (None with the lookup off).
         stats: the rounds so far.
+        draft_record, lookup_record: the acceptance records of the drafter's and the lookup's chains.
     """
 
     draft: DraftContext | None
     lookup: NGramLookup | None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    draft_record: Record = field(default_factory=Record)
+    lookup_record: Record = field(default_factory=Record)
 
 
 @dataclass
@@ -82,7 +89,7 @@ class Chain:
 
 def propose(drafter, policy: Policy, states: list[RequestState], committed: list, rooms: list[int], num_slots: int,
             sampler: Sampler | None = None) -> list[Chain]:
-    """Steps 1–3 of the module doc: each request's chain for this round.
+    """Steps 1–4 of the module doc: each request's chain for this round.
 
     Args:
         drafter: the :class:`~modeling_dspark.DSparkDraftModel` (None only when no state has a drafter context).
@@ -99,17 +106,13 @@ def propose(drafter, policy: Policy, states: list[RequestState], committed: list
     t0 = time.perf_counter()
     num = len(states)
     lengths = [ids.shape[-1] if isinstance(ids, torch.Tensor) else len(ids) for ids in committed]
-    policy.begin_round(num, sum(lengths) / num - 1)
     budgets = [min(num_slots, room) if policy.drafts and s.draft is not None else 0 for s, room in zip(states, rooms)]
     lookups: list[list[int]] = []
-    for i, (s, ids) in enumerate(zip(states, committed)):
-        tokens = []
+    for s, ids, room in zip(states, committed, rooms):
         if s.lookup is not None:
             s.lookup.update(ids)
-            tokens = s.lookup.propose(rooms[i]).tokens
-        if tokens:
-            budgets[i] = 0  # a lookup match skips the drafter
-        lookups.append(tokens)
+        lookups.append(s.lookup.propose(room).tokens if s.lookup is not None else [])
+    lookup_lengths, budgets = policy.plan(states, budgets, lookups, sum(lengths) / num - 1)
     if any(budgets):
         anchors = [int(ids[..., -1]) if isinstance(ids, torch.Tensor) else int(ids[-1]) for ids in committed]
         out = draft_round(drafter, [s.draft for s in states], anchors, [n - 1 for n in lengths], budgets, policy,
@@ -120,8 +123,8 @@ def propose(drafter, policy: Policy, states: list[RequestState], committed: list
     t_draft_ms = (time.perf_counter() - t0) * 1e3 / num
     chains = []
     for i in range(num):
-        if lookups[i]:
-            chains.append(Chain(lookups[i], "lookup", t_draft_ms=t_draft_ms))
+        if lookup_lengths[i]:
+            chains.append(Chain(lookups[i][: lookup_lengths[i]], "lookup", t_draft_ms=t_draft_ms))
             continue
         n, logits = out.lengths[i], out.logits[i]
         chains.append(Chain(out.tokens[i][:n], "draft" if n else "", logits[:n] if logits is not None and n else None,
@@ -129,20 +132,32 @@ def propose(drafter, policy: Policy, states: list[RequestState], committed: list
     return chains
 
 
-def record(states: list[RequestState], chains: list[Chain], accepted: list[int], committed: list[int],
-           t_verify_ms: float) -> None:
-    """Step 5 of the module doc: append each request's :class:`~generation.stats.RoundStats`.
+def record(policy: Policy, states: list[RequestState], chains: list[Chain], accepted: list[int],
+           committed: list[int], t_verify_ms: float, num_slots: int) -> None:
+    """Step 6 of the module doc: append each request's :class:`~generation.stats.RoundStats`, update its acceptance
+    records and the run's prices (verify time by batch tokens; drafting time of rounds where every drafting request
+    caught up on at most one round, ≤ γ' + 1 positions).
 
     Args:
+        policy: the run's policy (its :class:`~generation.costs.Prices`, if priced).
         accepted: per request the chain tokens the target accepted.
         committed: per request the tokens appended (accepted + the target's own, cut by EOS / length).
         t_verify_ms: the verify forward and acceptance time (ms).
+        num_slots: γ'.
     """
     for s, c, a, n in zip(states, chains, accepted, committed):
         ell = len(c.tokens)
+        s.draft_record.update(ell if c.source == "draft" else None, a)
+        s.lookup_record.update(ell if c.source == "lookup" else None, a)
         s.stats.rounds.append(RoundStats(
             drafted=len(c.drafted), verified=ell, accepted=a, committed=n,
             confidences=list(c.confidences[:ell]) if c.source == "draft" else [],
             draft_tokens=list(c.tokens) if c.source == "lookup" else list(c.drafted), t_draft_ms=c.t_draft_ms,
             t_verify_ms=t_verify_ms, ingested=c.ingested, source=c.source,
         ))
+    if policy.prices is None:
+        return
+    policy.prices.observe_verify(sum(1 + len(c.tokens) for c in chains), t_verify_ms / 1e3)
+    drafted = [c for c in chains if c.ingested]
+    if drafted and all(c.ingested <= num_slots + 1 for c in drafted):
+        policy.prices.observe_draft(drafted[0].t_draft_ms * len(chains) / 1e3)

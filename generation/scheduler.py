@@ -25,7 +25,6 @@ Pure python/torch; no model imports.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -40,6 +39,7 @@ __all__ = [
     "survival_row",
     "prefix_schedule",
     "prefix_schedule_detailed",
+    "greedy_prefix",
     "budget_from_confidences",
     "fill_budget",
 ]
@@ -236,55 +236,70 @@ def survival(confidences: ConfidencesLike) -> torch.Tensor:
     return torch.tensor(_survival_rows(_confidence_rows(confidences)), dtype=torch.float64)
 
 
+def greedy_prefix(a: list[list[float]], seconds: Callable[[int], float], *, base_tokens: int,
+                  base_expected: float, stop: bool = True) -> ScheduleResult:
+    """The greedy of Algorithm 1 over valid survival rows, with the round's cost as a function of B.
+
+    Entries (r, j) are admitted in the pooled order (module doc); admitting one adds a verify token and its
+    survival a_{r,j} to the expected tokens. Θ(B) = τ*(B) / seconds(B) (committed tokens per second). With
+    ``seconds(B) = 1 / SPS(B)``, ``base_tokens = R`` and ``base_expected = R`` this is Algorithm 1 exactly
+    (Θ = τ* · SPS(B)).
+
+    Args:
+        a: R rows of survivals a_{r,j} ∈ [0, 1], non-increasing along j (not validated here: the callers do it
+            where values are handed in).
+        seconds: B -> the round's time (any unit) for a verify batch of B tokens (drafting included, if sunk).
+        base_tokens, base_expected: B and τ* before any entry is admitted (the anchors, fixed chains).
+        stop: STOP at the first entry that does not raise Θ (Algorithm 1, non-anticipating); False searches
+            every prefix of the order (only for values fixed before the round: planned or lagged).
+
+    Returns:
+        :class:`ScheduleResult` of the best prefix (``lengths`` ℓ_r, Θ, B, τ*).
+    """
+    lengths = [0] * len(a)
+    batch, expected = base_tokens, float(base_expected)
+    best = ScheduleResult(list(lengths), expected / seconds(batch), batch, expected)
+    for r, j, a_rj in _ranked_entries(a):
+        lengths[r] = j
+        batch += 1
+        expected += a_rj
+        theta = expected / seconds(batch)
+        if theta > best.theta:
+            best = ScheduleResult(list(lengths), theta, batch, expected)
+        elif stop:
+            break  # STOP: never look at entries whose value may depend on already-admitted tokens
+    return best
+
+
 def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> ScheduleResult:
     """DSpark Algorithm 1 (docs/method.md §4) with early STOP; returns ℓ* and Θ_best.
 
     1. a_{r,j} = Π_{i≤j} c_{r,i}.
-    2. Pool E = {(r, j)} sorted by a_{r,j} descending (ties: smaller j, then
-       smaller r).
+    2. Pool E = {(r, j)} sorted by a_{r,j} descending (ties: smaller j, then smaller r).
     3. ℓ_r = 0, B = R, τ* = R, Θ_best = R · SPS(R).
-    4. For (r, j) in order: ℓ_r = j, B += 1, τ* += a_{r,j},
-       Θ = τ* · SPS(B); if Θ > Θ_best keep a snapshot, else STOP.
+    4. For (r, j) in order: ℓ_r = j, B += 1, τ* += a_{r,j}, Θ = τ* · SPS(B); if Θ > Θ_best keep a snapshot,
+       else STOP.
 
-    The STOP keeps the decision non-anticipating (lossless); it reaches the
-    global optimum when Θ(B) along the sorted order is unimodal.
+    The STOP keeps the decision non-anticipating (lossless); it reaches the global optimum when Θ(B) along the
+    sorted order is unimodal.
 
     Args:
         confidences: [R, γ] calibrated c_{r,k} ∈ [0, 1] (tensor or lists).
-        sps: SPS(B) in target steps/s for a verify batch of B tokens (one
-            anchor slot per request included); a Mapping[int, float] or a
-            callable. Only the B values the scan reaches are looked up.
+        sps: SPS(B) in target steps/s for a verify batch of B tokens (one anchor slot per request included); a
+            Mapping[int, float] or a callable. Only the B values the scan reaches are looked up.
 
     Returns:
-        :class:`ScheduleResult` with ``lengths`` = ℓ* (R ints in 0..γ),
-        ``theta`` = Θ_best (tokens/s), ``batch_tokens`` = R + Σℓ*,
-        ``expected_tokens`` = τ* at ℓ*.
+        :class:`ScheduleResult` with ``lengths`` = ℓ* (R ints in 0..γ), ``theta`` = Θ_best (tokens/s),
+        ``batch_tokens`` = R + Σℓ*, ``expected_tokens`` = τ* at ℓ*.
 
     Raises:
-        ValueError: bad confidences (see :func:`survival`); a B the scan
-            needs missing from an SPS table (the message names B); an SPS
-            value that is non-positive, NaN or infinite.
+        ValueError: bad confidences (see :func:`survival`); a B the scan needs missing from an SPS table (the
+            message names B); an SPS value that is non-positive, NaN or infinite.
         TypeError: ``sps`` neither a Mapping nor callable.
     """
     a = _survival_rows(_confidence_rows(confidences))
     lookup = _as_lookup(sps)
-    num_requests = len(a)
-
-    lengths = [0] * num_requests
-    batch_tokens = num_requests
-    expected_tokens = float(num_requests)
-    best = ScheduleResult(list(lengths), expected_tokens * lookup(batch_tokens), batch_tokens, expected_tokens)
-
-    for r, j, a_rj in _ranked_entries(a):
-        lengths[r] = j
-        batch_tokens += 1
-        expected_tokens += a_rj
-        theta = expected_tokens * lookup(batch_tokens)
-        if theta > best.theta:
-            best = ScheduleResult(list(lengths), theta, batch_tokens, expected_tokens)
-        else:
-            break  # STOP: never look at entries whose value may depend on already-admitted tokens
-    return best
+    return greedy_prefix(a, lambda b: 1.0 / lookup(b), base_tokens=len(a), base_expected=len(a))
 
 
 def prefix_schedule(confidences: ConfidencesLike, sps: SPSLike) -> list[int]:
@@ -320,16 +335,8 @@ def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
     """
     a = _survival_rows(_confidence_rows(confidences))
     lookup = _as_lookup(sps)
-    num_requests = len(a)
-    expected_tokens = float(num_requests)
-    best_theta = expected_tokens * lookup(num_requests)
-    best_budget = 0
-    for extra, (_, _, a_rj) in enumerate(_ranked_entries(a), start=1):
-        expected_tokens += a_rj
-        theta = expected_tokens * lookup(num_requests + extra)
-        if theta > best_theta:
-            best_theta, best_budget = theta, extra
-    return best_budget
+    best = greedy_prefix(a, lambda b: 1.0 / lookup(b), base_tokens=len(a), base_expected=len(a), stop=False)
+    return best.batch_tokens - len(a)
 
 
 def fill_budget(confidences: ConfidencesLike, budget: int) -> list[int]:

@@ -62,7 +62,8 @@ def test_oracle_drafter_accepts_every_block(
         counter = {"n": 0}
         hook = target.register_forward_hook(lambda *a: counter.__setitem__("n", counter["n"] + 1))
         try:
-            with dspark_options(block_size=block_size), collect_stats() as runs:
+            # policy full: every round drafts (the default prices rounds and may take plain steps)
+            with dspark_options(block_size=block_size, policy="full"), collect_stats() as runs:
                 out = target.generate(ids, assistant_model=random_drafter, max_new_tokens=max_new, do_sample=False)
         finally:
             hook.remove()
@@ -179,6 +180,7 @@ def test_greedy_drafting_equals_the_processed_logits_path(head, draft_vocab):
     confidences and ℓ of the path over processed [1, V] logits (a Sampler without processors), for every head,
     with and without a draft vocabulary, for every policy and budget (random weights, non-zero corrections, uneven
     STS temperatures); and a batch of R = 3 requests drafts what each drafts alone."""
+    from generation.round import RequestState
     from generation.drafting import DraftContext, Sampler, draft_round
     from generation.packed_target import RequestKV
     from generation.policies import parse_policy
@@ -206,13 +208,13 @@ def test_greedy_drafting_equals_the_processed_logits_path(head, draft_vocab):
     specs = ["full", "fixed:2", "threshold:0.3", "scheduler"] + (["lagged:1"] if head != "none" else [])
     lengths = set()
     for spec in specs:
-        policy = parse_policy(spec).start(sps if parse_policy(spec).needs_sps else None)
+        policy = parse_policy(spec).start(sps=sps)
         if policy.needs_confidence and head == "none":
             continue
         for budget in (1, 3, 6):
             outs = []
             for sampler in (None, Sampler(False, None, ids)):
-                policy.begin_round(1, 4)
+                policy.plan([RequestState(None, None)], [budget], [[]], 4)
                 outs.append(draft_round(drafter, [context(0)], anchors[:1], positions[:1], [budget], policy,
                                         num_slots=6, sampler=sampler))
             fast, slow = outs

@@ -1,5 +1,5 @@
 """SPS(B) profiling (`generation.profiling`, `dspark profile`): table structure, storage, loader interpolation and
-errors, profile-on-first-use, the generate() hook, plots. Uses a tiny random target where the model does not
+errors, the generate() default, plots; `--dtype auto` (`dspark_cli.dtype`). Uses a tiny random target where the model does not
 matter."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from dspark_cli import dtype as choice
 from generation import profiling
 from generation.profiling import SPSCurve, SPSProfile, load_sps, monotone_sps
 from generation.scheduler import prefix_schedule
@@ -62,7 +63,7 @@ def test_profile_table_structure(tiny, measured, measured_and_wall):
             assert all(a >= b for a, b in zip(rates, rates[1:])), "stored curve must be non-increasing in B"
             assert set(measured["raw"][ctx][r]) == set(table)
     assert measured["meta"]["repeats"] == 3
-    assert 0 < measured["meta"]["seconds"] <= measured_and_wall[1]  # the measuring time, within the call's
+    assert 0 < measured["meta"]["seconds"] <= measured_and_wall[1] + 0.005  # within the call's (rounded to 10 ms)
     assert torch.get_num_threads() == 1  # restored
 
 
@@ -142,37 +143,6 @@ def test_save_load_roundtrip_and_loader(tiny, measured, tmp_path):
     assert load_sps("llama-h32-l4-v32", "float32", 1, 8)(1) == pytest.approx(table[1])
 
 
-def _count_profile_calls(monkeypatch) -> list:
-    """Replace profile_target by a quick (no warm-up, one repeat) version that records its keyword arguments; its
-    timings count as plausible (a tiny target's forwards are dominated by noise on a busy machine)."""
-    calls = []
-    real = profiling.profile_target
-    monkeypatch.setattr(profiling, "timing_problem", lambda times: None)
-
-    def counting(*a, **kw):
-        calls.append(kw)
-        return real(*a, **{**kw, "warmup": 0, "repeats": 1})
-
-    monkeypatch.setattr(profiling, "profile_target", counting)
-    return calls
-
-
-def test_ensure_profile_profiles_on_first_use_only(tiny, monkeypatch, caplog):
-    calls = _count_profile_calls(monkeypatch)
-    prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
-    assert len(calls) == 1 and isinstance(prof, SPSProfile)
-    assert [r.levelname for r in caplog.records] == ["WARNING"] and "dspark profile" in caplog.text  # not silent
-    assert str(profiling.default_profile_path()) in caplog.text  # says where it writes
-    assert sorted(prof.tables[4][1]) == [1, 2, 3]
-    caplog.clear()
-    again = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
-    assert len(calls) == 1 and again.tables == prof.tables and not caplog.records
-    profiling.ensure_profile(tiny, contexts=[4], requests=[1, 2], tokens=[1, 2, 3], threads=1)  # only R=2 is new
-    assert len(calls) == 2 and calls[-1]["requests"] == [2]
-    profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1, force=True)
-    assert len(calls) == 3
-
-
 def test_profile_from_another_processor_is_not_used(tiny, measured, monkeypatch):
     """An SPS table is a property of the processor: one measured elsewhere (a copied cache) is refused by name, and
     re-profiling replaces it instead of mixing the two machines' tables."""
@@ -182,11 +152,10 @@ def test_profile_from_another_processor_is_not_used(tiny, measured, monkeypatch)
     monkeypatch.setattr(profiling, "cpu_model", lambda: "Other CPU 9000")
     with pytest.raises(FileNotFoundError, match="another processor.*Other CPU 9000"):
         load_sps("llama-h32-l4-v32", "float32", 1, 8)
-    drafter = make_drafter(tiny, block_size=4)
-    assert profiling.sps_for_generate(tiny, drafter, threads=1) is None  # the scheduler falls back, never misled
-    calls = _count_profile_calls(monkeypatch)
-    prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
-    assert len(calls) == 1 and set(prof.tables) == {4}  # the other processor's contexts 8 and 64 are gone
+    fresh = profiling.profile_target(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1, warmup=0,
+                                     repeats=1)
+    profiling.save_profile(fresh)
+    assert set(profiling.load_profile("llama-h32-l4-v32", "float32", 1).tables) == {4}  # 8 and 64 are gone
     data = json.loads(profiling.default_profile_path().read_text())
     assert {m["cpu_model"] for k, m in data["meta"].items() if k.startswith("llama-h32-l4-v32|float32|1|")} == {
         "Other CPU 9000"}
@@ -196,42 +165,9 @@ def test_profile_from_another_processor_is_not_used(tiny, measured, monkeypatch)
     profiling.default_profile_path().write_text(json.dumps(data))
     with pytest.raises(FileNotFoundError, match="not recorded"):
         load_sps("llama-h32-l4-v32", "float32", 1, 4)
-    profiling.ensure_profile(tiny, contexts=[16], requests=[1], tokens=[1, 2], threads=1)
-    assert len(calls) == 2 and set(profiling.load_profile("llama-h32-l4-v32", "float32", 1).tables) == {16}
-
-
-def test_sps_for_generate(tiny, monkeypatch):
-    drafter = make_drafter(tiny, block_size=4)
-    assert profiling.sps_for_generate(tiny, drafter, 10, threads=1) is None  # nothing cached: off, no profiling
-    profiling.save_profile(
-        {"model": profiling.target_name(tiny), "dtype": "float32", "threads": 1,
-         "tables": {16: {1: {b: 100.0 / b for b in range(1, 6)}}}, "meta": {"cpu_model": profiling.cpu_model()}}
-    )
-    curve = profiling.sps_for_generate(tiny, drafter, 10, threads=1)
-    assert curve is not None and curve(5) == pytest.approx(20.0)
-    assert profiling.sps_for_generate(tiny, drafter, 10, threads=2) is None  # other thread count
-    big = make_drafter(tiny, block_size=8)
-    assert profiling.sps_for_generate(tiny, big, 10, threads=1) is None  # table does not reach B = 9
-    no_conf = make_drafter(tiny, block_size=4, use_confidence_head=False)
-    assert profiling.sps_for_generate(tiny, no_conf, 10, threads=1) is None
-    monkeypatch.setenv("DSPARK_SCHEDULER", "off")
-    assert profiling.sps_for_generate(tiny, drafter, 10, threads=1) is None
-
-
-def test_sps_for_generate_profiles_when_asked(tiny, monkeypatch):
-    """Asked for the scheduler with nothing cached: a few B values are measured and cached, marked first use, and
-    the default policy (no profile_if_missing) does not take that table up."""
-    monkeypatch.setattr(profiling, "DEFAULT_CONTEXTS", (4,))
-    drafter = make_drafter(tiny, block_size=8)
-    calls = _count_profile_calls(monkeypatch)
-    curve = profiling.sps_for_generate(tiny, drafter, threads=1, profile_if_missing=True)
-    assert calls[0]["tokens"] == profiling.first_use_tokens(8) == (1, 2, 3, 5, 9)  # a few B: seconds, not minutes
-    assert curve is not None and curve.max_batch == 9 and curve(4) > 0  # the loader interpolates between them
-    data = json.loads(profiling.default_profile_path().read_text())
-    assert {m["origin"] for m in data["meta"].values()} == {profiling.FIRST_USE}
-    assert profiling.sps_for_generate(tiny, drafter, threads=1) is None  # first use changes no default
-    assert profiling.sps_for_generate(tiny, drafter, threads=1, profile_if_missing=True) is not None
-    assert len(calls) == 1  # cached for the next explicit request
+    profiling.save_profile(profiling.profile_target(tiny, contexts=[16], requests=[1], tokens=[1, 2], threads=1,
+                                                    warmup=0, repeats=1))
+    assert set(profiling.load_profile("llama-h32-l4-v32", "float32", 1).tables) == {16}
 
 
 def test_timing_problem_spread_and_order():
@@ -243,18 +179,6 @@ def test_timing_problem_spread_and_order():
     assert "repeats at B=2 spread" in profiling.timing_problem(spread)
     order = {**good, 5: [0.006, 0.0061, 0.0062]}  # B=5 twice as fast as B=2
     assert "B=5 ran 47% faster than B=2" in profiling.timing_problem(order)  # 1 - 0.0061 / 0.0115
-
-
-def test_implausible_first_use_profile_is_used_once_not_cached(tiny, monkeypatch, caplog):
-    def noisy(target, requests, tokens, context_len, warmup=1, repeats=5, seed=0):
-        return {q: [0.01 / q, 0.011 / q, 0.0105 / q] for q in tokens}  # larger B faster: a disturbed run
-
-    monkeypatch.setattr(profiling, "measure_verify", noisy)
-    prof = profiling.ensure_profile(tiny, contexts=[4], requests=[1], tokens=[1, 2, 3], threads=1)
-    assert "not cached" in caplog.text and "faster than" in caplog.text
-    assert not profiling.default_profile_path().exists()
-    curve = prof.curve(1, 4)  # this caller still gets a (non-increasing) curve
-    assert curve.max_batch == 3 and curve(1) >= curve(2) >= curve(3)
 
 
 def test_scheduler_generate_greedy_identical_with_profiled_curve(tiny, measured):
@@ -279,7 +203,9 @@ def test_plot(measured, tmp_path, saved_figures):
 
     profiling.save_profile(measured)
     prof = profiling.load_profile("llama-h32-l4-v32", "float32", 1)
-    png = profiling.plot_profile(prof, tmp_path / "p.png")
+    from dspark_cli.profile_cmd import plot_profile
+
+    png = plot_profile(prof, tmp_path / "p.png")
     (fig,) = saved_figures
     sps_ax, ms_ax = fig.axes
     curves = [(ctx, r) for ctx in (8, 64) for r in (1, 2, 4)]
@@ -309,10 +235,10 @@ def test_profile_cli(tmp_path, capsys):
     assert main(["profile", "--show", "--threads", "3", "--out", str(out)]) == 2
 
 
-def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
-    """generate(assistant_model=drafter) with no policy: the DSpark scheduler when a profile for this target is
-    cached, the full block otherwise (or with DSPARK_SCHEDULER=off). Greedy output identical either way. The lookup
-    proposer is off: its chains are verified whatever the policy."""
+def test_generate_default_policy_prices_rounds(tiny):
+    """generate(assistant_model=drafter) with no policy runs the scheduler: with an explicit table where nothing is
+    worth verifying it verifies nothing, and with policy full every slot. Greedy output identical either way. The
+    lookup proposer is off: its chains are priced by their own record."""
     from generation import dspark_options
     from generation.stats import collect_stats
 
@@ -320,42 +246,34 @@ def test_generate_default_policy_uses_cached_profile(tiny, monkeypatch):
     ids = torch.tensor([[3, 5, 7, 1]])
     ref = tiny.generate(ids, max_new_tokens=12, do_sample=False)
 
-    def verified():
-        with dspark_options(lookup=False), collect_stats() as runs:
+    def verified(**options):
+        with dspark_options(lookup=False, **options), collect_stats() as runs:
             out = tiny.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
         assert torch.equal(out, ref)
         return [r.verified for r in runs[-1].rounds]
 
-    assert max(verified()) == 4  # no profile: full block
     steep = {b: (100.0 if b == 1 else 1.0) for b in range(1, 18)}  # nothing is ever worth verifying
-    profiling.save_profile({"model": profiling.target_name(tiny), "dtype": "float32",
-                            "threads": torch.get_num_threads(), "tables": {8: {1: steep}},
-                            "meta": {"cpu_model": profiling.cpu_model()}})
-    assert max(verified()) == 0  # the scheduler, driven by the cached table
-    monkeypatch.setenv("DSPARK_SCHEDULER", "off")
-    assert max(verified()) == 4
+    assert max(verified(sps=steep)) == 0
+    assert max(verified(policy="full")) == 4
 
 
 # ---------------------------------------------------------------------------------------------- auto dtype
-BF16_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16"})
-
-
 def _fake_timing(monkeypatch, rates: dict[str, float]) -> list:
     """Replace the generate() timing with fixed tokens/s; returns the list of calls made."""
     calls = []
-    monkeypatch.setattr(profiling, "_time_generate", lambda *a: calls.append(a) or dict(rates))
-    monkeypatch.setattr(profiling.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
+    monkeypatch.setattr(choice, "_time_generate", lambda *a: calls.append(a) or dict(rates))
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     return calls
 
 
-def test_auto_dtype_settled_by_the_processor(monkeypatch):
-    """No native bf16: float32 with no timing run; a GPU: bfloat16."""
+def test_auto_dtype_settled_by_the_processor_only_on_a_gpu(monkeypatch):
+    """A GPU: bfloat16 with no timing run; every CPU (native bf16 or not) is measured."""
     calls = _fake_timing(monkeypatch, {"float32": 1.0, "bfloat16": 100.0})
-    assert profiling.auto_dtype(flags=frozenset({"avx2"}))[0] == torch.float32
-    assert profiling.auto_dtype(device="cuda")[0] == torch.bfloat16
+    assert choice.auto_dtype(device="cuda")[0] == torch.bfloat16
     assert calls == []
+    assert choice.auto_dtype(threads=1)[0] == torch.bfloat16 and len(calls) == 1
     with pytest.raises(ValueError, match="repeats"):
-        profiling.auto_dtype(flags=BF16_FLAGS, repeats=0)
+        choice.auto_dtype(repeats=0)
 
 
 @pytest.mark.parametrize("fp32, bf16, expected", [(12.5, 19.6, torch.bfloat16),  # bf16 clearly faster
@@ -363,38 +281,38 @@ def test_auto_dtype_settled_by_the_processor(monkeypatch):
                                                    (10.0, 10.4, torch.float32)])  # within the 5% margin
 def test_auto_dtype_picks_the_faster_measured_dtype_and_caches_it(monkeypatch, fp32, bf16, expected):
     calls = _fake_timing(monkeypatch, {"float32": fp32, "bfloat16": bf16})
-    dtype, why = profiling.auto_dtype(None, None, flags=BF16_FLAGS, threads=1)
+    dtype, why = choice.auto_dtype(None, None, threads=1)
     assert dtype == expected and f"bfloat16 {bf16:.1f} tok/s, float32 {fp32:.1f}" in why
     assert len(calls) == 1 and calls[0][0] is None and calls[0][1] is None  # the default target, plain decoding
-    assert profiling.auto_dtype(None, None, flags=BF16_FLAGS, threads=1) == (dtype, why.replace(
+    assert choice.auto_dtype(None, None, threads=1) == (dtype, why.replace(
         "measured on", "measured before on"))
     assert len(calls) == 1  # cached beside the SPS profiles
     data = json.loads(profiling.default_profile_path().read_text())
     (key, entry), = data["dtype"].items()
     assert key.endswith("|plain|1|cpu") and entry["cpu_model"] == profiling.cpu_model()
-    profiling.auto_dtype(None, None, flags=BF16_FLAGS, threads=2)  # another job (thread count): measured anew
+    choice.auto_dtype(None, None, threads=2)  # another job (thread count): measured anew
     assert len(calls) == 2
 
 
 def test_auto_dtype_remeasures_on_another_processor_and_under_load(monkeypatch):
     calls = _fake_timing(monkeypatch, {"float32": 10.0, "bfloat16": 20.0})
-    profiling.auto_dtype(flags=BF16_FLAGS, threads=1)
-    monkeypatch.setattr(profiling, "device_model", lambda device: "Other CPU 9000")
-    profiling.auto_dtype(flags=BF16_FLAGS, threads=1)
+    choice.auto_dtype(threads=1)
+    monkeypatch.setattr(choice, "device_model", lambda device: "Other CPU 9000")
+    choice.auto_dtype(threads=1)
     assert len(calls) == 2  # a cache entry from another processor is not used
-    monkeypatch.setattr(profiling.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
-    monkeypatch.setattr(profiling, "device_model", lambda device: "Third CPU")
-    dtype, why = profiling.auto_dtype(flags=BF16_FLAGS, threads=1)
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(choice, "device_model", lambda device: "Third CPU")
+    dtype, why = choice.auto_dtype(threads=1)
     assert dtype == torch.bfloat16 and "busy" in why and "not cached" in why
-    profiling.auto_dtype(flags=BF16_FLAGS, threads=1)
+    choice.auto_dtype(threads=1)
     assert len(calls) == 4  # a measurement under load is used once, never kept
 
 
 def test_auto_dtype_times_the_real_job():
     """The timing itself: greedy generate() of the default target in both dtypes, plain and with the shipped
     drafter, gives a positive tokens/s for each dtype."""
-    from dspark_cli.common import SHIPPED_DRAFTER
+    from modeling_dspark.target import shipped_drafter_for
 
-    for drafter in (None, str(SHIPPED_DRAFTER)):
-        rates = profiling._time_generate(None, drafter, (torch.float32, torch.bfloat16), 3, 1, "cpu")
+    for drafter in (None, str(shipped_drafter_for())):
+        rates = choice._time_generate(None, drafter, (torch.float32, torch.bfloat16), 3, 1, "cpu")
         assert set(rates) == {"float32", "bfloat16"} and min(rates.values()) > 0, drafter

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from generation.policies import parse_policy
+from generation.round import RequestState
 from generation.scheduler import (
     budget_from_confidences,
     fill_budget,
@@ -21,8 +22,8 @@ from generation.scheduler import (
 )
 
 class LaggedScheduler:
-    """The ``lagged`` policy over whole rounds (:meth:`Policy.begin_round`, :meth:`Policy.lengths`,
-    :meth:`Policy.end_round`)."""
+    """The ``lagged`` policy over whole rounds (:meth:`Policy.plan`, :meth:`Policy.lengths`,
+    :meth:`Policy.end_round`), every request drafting its whole row."""
 
     def __init__(self, sps, lag=2):
         self.policy, self.last_budget = parse_policy(f"lagged:{lag}").start(sps), None
@@ -31,7 +32,7 @@ class LaggedScheduler:
         rows = [[float(c) for c in row] for row in (confidences.tolist() if hasattr(confidences, "tolist")
                                                     else confidences)]
         budgets = [len(row) for row in rows]
-        self.policy.begin_round(len(rows), 0)
+        self.policy.plan([RequestState(None, None) for _ in rows], budgets, [[] for _ in rows], 0)
         self.last_budget = self.policy._budget
         lengths = self.policy.lengths(rows, budgets)
         self.policy.end_round(rows, budgets)
@@ -385,5 +386,3 @@ def test_bad_sps_type_budget_and_lag():
         fill_budget(TWO_REQ_C, 1.5)
     with pytest.raises(ValueError, match=r"'lagged:LAG' needs an integer LAG >= 1"):
         parse_policy("lagged:0")
-    with pytest.raises(ValueError, match=r"needs an SPS\(B\) table"):
-        parse_policy("scheduler").start()

@@ -1,0 +1,161 @@
+"""What a round costs on this machine and what each proposer is expected to yield, learned from the rounds.
+
+The scheduler prices every round (Algorithm 1 with a drafting-cost term, docs/method.md §4): a verify of B tokens
+costs ``Prices.verify_s(B)`` seconds and a drafting round ``Prices.draft_s`` seconds; a proposer's chain is expected
+to survive to position j with probability p^j, p from its :class:`Record`. All three are measured by the rounds
+themselves (every round already times its verify and its drafting), so they follow the machine as it is, a busy one
+included, and nothing is stored: a new process starts from the priors.
+
+* verify: a least-squares line t(B) = t_0 + b·B through the recent rounds' (B, seconds), each observation weighted
+  by :data:`VERIFY_DECAY` ^ age; a line since a forward over B tokens costs a fixed weight read plus a per-token
+  part (on CPUs a 9-token verify measured 1.1 to 6.7 one-token steps). The slope is shrunk toward the prior
+  :data:`PRIOR_SLOPE` until the rounds have shown B values spread enough to measure it. An explicit
+  SPS(B) table (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
+* drafting: an exponential average of drafting rounds that caught up on at most one round of committed positions
+  (a round after skipped rounds ingests more, which is not the price of drafting every round).
+* acceptance: per proposer, decayed counts of accepted and tried chain positions with a prior of
+  :data:`PRIOR_STRENGTH` pseudo-trials at :data:`PRIOR_ACCEPT`; the counts decay every round, also when the proposer
+  did not run, so a proposer priced out of the rounds drifts back to the prior and is tried again.
+
+Nothing here can change the output: the prices decide only how many proposed tokens are verified, from rounds
+already finished (non-anticipation).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .scheduler import _SPSLookup
+
+__all__ = ["Prices", "Record", "prices_for"]
+
+VERIFY_DECAY = 0.95
+"""Weight of a verify observation per later observation (the line follows ~20 recent rounds)."""
+PRIOR_SLOPE = 0.25
+"""The prior per-token verify cost, as a fraction of a one-token verify (through the first observed round)."""
+PRIOR_WEIGHT = 4.0
+"""Weight of the prior slope, in units of the rounds' spread Σw(B − B̄)² (tokens²): two rounds 2 tokens apart
+outweigh it."""
+DRAFT_DECAY = 0.8
+"""Weight of the drafting-time average per later drafting round."""
+ACCEPT_DECAY = 0.9
+"""Per-round decay of a proposer's accepted and tried counts."""
+PRIOR_ACCEPT = 0.7
+"""The acceptance per position a proposer is expected to have before (or long after) its rounds are seen."""
+PRIOR_STRENGTH = 2.0
+"""Pseudo-trials of the prior."""
+
+
+@dataclass
+class Record:
+    """A proposer's acceptance record: p = P(position j survives | j − 1 did), from decayed counts and a prior.
+
+    Attributes:
+        accepted: decayed count of accepted chain positions.
+        tried: decayed count of positions tried: the accepted ones and the first rejected one of each chain.
+    """
+
+    accepted: float = 0.0
+    tried: float = 0.0
+
+    @property
+    def p(self) -> float:
+        """The per-position acceptance, in [0, 1]."""
+        return (self.accepted + PRIOR_ACCEPT * PRIOR_STRENGTH) / (self.tried + PRIOR_STRENGTH)
+
+    def survival(self, length: int) -> list[float]:
+        """Expected survivals a_j = p^j, j = 1..length."""
+        p = self.p
+        return [p ** j for j in range(1, length + 1)]
+
+    def update(self, verified: int | None, accepted: int = 0) -> None:
+        """One round: decay the counts, then add the chain's outcome (``verified`` None: the proposer did not run)."""
+        self.accepted *= ACCEPT_DECAY
+        self.tried *= ACCEPT_DECAY
+        if verified:
+            self.accepted += accepted
+            self.tried += accepted + (accepted < verified)
+
+
+class Prices:
+    """The round's prices on this machine (module doc): verify seconds by batch tokens B, drafting seconds.
+
+    Args:
+        sps: an explicit SPS(B) (steps/s; a mapping ``{B: steps/s}``, a callable, or an
+            :class:`~generation.profiling.SPSProfile`); None learns the verify line from the rounds.
+    """
+
+    def __init__(self, sps=None):
+        self.sps = sps
+        self._curves: dict = {}
+        self._sums = [0.0] * 5  # decayed Σw, Σw·B, Σw·B², Σw·t, Σw·B·t
+        self._first: tuple[int, float] | None = None
+        self.draft_s: float | None = None
+
+    @property
+    def known(self) -> bool:
+        """Whether a verify price exists (a table, or at least one observed round)."""
+        return self.sps is not None or self._first is not None
+
+    def verify_s(self, batch_tokens: int, requests: int = 1, context_len: float | None = None) -> float:
+        """Seconds of a verify forward over B = ``batch_tokens`` tokens (R = ``requests``; mean context, tokens).
+
+        Raises:
+            RuntimeError: nothing is known yet (:attr:`known` is False).
+            ValueError: an explicit table that does not cover B (its message names B).
+        """
+        if self.sps is not None:
+            return 1.0 / self._curve(requests, context_len)(batch_tokens)
+        if self._first is None:
+            raise RuntimeError("no verify price yet: observe a round first")
+        n, sb, sbb, st, sbt = self._sums
+        mean_b, mean_t = sb / n, st / n
+        b0, t0 = self._first  # the prior line t(B) = t_1 · (1 + PRIOR_SLOPE · (B − 1)) through the first round
+        prior = PRIOR_SLOPE * t0 / (1 + PRIOR_SLOPE * (b0 - 1))
+        sxx, sxy = sbb - n * mean_b**2, sbt - n * mean_b * mean_t  # weighted spread of B, co-spread with t
+        slope = max(0.0, (sxy + PRIOR_WEIGHT * prior) / (sxx + PRIOR_WEIGHT))  # least squares shrunk to the prior
+        return max(1e-6, mean_t + slope * (batch_tokens - mean_b))
+
+    def _curve(self, requests: int, context_len: float | None) -> Callable[[int], float]:
+        sps = self.sps
+        if not hasattr(sps, "curve"):  # one table or callable for every round: validated lookups
+            if None not in self._curves:
+                self._curves[None] = _SPSLookup(sps)
+            return self._curves[None]
+        key = (requests, sps.context_bucket(context_len))
+        if key not in self._curves:
+            self._curves[key] = sps.curve(requests=requests, context_len=context_len)
+        return self._curves[key]
+
+    def observe_verify(self, batch_tokens: int, seconds: float) -> None:
+        """Fold one round's verify time (forward and acceptance, seconds) for B tokens into the line."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        if self._first is None:
+            self._first = (batch_tokens, seconds)
+        b = float(batch_tokens)
+        self._sums = [VERIFY_DECAY * s + x for s, x in zip(self._sums, (1.0, b, b * b, seconds, b * seconds))]
+
+    def observe_draft(self, seconds: float) -> None:
+        """Fold one steady drafting round's time (seconds) into the drafting price."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self.draft_s = seconds if self.draft_s is None else DRAFT_DECAY * self.draft_s + (1 - DRAFT_DECAY) * seconds
+
+
+_registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prices_for(target, drafter, block_size: int) -> Prices:
+    """The learned :class:`Prices` of `generate()` calls with this target, drafter and block size in this process,
+    so each call starts from what the earlier calls measured (never stored on disk). Keyed by the objects, their
+    dtype and device, and torch's thread count."""
+    import torch
+
+    per_target = _registry.setdefault(target, {})
+    key = (id(drafter), block_size, str(target.dtype), str(target.device), torch.get_num_threads())
+    if key not in per_target:
+        per_target[key] = Prices()
+    return per_target[key]
