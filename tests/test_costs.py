@@ -1,0 +1,141 @@
+"""The round's prices and acceptance records (`generation.costs`) and the scheduler's plan (`Policy.plan`): fast, no
+models, except the last test (a tiny random target)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from generation import costs
+from generation.costs import Prices, Record
+from generation.policies import parse_policy
+from generation.round import RequestState
+
+from .conftest import make_drafter, tiny_target
+
+
+def test_record_prior_update_and_decay():
+    r = Record()
+    assert r.p == pytest.approx(costs.PRIOR_ACCEPT)
+    r.update(4, 4)  # all 4 accepted: 4 tried
+    assert (r.accepted, r.tried) == (4, 4)
+    r.update(4, 1)  # 1 accepted, then a rejection: 2 tried
+    d = costs.ACCEPT_DECAY
+    assert (r.accepted, r.tried) == pytest.approx((4 * d + 1, 4 * d + 2))
+    expected = (4 * d + 1 + costs.PRIOR_ACCEPT * costs.PRIOR_STRENGTH) / (4 * d + 2 + costs.PRIOR_STRENGTH)
+    assert r.p == pytest.approx(expected)
+    assert r.survival(3) == pytest.approx([expected, expected**2, expected**3])
+    bad = Record()
+    for _ in range(20):
+        bad.update(8, 0)  # always rejected at once
+    low = bad.p
+    assert low < 0.15
+    for _ in range(30):
+        bad.update(None)  # the proposer did not run: the counts decay, p drifts back to the prior
+    assert low < bad.p < costs.PRIOR_ACCEPT and bad.p > 0.5
+
+
+def test_prices_fit_a_line_and_shrink_to_the_prior():
+    p = Prices()
+    assert not p.known
+    with pytest.raises(RuntimeError, match="observe a round first"):
+        p.verify_s(1)
+    p.observe_verify(9, 3.0)  # one round: the prior line through it
+    prior = costs.PRIOR_SLOPE * 3.0 / (1 + costs.PRIOR_SLOPE * 8)
+    assert p.verify_s(1) == pytest.approx(3.0 - 8 * prior)
+    for _ in range(30):  # a steep machine: t(B) = 1 + 0.5 (B - 1), seen at B = 1, 3 and 9
+        for b in (1, 3, 9):
+            p.observe_verify(b, 1 + 0.5 * (b - 1))
+    assert [p.verify_s(b) for b in (1, 2, 9)] == pytest.approx([1.0, 1.5, 5.0], rel=0.02)
+    for _ in range(200):  # a bigger batch measured faster (noise): the price never falls with B
+        p.observe_verify(1, 2.0)
+        p.observe_verify(9, 1.0)
+    assert p.verify_s(9) >= p.verify_s(1)
+    p.observe_verify(5, float("nan"))  # ignored
+    assert p.verify_s(5) == p.verify_s(5)
+    table = Prices({b: 10.0 / b for b in range(1, 6)})  # an explicit SPS(B) replaces the line
+    assert table.known and table.verify_s(4) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="B = 7"):
+        table.verify_s(7)
+
+
+def test_draft_price_is_a_running_average():
+    p = Prices()
+    assert p.draft_s is None
+    p.observe_draft(0.1)
+    p.observe_draft(0.2)
+    assert p.draft_s == pytest.approx(costs.DRAFT_DECAY * 0.1 + (1 - costs.DRAFT_DECAY) * 0.2)
+
+
+def _plan(prices, lookups, budgets, draft_p=None, lookup_p=None):
+    policy = parse_policy("scheduler").start(prices=prices)
+    states = [RequestState(None, None) for _ in budgets]
+    for s in states:
+        for _ in range(40):
+            if draft_p is not None:
+                s.draft_record.update(1, int(draft_p >= 0.5))
+            if lookup_p is not None:
+                s.lookup_record.update(1, int(lookup_p >= 0.5))
+    return policy, policy.plan(states, budgets, lookups, 100)
+
+
+def _prices(slope, draft_s):
+    p = Prices()
+    for _ in range(30):
+        for b in (1, 5, 9):
+            p.observe_verify(b, 1 + slope * (b - 1))
+    if draft_s is not None:
+        p.observe_draft(draft_s)
+    return p
+
+
+def test_plan_drafts_only_where_it_pays():
+    """Cheap verify and drafting with a good record: every request drafts; a dear verify, dear drafting or a bad
+    record: nobody drafts (plain steps, the drafter does not run)."""
+    assert _plan(_prices(0.02, 0.05), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [8, 8])
+    assert _plan(_prices(1.0, 0.5), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
+    assert _plan(_prices(0.02, 20.0), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
+    assert _plan(_prices(0.02, 0.05), [[], []], [8, 8], draft_p=0.0)[1] == ([0, 0], [0, 0])
+    # unpriced (nothing timed yet): every lookup match verified whole, every other request drafts
+    assert _plan(Prices(), [[5, 6, 7], []], [8, 8])[1] == ([3, 0], [0, 8])
+
+
+def test_plan_prices_lookup_chains():
+    """A lookup chain is verified as far as its record pays; a request whose chain is not worth verifying drafts."""
+    good = _plan(_prices(0.05, 0.05), [[5, 6, 7, 8], []], [8, 8], draft_p=0.9, lookup_p=0.9)[1]
+    assert good[0][0] == 4 and good[1] == [0, 8]
+    bad = _plan(_prices(0.3, 0.05), [[5, 6, 7, 8], []], [8, 8], draft_p=0.9, lookup_p=0.0)[1]
+    assert bad == ([0, 0], [8, 8])
+
+
+def test_in_round_lengths_price_the_spent_drafting_time():
+    """In the drafting round, Algorithm 1 stops at the first slot that does not raise tokens per second; the drafting
+    time already spent makes longer chains worth more."""
+    policy, _ = _plan(_prices(0.3, 0.0), [[]], [8], draft_p=0.9)
+    short = policy.lengths([[0.9, 0.6, 0.6, 0.6]], [8])
+    policy, _ = _plan(_prices(0.3, 3.0), [[]], [8], draft_p=0.9)
+    long = policy.lengths([[0.9, 0.6, 0.6, 0.6]], [8])
+    assert short[0] < long[0] <= 4
+    # unknown confidences (not drafted yet) count as 0: never verified
+    assert policy.lengths([[0.9]], [8]) == [1]
+
+
+def test_default_generate_is_lossless_whatever_the_prices():
+    """The default policy in generate() with prices that make it switch between plain steps and drafting keeps the
+    greedy output identical, and a run's prices carry over to the next call with the same target and drafter."""
+    from generation import collect_stats, dspark_options
+
+    torch.manual_seed(0)
+    target = tiny_target(vocab_size=32)
+    drafter = make_drafter(target, block_size=4)
+    ids = torch.tensor([[3, 5, 7, 1, 3, 5]])
+    ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+    sources = set()
+    for sps in ({b: 10.0 for b in range(1, 6)}, {b: (10.0 if b == 1 else 1.0) for b in range(1, 6)}, None):
+        with dspark_options(sps=sps), collect_stats() as runs:
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+        assert torch.equal(out, ref)
+        sources |= {r.source for r in runs[-1].rounds}
+    assert "" in sources and ("draft" in sources or "lookup" in sources)
+    prices = costs.prices_for(target, drafter, 4)
+    assert prices.known  # the call without a table learned these
