@@ -95,7 +95,7 @@ def test_plan_drafts_only_where_it_pays():
     assert _plan(_prices(0.02, 0.05), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [8, 8])
     assert _plan(_prices(1.0, 0.5), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
     assert _plan(_prices(0.02, 20.0), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
-    assert _plan(_prices(0.02, 0.05), [[], []], [8, 8], draft_p=0.0)[1] == ([0, 0], [0, 0])
+    assert _plan(_prices(0.02, 0.2), [[], []], [8, 8], draft_p=0.0)[1] == ([0, 0], [0, 0])
     # unpriced (nothing timed yet): every lookup match verified whole, every other request drafts
     assert _plan(Prices(), [[5, 6, 7], []], [8, 8])[1] == ([3, 0], [0, 8])
 
