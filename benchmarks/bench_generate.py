@@ -120,7 +120,7 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     alike; DSpark's per-pass speedups are paired with plain decoding of the same pass."""
     import torch
 
-    from dspark_cli.common import load_models
+    from modeling_dspark.pairing import load_models
     from evaluation.eval_sets import timed_generate
     from evaluation.serving import sign_test_p
     from generation import collect_stats, dspark_options
@@ -334,11 +334,11 @@ def main(argv=None) -> int:
         pass
     if args.drafter != "random" and not Path(args.drafter).is_dir():
         sys.exit(f"drafter directory not found: {args.drafter}")
-    from dspark_cli.common import CLIError, target_for_drafter
+    from modeling_dspark.pairing import InputError, target_for_drafter
 
     try:
         args.target = target_for_drafter(args.target, args.drafter)
-    except CLIError as err:
+    except InputError as err:
         sys.exit(str(err))
 
     from modeling_dspark.target import DEFAULT_TARGET, target_dir

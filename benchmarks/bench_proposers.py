@@ -157,7 +157,7 @@ def summarise(records: list[dict], param_bytes: int) -> dict:
 def bench_dtype(args, dtype_name: str, prompts: dict[str, list[dict]]) -> dict:
     import torch
 
-    from dspark_cli.common import load_models
+    from modeling_dspark.pairing import load_models
     from evaluation.eval_sets import ForwardCounter
     from modeling_dspark.target import apply_chat_template
 
@@ -227,11 +227,11 @@ def main(argv=None) -> int:
         sys.exit("this checkout's dspark_options has no lookup= option (the lookup proposer is not wired in)")
     if args.drafter != "random" and not Path(args.drafter).is_dir():
         sys.exit(f"drafter directory not found: {args.drafter}")
-    from dspark_cli.common import CLIError, target_for_drafter
+    from modeling_dspark.pairing import InputError, target_for_drafter
 
     try:
         args.target = target_for_drafter(args.target, args.drafter)
-    except CLIError as err:
+    except InputError as err:
         sys.exit(str(err))
     if args.per_domain < 1 or args.max_new_tokens < 2:
         sys.exit("--per-domain must be >= 1 and --max-new-tokens >= 2")

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from scipy.stats import binomtest
     from transformers import TrainingArguments
 
-    from dspark_cli.common import CLIError, check_made_for_target, target_for_drafter
+    from modeling_dspark.pairing import InputError, check_made_for_target, target_for_drafter
     from modeling_dspark import DSparkDraftModel
     from modeling_dspark.target import load_target
     from training.data import load_data, read_plans
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         target_name = target_for_drafter(args.target, args.drafter[0])
         for d in args.drafter[1:]:
             check_made_for_target(target_name, "--drafter", d, drafter=True, fix="compare drafters made for one target")
-    except CLIError as err:
+    except InputError as err:
         sys.exit(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)

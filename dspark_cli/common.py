@@ -12,6 +12,19 @@ import math
 import sys
 from pathlib import Path
 
+from modeling_dspark.pairing import (  # noqa: F401  (the commands take these from here)
+    RANDOM_DRAFTER_BLOCK_SIZE,
+    RANDOM_DRAFTER_SEED,
+    InputError,
+    check_made_for_target,
+    drafter_dir,
+    load_drafter,
+    load_models,
+    load_target_checked,
+    made_with_target,
+    target_for_drafter,
+)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
 SHIPPED_DRAFTERS = {
@@ -19,14 +32,13 @@ SHIPPED_DRAFTERS = {
     "Qwen2.5-Coder-0.5B-Instruct": REPO_ROOT / "drafters" / "qwen2.5-coder-0.5b-dspark",
 }
 """The drafter used for each packaged target when no ``--drafter`` is given."""
-RANDOM_DRAFTER_SEED = 0
-RANDOM_DRAFTER_BLOCK_SIZE = 8
 DTYPES = ("float32", "bfloat16")
 DTYPE_CHOICES = ("auto", *DTYPES)
 
 
-class CLIError(Exception):
-    """A usage or input error: printed on stderr, exit code 2 (:func:`reports_cli_errors`)."""
+CLIError = InputError
+"""A usage or input error: printed on stderr, exit code 2 (:func:`reports_cli_errors`); the library's
+:class:`modeling_dspark.pairing.InputError`, which its checks and loaders raise."""
 
 
 def reports_cli_errors(prog: str):
@@ -115,87 +127,6 @@ def shipped_drafter_for(target: str | None) -> str | None:
 
     drafter = SHIPPED_DRAFTERS.get(target or DEFAULT_TARGET)
     return str(drafter) if drafter is not None and (drafter / "config.json").is_file() else None
-
-
-def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--drafter",
-                       shown: str | None = None) -> str | None:
-    """``--target``, else the target that drafter directory ``drafter`` was trained for (its config's
-    ``target_name_or_path``) when that is a packaged target or, by absolute path, a model directory here, else None
-    (the default target): a drafter for Qwen2.5-Coder-0.5B-Instruct runs with that target without ``--target``.
-
-    Args:
-        flag: the option or argument that named ``drafter``, for the error message; ``shown``: the value to show
-            (default ``drafter``).
-
-    Raises:
-        CLIError: ``target`` is a packaged target and the drafter records another one (checked from the configs,
-            before either model loads).
-    """
-    if drafter in (None, "random"):
-        return target
-    if target is None:
-        return made_with_target(drafter, drafter=True) or _local_target_of(drafter)
-    check_made_for_target(target, flag, drafter, drafter=True, shown=shown,
-                          fix="leave out --target to use the drafter's own, or give a drafter made for this one")
-    return target
-
-
-def _local_target_of(drafter) -> str | None:
-    """The drafter config's ``target_name_or_path`` when it is an absolute path to a model directory here (with a
-    ``config.json``), else None: a relative path would depend on the working directory."""
-    from modeling_dspark.formats import read_json
-
-    try:
-        name = read_json(Path(drafter) / "config.json").get("target_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        return None
-    ok = isinstance(name, str) and Path(name).is_absolute() and (Path(name) / "config.json").is_file()
-    return name if ok else None
-
-
-def made_with_target(path, drafter: bool = False) -> str | None:
-    """The packaged target that directory ``path`` was made with: a ``dspark data build`` directory's
-    (``manifest.json``, ``config.target``) or, with ``drafter``, a drafter's (``config.json``,
-    ``target_name_or_path``, or a speculators export's ``speculators_config.verifier.name_or_path``), recorded by
-    name, by the path of its cached copy or by its Hub id (what an export writes); None when it records none (a
-    ``save_to_disk`` directory, another target, unreadable)."""
-    from modeling_dspark.formats import read_json
-    from modeling_dspark.target import PACKAGED_TARGETS, packaged_target_name
-
-    try:
-        if drafter:
-            config = read_json(Path(path) / "config.json")
-            made = config.get("target_name_or_path") or (
-                ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"))
-        else:
-            made = (read_json(Path(path) / "manifest.json").get("config") or {}).get("target")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(made, str):
-        return None
-    by_hub_id = {packaged.hub_id: name for name, packaged in PACKAGED_TARGETS.items()}
-    return packaged_target_name(made) or by_hub_id.get(made)
-
-
-def check_made_for_target(target: str | None, flag: str, path, *, drafter: bool = False, shown: str | None = None,
-                          fix: str | None = None) -> None:
-    """Refuse data (or, with ``drafter``, a drafter) at ``path`` made with another packaged target than ``target``
-    (None: the default target), before anything loads: its token ids and features belong to that target.
-
-    Args:
-        flag: the option that named ``path``, for the message; ``shown``: the value to show (default ``path``).
-        fix: what the message advises (default: pass ``--target`` with the target ``path`` was made with).
-
-    Raises:
-        CLIError: naming the flag, the directory and the target it was made with.
-    """
-    from modeling_dspark.target import DEFAULT_TARGET, packaged_target_name
-
-    want = packaged_target_name(target or DEFAULT_TARGET)
-    other = made_with_target(path, drafter)
-    if other is not None and want is not None and other != want:
-        raise CLIError(f"{flag} {shown or path} was made with target {other}, not {target or DEFAULT_TARGET}: "
-                       f"{fix or f'pass --target {other}'}")
 
 
 def resolve_device(spec: str | None) -> str:
@@ -295,99 +226,6 @@ def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -
     return run(parser.parse_args(argv))
 
 
-def drafter_dir(spec: str, hub: bool = True, weights: bool = True) -> str:
-    """The local directory of drafter ``spec``, checked to hold a readable ``config.json`` and (with ``weights``)
-    safetensors weights, so that a wrong drafter is reported before the target loads.
-
-    Args:
-        spec: a drafter directory (``~`` expanded), or (with ``hub``) a Hub repository id, fetched or read from the
-            local Hugging Face cache by :func:`modeling_dspark.hub.resolve_pretrained_dir`.
-        hub: accept Hub ids; False where the command writes into the drafter directory.
-        weights: require ``*.safetensors`` files; False where only the config is read.
-
-    Raises:
-        CLIError: no such directory or repository, no ``config.json``, one that is not a JSON object, no
-            safetensors weights, or a weights file whose header or size is not that of a safetensors file
-            (truncated or not safetensors at all).
-    """
-    from modeling_dspark.formats import read_json
-    from modeling_dspark.hub import resolve_pretrained_dir
-
-    if hub:
-        try:
-            path = resolve_pretrained_dir(spec)
-        except OSError as err:
-            raise CLIError(str(err)) from None
-    else:
-        path = Path(spec).expanduser()
-        if not path.is_dir():
-            raise CLIError(f"drafter directory not found: {spec!r}")
-    if not (path / "config.json").is_file():
-        raise CLIError(f"drafter {spec!r} is not a drafter directory (no config.json)")
-    try:
-        read_json(path / "config.json")
-    except OSError as err:
-        raise CLIError(f"drafter {spec!r}: {err}") from None
-    if weights:
-        from safetensors import safe_open
-
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise CLIError(f"drafter {spec!r} has no *.safetensors weights file")
-        for f in files:
-            try:  # reads the header and checks the tensors' byte ranges against the file size; loads no tensor
-                with safe_open(str(f), framework="pt"):
-                    pass
-            except Exception as err:  # safetensors raises its own SafetensorError (or OSError) for a bad file
-                raise CLIError(f"drafter {spec!r}: corrupt weights file {f.name} ({err})") from None
-    return str(path)
-
-
-def load_drafter(spec: str, target, dtype):
-    """The drafter named by ``spec`` — ``"random"`` (untrained, fixed seed, block size 8) or a drafter directory —
-    bound to ``target`` with ``target.generate(..., assistant_model=drafter)`` enabled.
-
-    Raises:
-        CLIError: the directory does not hold a loadable drafter for this target.
-    """
-    import torch
-
-    from modeling_dspark import DSparkConfig, DSparkDraftModel
-
-    if spec == "random":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_DRAFTER_SEED)
-            drafter = DSparkDraftModel(
-                DSparkConfig.from_target_config(target.config, block_size=RANDOM_DRAFTER_BLOCK_SIZE)
-            )
-        drafter = drafter.to(dtype=dtype, device=target.device).eval().bind_target(target)
-        return drafter
-    try:
-        return DSparkDraftModel.from_pretrained(spec, target=target, dtype=dtype).eval()
-    except (OSError, ValueError) as err:
-        raise CLIError(f"could not load drafter: {err}") from None
-
-
-def load_models(target_path, drafter_spec: str | None, dtype_name: str, device: str = "cpu"):
-    """Load ``(target, tokenizer, drafter | None)`` in dtype ``dtype_name`` on ``device``: the target as
-    :func:`load_target_checked`, the drafter (None: none) as :func:`load_drafter`, bound to the target.
-
-    Raises:
-        CLIError: a target or drafter that does not load, or a random drafter for a target family DSpark does not
-            support.
-    """
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    target, tok = load_target_checked(target_path, dtype=dtype, device=device)
-    if drafter_spec is None:
-        return target, tok, None
-    try:
-        return target, tok, load_drafter(drafter_spec, target, dtype)
-    except ValueError as err:  # e.g. a target family DSpark does not support (random drafter)
-        raise CLIError(f"could not make a drafter for this target: {err}") from None
-
-
 # ---------------------------------------------------------------------------------------------- input checks
 def check_min(args, minimums: dict[str, float], strict: bool = False) -> None:
     """Refuse an option below its minimum.
@@ -451,20 +289,6 @@ def check_eval_sets(flag: str, names: list[str]) -> list[str]:
     if not names or bad:
         raise CLIError(f"{flag}: unknown eval set(s) {bad or names}; choose from {', '.join(EVAL_SETS)}")
     return names
-
-
-def load_target_checked(spec: str | None, **kwargs):
-    """``modeling_dspark.target.load_target(spec, **kwargs)``.
-
-    Raises:
-        CLIError: the directory does not hold a loadable transformers model and tokenizer.
-    """
-    from modeling_dspark.target import DEFAULT_TARGET, load_target
-
-    try:
-        return load_target(spec, **kwargs)
-    except (OSError, ValueError) as err:
-        raise CLIError(f"could not load target {spec or DEFAULT_TARGET!r}: {err}") from None
 
 
 def load_data_dir(path: str, flag: str = "--data"):

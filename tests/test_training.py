@@ -480,7 +480,7 @@ def test_train_no_progress_shows_no_progress_bar(tmp_path, one_thread, capsys, m
     import datasets
     import transformers
 
-    from dspark_cli.common import _local_target_of
+    from modeling_dspark.pairing import local_target_of
 
     tdir = saved_tiny_target(tmp_path, {"data": [f"what is {a} plus {b}?" for a in range(3) for b in range(2)]})
     monkeypatch.chdir(tmp_path)
@@ -495,7 +495,7 @@ def test_train_no_progress_shows_no_progress_bar(tmp_path, one_thread, capsys, m
         transformers.utils.logging.enable_progress_bar()
     assert rc == 0, err
     assert (tmp_path / "out" / "training_manifest.json").is_file()
-    assert _local_target_of(tmp_path / "out") == str(tdir.resolve())
+    assert local_target_of(tmp_path / "out") == str(tdir.resolve())
     for bar in ("target features", "Filter", "Writing model shards", "it/s]"):
         assert bar not in err, (bar, err)
 
