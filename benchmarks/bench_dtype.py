@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", default=str(REPO_ROOT / "drafters" / "smollm2-135m-dspark"))
+    p.add_argument("--drafter", default=str(REPO_ROOT / "modeling_dspark" / "drafters" / "smollm2-135m-dspark"))
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -7,9 +7,9 @@ Also times 8 sequential Markov-head steps at ranks {16, 64, 256} in bf16 and fp3
 the default rank). Greedy decoding, one warm-up call per path before measuring.
 
     python benchmarks/bench_generate.py                       # random (untrained) drafter, 4 prompts, 64 tokens
-    python benchmarks/bench_generate.py --drafter drafters/smollm2-135m-dspark --num-prompts 8
+    python benchmarks/bench_generate.py --drafter smollm2-135m-dspark --num-prompts 8
     python benchmarks/bench_generate.py --num-prompts 2 --max-new-tokens 32 --out /tmp/g.json
-    python benchmarks/bench_generate.py --drafter drafters/smollm2-135m-dspark --policy scheduler --repeats 3 \
+    python benchmarks/bench_generate.py --drafter smollm2-135m-dspark --policy scheduler --repeats 3 \
         --ranks ""                                            # paired passes, no Markov-head timing
 
 Writes JSON to ``--out`` (default ``benchmarks/results/generate.json``) and prints a markdown table.

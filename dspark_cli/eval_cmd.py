@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 from .common import (
-    REPO_ROOT,
-    SHIPPED_DRAFTER,
     CLIError,
     add_device_option,
     add_dtype_option,
@@ -60,7 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory, Hugging Face Hub id or 'random' (default: the target's shipped "
-                        f"drafter, e.g. {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}, if present, else random)")
+                        "drafter, e.g. smollm2-135m-dspark, if present, else random)")
     p.add_argument("--target", default=None, metavar="PATH",
                    help="local transformers checkpoint directory or packaged target name, e.g. "
                         "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "

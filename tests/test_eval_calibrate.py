@@ -314,10 +314,10 @@ def test_calibrate_usage_errors(tmp_path, capsys):
 
 def test_eval_default_drafter_follows_the_target():
     """The shipped drafter for the default target, named or not; a random one for any other target."""
-    from dspark_cli.common import SHIPPED_DRAFTER
+    from modeling_dspark.target import shipped_drafter_for
     from dspark_cli.eval_cmd import _resolve_drafter
 
-    assert _resolve_drafter(None, None) == _resolve_drafter(None, "SmolLM2-135M-Instruct") == str(SHIPPED_DRAFTER)
+    assert _resolve_drafter(None, None) == _resolve_drafter(None, "SmolLM2-135M-Instruct") == str(shipped_drafter_for())
     assert _resolve_drafter(None, "/some/other/target") == "random"
 
 
@@ -358,12 +358,13 @@ def test_a_drafter_brings_its_target(tmp_path):
 def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path, capsys):
     """--target NAME picks that target's shipped drafter; dspark train and dspark adapt refuse data or a drafter made
     with another packaged target before anything loads, naming the --target to pass."""
-    from dspark_cli.common import SHIPPED_DRAFTERS, shipped_drafter_for
+    from dspark_cli.common import shipped_drafter_for
+    from modeling_dspark.target import shipped_drafter_for as shipped_dir
     from dspark_cli.main import main
     from modeling_dspark.target import cache_dir
 
     qwen = "Qwen2.5-Coder-0.5B-Instruct"
-    assert shipped_drafter_for(qwen) == str(SHIPPED_DRAFTERS[qwen]) != shipped_drafter_for(None)
+    assert shipped_drafter_for(qwen) == str(shipped_dir(qwen)) != shipped_drafter_for(None)
     assert shipped_drafter_for("/some/other/target") is None
     data = tmp_path / "data"
     data.mkdir()
@@ -372,32 +373,32 @@ def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path,
     assert f"was made with target {qwen}, not SmolLM2-135M-Instruct: pass --target {qwen}" in capsys.readouterr().err
     (tmp_path / "plain").mkdir()  # no manifest: a save_to_disk directory records no target
     assert main(["train", "--data", str(tmp_path / "plain"), "--target", "SmolLM2-135M-Instruct",
-                 "--init-from-drafter", str(SHIPPED_DRAFTERS[qwen]), "--out-dir", str(tmp_path / "b")]) == 2
-    assert f"--init-from-drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+                 "--init-from-drafter", str(shipped_dir(qwen)), "--out-dir", str(tmp_path / "b")]) == 2
+    assert f"--init-from-drafter {shipped_dir(qwen)} was made with target {qwen}" in capsys.readouterr().err
     # dspark adapt takes the drafter's packaged target, and refuses data made with another one
     smol = tmp_path / "smol-data"
     smol.mkdir()
     (smol / "manifest.json").write_text(json.dumps({"config": {"target": str(cache_dir() / "SmolLM2-135M-Instruct")}}))
-    adapt = ["adapt", "--drafter", str(SHIPPED_DRAFTERS[qwen]), "--out-dir", str(tmp_path / "c")]
+    adapt = ["adapt", "--drafter", str(shipped_dir(qwen)), "--out-dir", str(tmp_path / "c")]
     assert main(adapt + ["--data", str(smol)]) == 2
     assert (f"--data {smol} was made with target SmolLM2-135M-Instruct, not {qwen}: build it with --target {qwen}"
             in capsys.readouterr().err)
     assert main(adapt + ["--data", str(data), "--eval-data", str(smol)]) == 2
     assert f"--eval-data {smol} was made with target SmolLM2-135M-Instruct" in capsys.readouterr().err
     assert main(adapt + ["--data", str(smol), "--target", "SmolLM2-135M-Instruct"]) == 2
-    assert f"--drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+    assert f"--drafter {shipped_dir(qwen)} was made with target {qwen}" in capsys.readouterr().err
     for command in (["generate", "--prompt", "x"], ["eval", "--sets", "gsm8k", "--limit", "1"]):
-        assert main(command + ["--target", "SmolLM2-135M-Instruct", "--drafter", str(SHIPPED_DRAFTERS[qwen])]) == 2
-        assert f"--drafter {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
-    assert main(["export", str(SHIPPED_DRAFTERS[qwen]), str(tmp_path / "e"), "--format", "speculators",
+        assert main(command + ["--target", "SmolLM2-135M-Instruct", "--drafter", str(shipped_dir(qwen))]) == 2
+        assert f"--drafter {shipped_dir(qwen)} was made with target {qwen}" in capsys.readouterr().err
+    assert main(["export", str(shipped_dir(qwen)), str(tmp_path / "e"), "--format", "speculators",
                  "--target", "SmolLM2-135M-Instruct"]) == 2
-    assert f"DRAFTER {SHIPPED_DRAFTERS[qwen]} was made with target {qwen}" in capsys.readouterr().err
+    assert f"DRAFTER {shipped_dir(qwen)} was made with target {qwen}" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
     # a drafter directory given as --data records no data build's target: not refused for that
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").write_text("")  # the next check's refusal shows the target checks passed
-    assert main(["train", "--data", str(SHIPPED_DRAFTERS[qwen]), "--target", qwen, "--init-from-drafter",
-                 str(SHIPPED_DRAFTERS[qwen]), "--out-dir", str(tmp_path / "d")]) == 2
+    assert main(["train", "--data", str(shipped_dir(qwen)), "--target", qwen, "--init-from-drafter",
+                 str(shipped_dir(qwen)), "--out-dir", str(tmp_path / "d")]) == 2
     assert f"--out-dir {tmp_path / 'd'} is not empty" in capsys.readouterr().err
 
 

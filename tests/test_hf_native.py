@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from transformers.generation.utils import GenerationMixin
 
 import modeling_dspark as md
 from generation import collect_stats, dspark_options
+
+pytestmark = pytest.mark.core  # also run at both ends of the supported versions (scripts/test_versions.sh)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -178,7 +181,7 @@ def test_auto_model_drafter_in_generate_and_pipeline_equals_plain_greedy(smollm,
     from modeling_dspark import export
 
     target, tok = smollm
-    shipped = REPO_ROOT / "drafters" / "smollm2-135m-dspark"
+    shipped = REPO_ROOT / "modeling_dspark" / "drafters" / "smollm2-135m-dspark"
     if which == "shipped":
         drafter = AutoModel.from_pretrained(shipped)
     elif which == "shipped-exported":  # what vLLM loads, back in transformers
@@ -243,6 +246,27 @@ def test_unknown_hub_id_or_revision_is_a_clear_not_found(tiny, tmp_path, revisio
     name = "someorg/tiny-dspark" if revision else "someorg/absent"
     with pytest.raises(FileNotFoundError, match=r"not found: no local directory .*could not be fetched"):
         md.DSparkDraftModel.from_pretrained(name, cache_dir=cache, revision=revision, local_files_only=True)
+
+
+def test_generate_refuses_an_unsupported_transformers(tiny, monkeypatch):
+    """Outside the supported transformers range, generate() with a DSpark drafter fails before any forward, naming
+    the installed and the supported versions; the installed release is inside the range."""
+    import transformers
+
+    from modeling_dspark.compat import check_transformers, supported_transformers
+
+    check_transformers()
+    target, drafter_dir = tiny
+    drafter = md.DSparkDraftModel.from_pretrained(drafter_dir, target=target)
+    monkeypatch.setattr(transformers, "__version__", "9.0.0")
+    calls, handle = _count_forwards(target)
+    try:
+        with pytest.raises(RuntimeError, match=re.escape(f"needs transformers {supported_transformers()}") +
+                           r".*installed: transformers 9\.0\.0"):
+            _generate(target, drafter)
+    finally:
+        handle.remove()
+    assert calls["n"] == 0
 
 
 def test_relative_paths_resolve_as_paths(tiny, tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ import torch
 
 from generation import collect_stats, dspark_options
 
+pytestmark = pytest.mark.core  # also run at both ends of the supported versions (scripts/test_versions.sh)
+
 BLOCK_SIZES = [1, 2, 4, 8, 16]
 MAX_NEW = [1, 7, 64]
 

@@ -32,6 +32,8 @@ from generation import collect_stats, dspark_options
 
 from .conftest import tiny_target
 
+pytestmark = pytest.mark.core  # also run at both ends of the supported versions (scripts/test_versions.sh)
+
 N = 3000
 ALPHA = 1e-4  # the smallest p-value a check accepts, per marginal (module doc)
 PROMPT = torch.tensor([[3, 7, 1, 12, 5]])

@@ -12,6 +12,8 @@ import modeling_dspark as md
 
 from .conftest import make_drafter
 
+pytestmark = pytest.mark.core  # also run at both ends of the supported versions (scripts/test_versions.sh)
+
 
 @pytest.mark.parametrize("head,draft_vocab", [("markov", None), ("rnn", None), ("none", None), ("markov", 1000)])
 def test_save_load_round_trip(smollm, tmp_path, head, draft_vocab):

@@ -258,7 +258,7 @@ def test_manifest_keeps_the_source_drafters_history(tmp_path):
     assert _source_manifest(None) is None and _source_manifest(str(tmp_path)) is None
     (tmp_path / "training_manifest.json").write_text(json.dumps({"global_step": 7}))
     assert _source_manifest(str(tmp_path)) == {"global_step": 7}
-    drafters = Path(__file__).resolve().parents[1] / "drafters"
+    drafters = Path(__file__).resolve().parents[1] / "modeling_dspark" / "drafters"
     for name, expected in (("smollm2-135m-dspark", [2000, 1885, 2240, 2000, 2000, 10500]),
                            ("qwen2.5-coder-0.5b-dspark", [2000, 2000, 2000, 2000, 2000, 1500, 300])):
         manifest = json.loads((drafters / name / "training_manifest.json").read_text())

