@@ -1,0 +1,205 @@
+"""Benchmark: the default `generate(assistant_model=drafter)` and the default engine against plain decoding, paired.
+
+`generate()` arm: for every held-out prompt (math: GSM8K, code: HumanEval, chat: MT-Bench / AlpacaEval alternating),
+plain greedy `generate()` and the default DSpark call (no options) run back to back, their order alternating from
+prompt to prompt, in the same dtype; outputs are compared token for token. Per domain: tokens/s of each, their
+ratio (total tokens over total seconds), how many prompts ran faster with DSpark, and a two-sided sign test of
+that count (scipy's binomtest).
+
+Engine arm (``--engine-requests``): for each R, 2R prompts served with at most R in flight by
+:class:`generation.DSparkEngine` with the drafter (default policy) and without (plain batched decoding: no drafter,
+no lookup), ``--repeats`` repetitions interleaved; the ratio per repetition and the sign test over repetitions.
+
+    python benchmarks/bench_default.py --target SmolLM2-135M-Instruct --per-domain 8 --max-new-tokens 96 \\
+        --dtypes float32,bfloat16 --engine-requests 1,4,16 --out benchmarks/results/default/smollm2.json
+
+Writes JSON to ``--out`` and prints a markdown table; names the processor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="SmolLM2-135M-Instruct", help="packaged target name or directory")
+    p.add_argument("--drafter", default=None, help="drafter (default: the target's shipped drafter)")
+    p.add_argument("--per-domain", type=int, default=8, help="prompts per domain (default: 8)")
+    p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each eval set")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--engine-requests", default="", help="comma-separated R values for the engine arm (default: none)")
+    p.add_argument("--engine-tokens", type=int, default=48, help="new tokens per engine request (default: 48)")
+    p.add_argument("--repeats", type=int, default=3, help="engine repetitions (default: 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def sign_test(wins: int, n: int) -> float:
+    """Two-sided sign-test p-value of ``wins`` successes in ``n`` paired trials."""
+    from scipy.stats import binomtest
+
+    return float(binomtest(wins, n, 0.5).pvalue) if n else float("nan")
+
+
+def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
+    import torch
+
+    from evaluation.eval_sets import timed_generate
+    from modeling_dspark.target import apply_chat_template
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    gen = {"max_new_tokens": max_new, "do_sample": False, "pad_token_id": pad}
+    encoded = [(d, p, torch.tensor([apply_chat_template(tok, p["prompt"])])) for d, ps in prompts.items() for p in ps]
+    for drafter_or_none in (None, drafter, drafter):  # warm-up: kernels, and the first rounds' prices
+        timed_generate(target, encoded[0][2], drafter_or_none, dict(gen, max_new_tokens=min(24, max_new)))
+    records = []
+    for i, (domain, prompt, ids) in enumerate(encoded):
+        runs = {}
+        for variant in (("plain", "dspark") if i % 2 == 0 else ("dspark", "plain")):
+            new, seconds, stats = timed_generate(target, ids, drafter if variant == "dspark" else None, gen)
+            runs[variant] = (new, seconds, stats)
+        (p_ids, p_s, _), (d_ids, d_s, stats) = runs["plain"], runs["dspark"]
+        rounds = stats.rounds if stats else []
+        records.append({
+            "domain": domain, "id": prompt["id"], "new_tokens": len(p_ids), "plain_s": p_s, "dspark_s": d_s,
+            "identical": d_ids == p_ids, "rounds": len(rounds), "tau": stats.tau if stats else None,
+            "draft_rounds": sum(r.source == "draft" for r in rounds),
+            "lookup_rounds": sum(r.source == "lookup" for r in rounds),
+            "plain_rounds": sum(r.source == "" for r in rounds),
+            "t_draft_ms": sum(r.t_draft_ms for r in rounds if r.drafted) / max(1, sum(r.drafted > 0 for r in rounds)),
+        })
+        r = records[-1]
+        print(f"[bench] {domain} {prompt['id']}: plain {len(p_ids) / p_s:.1f} tok/s, dspark {len(d_ids) / d_s:.1f} "
+              f"({p_s / d_s:.2f}x, τ {r['tau'] or 0:.2f}, draft/lookup/plain rounds {r['draft_rounds']}/"
+              f"{r['lookup_rounds']}/{r['plain_rounds']}, identical {r['identical']})", file=sys.stderr, flush=True)
+    domains = {}
+    for d in prompts:
+        recs = [r for r in records if r["domain"] == d]
+        tok_d = sum(len_ for len_ in (r["new_tokens"] for r in recs))
+        wins = sum(r["plain_s"] > r["dspark_s"] for r in recs)
+        domains[d] = {"prompts": len(recs), "plain_tok_s": tok_d / sum(r["plain_s"] for r in recs),
+                      "dspark_tok_s": tok_d / sum(r["dspark_s"] for r in recs),
+                      "ratio": sum(r["plain_s"] for r in recs) / sum(r["dspark_s"] for r in recs),
+                      "faster": wins, "sign_p": sign_test(wins, len(recs)),
+                      "identical": sum(r["identical"] for r in recs),
+                      "tau": sum(r["tau"] or 0 for r in recs) / len(recs),
+                      "draft_rounds": sum(r["draft_rounds"] for r in recs),
+                      "lookup_rounds": sum(r["lookup_rounds"] for r in recs),
+                      "plain_rounds": sum(r["plain_rounds"] for r in recs),
+                      "t_draft_ms": sum(r["t_draft_ms"] for r in recs) / len(recs)}
+    wins = sum(r["plain_s"] > r["dspark_s"] for r in records)
+    macro = {"ratio": sum(x["ratio"] for x in domains.values()) / len(domains), "faster": wins,
+             "prompts": len(records), "sign_p": sign_test(wins, len(records))}
+    return {"domains": domains, "macro": macro, "per_prompt": records}
+
+
+def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: int, repeats: int) -> dict:
+    from generation import DSparkEngine
+    from modeling_dspark.target import apply_chat_template
+
+    pool = [apply_chat_template(tok, p["prompt"]) for ps in zip(*prompts.values()) for p in ps]
+
+    def serve(engine, batch) -> float:
+        for ids in batch:
+            engine.add_request(ids, max_new)
+        t0 = time.perf_counter()
+        outs = engine.run()
+        return sum(o.num_tokens for o in outs) / (time.perf_counter() - t0)
+
+    out = {}
+    for r in levels:
+        engines = {"dspark": DSparkEngine(target, drafter, max_batch_size=r),
+                   "plain": DSparkEngine(target, None, policy="none", lookup=False, max_batch_size=r)}
+        batch = [pool[i % len(pool)] for i in range(2 * r)]
+        for e in engines.values():  # warm-up, and the drafter's first prices
+            serve(e, batch[: max(1, r)])
+        rates = {"dspark": [], "plain": []}
+        for rep in range(repeats):
+            for name in (("plain", "dspark") if rep % 2 == 0 else ("dspark", "plain")):
+                rates[name].append(serve(engines[name], batch))
+        ratios = [d / p for d, p in zip(rates["dspark"], rates["plain"])]
+        wins = sum(x > 1 for x in ratios)
+        out[r] = {"plain_tok_s": rates["plain"], "dspark_tok_s": rates["dspark"], "ratios": ratios,
+                  "ratio": sum(rates["dspark"]) / sum(rates["plain"]), "faster": wins,
+                  "sign_p": sign_test(wins, len(ratios))}
+        print(f"[bench] engine R={r}: plain {rates['plain']}, dspark {rates['dspark']} tok/s", file=sys.stderr,
+              flush=True)
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Processor: {result['processor']}; torch threads {result['threads']}; target {result['target']}, "
+             f"drafter {result['drafter']}; {result['settings']['per_domain']} prompts per domain × "
+             f"{result['settings']['max_new_tokens']} new tokens, greedy.", "",
+             "| dtype | domain | plain tok/s | default tok/s | × plain | faster | sign p | τ | rounds draft/lookup/plain "
+             "| identical |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for run in result["runs"]:
+        g = run["generate"]
+        for d, x in g["domains"].items():
+            lines.append(f"| {run['dtype']} | {d} | {x['plain_tok_s']:.1f} | {x['dspark_tok_s']:.1f} | "
+                         f"{x['ratio']:.2f}× | {x['faster']}/{x['prompts']} | {x['sign_p']:.3f} | {x['tau']:.2f} | "
+                         f"{x['draft_rounds']}/{x['lookup_rounds']}/{x['plain_rounds']} | "
+                         f"{x['identical']}/{x['prompts']} |")
+        m = g["macro"]
+        lines.append(f"| {run['dtype']} | **macro** | | | **{m['ratio']:.2f}×** | {m['faster']}/{m['prompts']} | "
+                     f"{m['sign_p']:.3f} | | | |")
+    if any(run.get("engine") for run in result["runs"]):
+        lines += ["", "| dtype | engine R | plain tok/s | with drafter tok/s | × plain | faster | sign p |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for run in result["runs"]:
+            for r, x in (run.get("engine") or {}).items():
+                lines.append(f"| {run['dtype']} | {r} | {sum(x['plain_tok_s']) / len(x['plain_tok_s']):.1f} | "
+                             f"{sum(x['dspark_tok_s']) / len(x['dspark_tok_s']):.1f} | {x['ratio']:.2f}× | "
+                             f"{x['faster']}/{len(x['ratios'])} | {x['sign_p']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from benchmarks.bench_generate import result_header, usable_cores, write_result
+    from benchmarks.bench_proposers import load_domain_prompts
+    from generation.profiling import cpu_model
+    from modeling_dspark.pairing import load_models
+    from modeling_dspark.target import shipped_drafter_for
+
+    hf_logging.disable_progress_bar()
+    threads = args.threads or usable_cores()
+    torch.set_num_threads(threads)
+    drafter_spec = args.drafter or str(shipped_drafter_for(args.target))
+    prompts = load_domain_prompts(args.per_domain, args.offset)
+    levels = [int(x) for x in args.engine_requests.split(",") if x.strip()]
+    result = {**result_header("default", argv, threads), "processor": cpu_model(), "threads": threads,
+              "target": args.target, "drafter": drafter_spec,
+              "settings": {"per_domain": args.per_domain, "offset": args.offset,
+                           "max_new_tokens": args.max_new_tokens, "engine_tokens": args.engine_tokens,
+                           "repeats": args.repeats, "prompt_ids": {d: [p["id"] for p in ps]
+                                                                   for d, ps in prompts.items()}},
+              "runs": []}
+    for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+        print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
+        target, tok, drafter = load_models(args.target, drafter_spec, dt)
+        run = {"dtype": dt, "generate": generate_arm(target, tok, drafter, prompts, args.max_new_tokens)}
+        if levels:
+            run["engine"] = engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats)
+        result["runs"].append(run)
+        del target, drafter
+    write_result(result, markdown(result), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
