@@ -73,9 +73,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None,
                    help="draft slots per round, 1..the drafter's block size (default: the drafter's)")
     p.add_argument("--policy", default=None, metavar="POLICY",
-                   help="verify policy: none, full, fixed:N, threshold:P, scheduler or lagged[:LAG] (docs/usage.md, "
-                        "policy table); scheduler profiles SPS(B) on first use where no table is cached (default: the "
-                        "scheduler when the drafter has a confidence head and a table is cached, else full)")
+                   help="verify policy: none, full, fixed:N, threshold:P, scheduler or lagged[:LAG] (generation."
+                        "policies); default: scheduler, which prices every round with the verify and drafting times "
+                        "measured here (full for a drafter without a confidence head)")
     samp = p.add_argument_group("sampling")
     samp.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
     # None = not given: with --do-sample they default to SAMPLING_DEFAULTS; without it, giving one is an error
@@ -198,8 +198,9 @@ def _record(index, prompt, tok, new_ids, seconds, stats, drafter_spec) -> dict:
     if stats is not None:
         s = stats.summary()
         rec.update(rounds=s["rounds"], tau=s["tau"], drafted=s["drafted"], accepted=s["accepted"],
-                   skipped_draft_rounds=s["skipped_draft_rounds"], t_draft_ms=s["t_draft_ms"],
-                   t_verify_ms=s["t_verify_ms"])
+                   skipped_draft_rounds=s["skipped_draft_rounds"], lookup_rounds=s["lookup_rounds"],
+                   plain_rounds=s["plain_rounds"], t_draft_ms=s["t_draft_ms"], t_verify_ms=s["t_verify_ms"],
+                   policy=s["policy"])
     else:  # plain decoding: one target step (after the prefill) per committed token
         rec.update(rounds=max(0, n - 1), tau=1.0, drafted=0, accepted=0, skipped_draft_rounds=0, t_draft_ms=0.0,
                    t_verify_ms=None)
@@ -209,9 +210,10 @@ def _record(index, prompt, tok, new_ids, seconds, stats, drafter_spec) -> dict:
 def _stats_line(rec: dict) -> str:
     parts = [f"{rec['num_new_tokens']} tokens in {rec['seconds']:.2f} s ({rec['tokens_per_s']:.1f} tok/s)"]
     if rec["drafter"] != "none":
-        skipped = f" ({rec['skipped_draft_rounds']} without drafting)" if rec.get("skipped_draft_rounds") else ""
         if rec["rounds"]:
-            parts.append(f"{rec['rounds']} rounds{skipped}, tau={rec['tau']:.2f}, "
+            kinds = (f" ({rec['rounds'] - rec['lookup_rounds'] - rec['plain_rounds']} drafted, {rec['lookup_rounds']} "
+                     f"lookup, {rec['plain_rounds']} plain steps)")
+            parts.append(f"policy {rec['policy']}: {rec['rounds']} rounds{kinds}, tau={rec['tau']:.2f}, "
                          f"draft {rec['t_draft_ms']:.1f} ms / verify {rec['t_verify_ms']:.1f} ms per round")
         else:  # the prefill's token alone (max_new_tokens 1) or a stop at the first token: nothing speculated
             parts.append("no speculative round")

@@ -169,6 +169,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.state = RequestState(DraftContext(RequestKV(drafter.config.num_draft_layers)),
                                   NGramLookup(num_tokens=gamma) if lookup else None)
         self.stats = self.state.stats
+        self.stats.policy = self.policy.name + (" (default)" if requested is None else "")
         register(self.stats)
         self.num_context = 0  # target positions whose features were taken (ingested or pending)
         self._chain: tuple[Chain, float] | None = None  # (this round's chain, end of proposing)

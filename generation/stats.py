@@ -40,9 +40,11 @@ class RoundStats:
 
 @dataclass
 class GenerationStats:
-    """All rounds of one `generate()` call (the prefill is not a round)."""
+    """All rounds of one `generate()` call (the prefill is not a round), and the verify policy that ran
+    (``policy``: its name, with " (default)" when none was asked for)."""
 
     rounds: list[RoundStats] = field(default_factory=list)
+    policy: str = ""
 
     @property
     def tau(self) -> float:
@@ -60,6 +62,8 @@ class GenerationStats:
             "accepted": sum(r.accepted for r in self.rounds),
             "skipped_draft_rounds": sum(r.drafted == 0 for r in self.rounds),
             "lookup_rounds": sum(r.source == "lookup" for r in self.rounds),
+            "plain_rounds": sum(r.source == "" for r in self.rounds),
+            "policy": self.policy,
             "t_draft_ms": sum(r.t_draft_ms for r in self.rounds) / n,
             "t_verify_ms": sum(r.t_verify_ms for r in self.rounds) / n,
         }

@@ -577,6 +577,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def calibrated_confidence(self, logits: torch.Tensor, positions) -> torch.Tensor:
         """c_k = σ(logit_k / T_k + b_k) with the STS temperatures (docs/method.md §3) and logit offsets (``sts_biases``, 0
         unless calibrated with ``--bias``) of the config; ``positions`` are 0-based k−1."""
-        temps = torch.tensor(self.config.sts_temperatures, dtype=torch.float32, device=logits.device)
-        biases = torch.tensor(self.config.sts_biases, dtype=torch.float32, device=logits.device)
+        key = (tuple(self.config.sts_temperatures), tuple(self.config.sts_biases), logits.device)
+        cached = self._target.get("sts")
+        if cached is None or cached[0] != key:  # the config's lists as tensors, made once per setting and device
+            cached = (key, torch.tensor(key[0], dtype=torch.float32, device=logits.device),
+                      torch.tensor(key[1], dtype=torch.float32, device=logits.device))
+            self._target["sts"] = cached
+        _, temps, biases = cached
         return torch.sigmoid(logits / temps[positions] + biases[positions])

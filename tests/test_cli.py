@@ -346,10 +346,13 @@ def test_stats_line_says_what_it_measured():
     from dspark_cli.generate_cmd import _stats_line
 
     rec = {"num_new_tokens": 1, "seconds": 0.5, "tokens_per_s": 2.0, "drafter": "d", "rounds": 0, "tau": 0.0,
-           "skipped_draft_rounds": 0, "t_draft_ms": 0.0, "t_verify_ms": 0.0}
+           "skipped_draft_rounds": 0, "lookup_rounds": 0, "plain_rounds": 0, "t_draft_ms": 0.0, "t_verify_ms": 0.0,
+           "policy": "scheduler (default)"}
     assert "no speculative round" in _stats_line(rec) and "tau" not in _stats_line(rec)
-    rec.update(rounds=3, tau=2.0, baseline_tokens_per_s=1.0, speedup=2.0, identical=False, do_sample=True)
+    rec.update(rounds=3, tau=2.0, baseline_tokens_per_s=1.0, speedup=2.0, identical=False, do_sample=True,
+               lookup_rounds=1, plain_rounds=1)
     assert "tau=2.00" in _stats_line(rec) and "outputs differ (sampled)" in _stats_line(rec)
+    assert "policy scheduler (default): 3 rounds (1 drafted, 1 lookup, 1 plain steps)" in _stats_line(rec)
     assert "outputs DIFFER" in _stats_line(dict(rec, do_sample=False))
 
 

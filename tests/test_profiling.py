@@ -27,7 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _profile_dir(tmp_path, monkeypatch):
     """Every test gets its own empty profile cache."""
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
-    monkeypatch.delenv("DSPARK_SCHEDULER", raising=False)
 
 
 @pytest.fixture(scope="module")
