@@ -188,9 +188,10 @@ def auto_dtype(drafter: str | None = None, target: str | None = None, device="cp
 
 def default_drafter_spec(target: str | None = None) -> str:
     """The shipped drafter of ``target`` (None: the default target) when it exists, else ``"random"``."""
-    from dspark_cli.common import shipped_drafter_for
+    from modeling_dspark.target import shipped_drafter_for
 
-    return shipped_drafter_for(target) or "random"
+    drafter = shipped_drafter_for(target)
+    return "random" if drafter is None else str(drafter)
 
 
 @dataclass
