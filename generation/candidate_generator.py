@@ -33,9 +33,9 @@ from modeling_dspark.modeling_dspark import DSparkDraftModel
 from modeling_dspark.target import context_features, hidden_state_indices
 
 from .costs import Prices, prices_for
-from .drafting import DraftContext, Sampler
+from .drafting import DraftContext, Sampler, check_drafter
 from .lookup import NGramLookup
-from .packed_target import RequestKV
+from .kv import RequestKV
 from .policies import Policy, parse_policy
 from .round import Chain, RequestState, propose, record
 from .stats import register
@@ -65,36 +65,6 @@ def validate_request(drafter, target, generation_config, input_ids=None, block_s
     if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
         raise ValueError("assistant_ensemble_weight relaxes verification (not lossless); DSpark does not support it")
     return check_drafter(drafter, target, block_size, policy)
-
-
-def check_drafter(drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
-    """Bind an unbound drafter to ``target`` (and move it to the target's device) and check that it serves this
-    request; return the block size γ'.
-
-    The same checks for `generate()` (:func:`validate_request`) and :class:`~generation.engine.DSparkEngine`.
-
-    Raises:
-        ValueError: a drafter bound to a different target instance (re-binding would change it for every other
-            user of the drafter), a drafter that does not match the target (:meth:`DSparkDraftModel.bind_target`),
-            ``block_size`` out of [1, γ], or a policy that needs a confidence head the drafter lacks.
-    """
-    bound = drafter._target.get("model")
-    if bound is None:
-        drafter.bind_target(target)  # validates hidden size / vocab / layers / family
-        if drafter.device != target.device:
-            drafter.to(target.device)
-    elif bound is not target:
-        raise ValueError(
-            "this drafter is bound to another target instance; call drafter.bind_target(target) first (binding "
-            "is shared by every user of the drafter, so it is not re-bound silently)"
-        )
-    gamma = drafter.config.block_size if block_size is None else block_size
-    if not 1 <= gamma <= drafter.config.block_size:
-        raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {gamma}")
-    policy = None if policy is None else parse_policy(policy)
-    if policy is not None and policy.needs_confidence and drafter.confidence_head is None:
-        raise ValueError(f"verify policy {policy.name!r} needs a drafter with a confidence head; this one has none")
-    return gamma
 
 
 def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps) -> Policy:

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .packed_target import RequestKV
-from .policies import Policy
+from .kv import RequestKV
+from .policies import Policy, parse_policy
 
-__all__ = ["DraftContext", "DraftResult", "Sampler", "draft_round"]
+__all__ = ["DraftContext", "DraftResult", "Sampler", "check_drafter", "draft_round"]
 
 EAGER_LOGITS_ROWS = 64
 """Up to this many (request, slot) rows, the base logits U_k of every slot come from ONE LM-head product: with few
@@ -86,6 +86,37 @@ class DraftResult:
     confidences: list[list[float]]
     logits: list[torch.Tensor | None]
     ingested: list[int]
+
+
+def check_drafter(drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
+    """Bind an unbound drafter to ``target`` (and move it to the target's device) and check that it serves this
+    request; return the block size γ'.
+
+    The same checks for `generate()` (:func:`generation.candidate_generator.validate_request`) and
+    :class:`~generation.engine.DSparkEngine`.
+
+    Raises:
+        ValueError: a drafter bound to a different target instance (re-binding would change it for every other
+            user of the drafter), a drafter that does not match the target (:meth:`DSparkDraftModel.bind_target`),
+            ``block_size`` out of [1, γ], or a policy that needs a confidence head the drafter lacks.
+    """
+    bound = drafter.bound_target
+    if bound is None:
+        drafter.bind_target(target)  # validates hidden size / vocab / layers / family
+        if drafter.device != target.device:
+            drafter.to(target.device)
+    elif bound is not target:
+        raise ValueError(
+            "this drafter is bound to another target instance; call drafter.bind_target(target) first (binding "
+            "is shared by every user of the drafter, so it is not re-bound silently)"
+        )
+    gamma = drafter.config.block_size if block_size is None else block_size
+    if not 1 <= gamma <= drafter.config.block_size:
+        raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {gamma}")
+    policy = None if policy is None else parse_policy(policy)
+    if policy is not None and policy.needs_confidence and drafter.confidence_head is None:
+        raise ValueError(f"verify policy {policy.name!r} needs a drafter with a confidence head; this one has none")
+    return gamma
 
 
 class _BatchedDraftContext:

@@ -33,10 +33,10 @@ import torch
 
 from modeling_dspark.target import context_features
 
-from .candidate_generator import check_drafter
-from .drafting import DraftContext
+from .drafting import DraftContext, check_drafter
 from .lookup import NUM_TOKENS as LOOKUP_TOKENS, NGramLookup
-from .packed_target import PackedTarget, RequestKV
+from .kv import RequestKV
+from .packed_target import PackedTarget
 from .policies import Policy, parse_policy
 from .round import RequestState, propose, record
 from .stats import GenerationStats, RoundStats
@@ -237,7 +237,7 @@ class DSparkEngine:
     Raises:
         ValueError: a bad policy, a policy that needs a drafter / confidence head without one, block_size out of
             range, a drafter that does not match the target or is bound to another target instance
-            (:func:`~generation.candidate_generator.check_drafter`, as `generate()`), a bad lookup.
+            (:func:`~generation.drafting.check_drafter`, as `generate()`), a bad lookup.
     """
 
     def __init__(

@@ -29,7 +29,7 @@ from modeling_dspark.modeling_dspark import DSparkDraftModel
 
 from .candidate_generator import DSparkCandidateGenerator
 from .policies import Policy, parse_policy
-from .stats import ScopedValue
+from .scoped import ScopedValue
 
 _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options", default={})
 
@@ -135,7 +135,7 @@ def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_con
 
     An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``, after
     :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device
-    (:func:`~generation.candidate_generator.check_drafter`). The block size γ' comes from ``num_assistant_tokens``
+    (:func:`~generation.drafting.check_drafter`). The block size γ' comes from ``num_assistant_tokens``
     or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
 
     The policy and its SPS(B) table are resolved by :class:`DSparkCandidateGenerator` (after its checks).

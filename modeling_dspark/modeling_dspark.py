@@ -262,6 +262,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return self
 
     @property
+    def bound_target(self) -> PreTrainedModel | None:
+        """The target this drafter is bound to (:meth:`bind_target`), or None."""
+        return self._target.get("model")
+
+    @property
     def target_embeddings(self) -> nn.Embedding:
         if not self._target:
             raise RuntimeError(

@@ -118,12 +118,6 @@ def violation(imp: Import) -> str | None:
 KNOWN_LEAKS = [
     pytest.param(Import("modeling_dspark", "generation.integration", "dspark_candidate_generator", 0),
                  id="modeling_dspark-imports-generation.integration"),
-    pytest.param(Import("generation.engine", "generation.candidate_generator", "check_drafter", 0),
-                 id="engine-imports-check_drafter-from-the-adapter"),
-    pytest.param(Import("generation.candidate_generator", "generation.packed_target", "RequestKV", 0),
-                 id="adapter-imports-RequestKV-from-packed_target"),
-    pytest.param(Import("generation.drafting", "generation.packed_target", "RequestKV", 0),
-                 id="drafting-imports-RequestKV-from-packed_target"),
 ]
 """Imports that break the layering today (line 0: any line)."""
 
@@ -153,14 +147,10 @@ def test_known_leak_is_gone(leak):
     assert not [imp for imp in imports() if _same(imp, leak)], f"{leak} is still there"
 
 
-@pytest.mark.xfail(strict=True, reason="generation/candidate_generator.py reads drafter._target (issue 50); when "
-                                       "this passes, remove the xfail")
 def test_no_private_target_reads_outside_the_model():
     assert not private_target_reads()
 
 
-@pytest.mark.xfail(strict=True, reason="ScopedValue, the base of dspark_options, lives in generation/stats.py "
-                                       "(issue 50); when this passes, remove the xfail")
 def test_options_do_not_take_their_base_from_the_statistics():
     assert not [imp for imp in imports() if imp.module == "generation.stats" and imp.name == "ScopedValue"]
 

@@ -184,7 +184,7 @@ def test_greedy_drafting_equals_the_processed_logits_path(head, draft_vocab):
     STS temperatures); and a batch of R = 3 requests drafts what each drafts alone."""
     from generation.round import RequestState
     from generation.drafting import DraftContext, Sampler, draft_round
-    from generation.packed_target import RequestKV
+    from generation.kv import RequestKV
     from generation.policies import parse_policy
 
     from .conftest import make_drafter, tiny_target
