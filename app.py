@@ -178,9 +178,9 @@ def encode_prompt(tok, prompt: str, limit: int = MAX_PROMPT_TOKENS) -> torch.Lon
 # ---------------------------------------------------------------------------------------------- models
 def auto_dtype(drafter: str | None = None, target: str | None = None, device="cpu") -> tuple[str, str]:
     """The faster dtype's name for ``generate()`` with ``drafter`` (a directory; None or ``"random"``: plain
-    decoding) on ``target`` here, and why, for the page (:func:`dspark_cli.dtype.auto_dtype`: the processor
+    decoding) on ``target`` here, and why, for the page (:func:`evaluation.dtype.auto_dtype`: the processor
     decides, or both dtypes are timed once and the result cached)."""
-    from dspark_cli.dtype import auto_dtype as pick
+    from evaluation.dtype import auto_dtype as pick
 
     dtype, why = pick(target, None if drafter in (None, "random") else drafter, device=device)
     return ("bfloat16" if dtype == torch.bfloat16 else "float32"), why

@@ -147,7 +147,7 @@ def resolve_device(spec: str | None) -> str:
 def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *, target=None, drafter=None,
                   measure: bool = True) -> str:
     """``--dtype``: ``"auto"`` becomes the faster dtype's name for the job the command runs,
-    :func:`generation.profiling.auto_dtype` of ``target`` and ``drafter`` (None: plain decoding), which times both
+    :func:`evaluation.dtype.auto_dtype` of ``target`` and ``drafter`` (None: plain decoding), which times both
     dtypes once where the processor leaves the choice open; with ``measure=False`` the processor alone decides
     (:func:`modeling_dspark.target.fast_dtype`: training, where a generate() timing says nothing). With ``announce``
     (the command's name) the choice and its reason are said in one line on stderr, and an explicit bfloat16 on a CPU
@@ -166,7 +166,7 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *
                   "usually slower than float32 (--dtype auto picks float32 here)", file=sys.stderr)
         return spec
     if measure:
-        from generation.profiling import auto_dtype
+        from evaluation.dtype import auto_dtype
 
         try:
             dtype, why = auto_dtype(target, drafter, device=device)

@@ -15,7 +15,7 @@ Tables are stored in one JSON file (default ``$DSPARK_PROFILE_DIR/sps.json``, el
      "meta":     {"MODEL|DTYPE|THREADS|CONTEXT|R": {"raw_sps": {B: ...}, "cpu_model": ..., "warmup": ..., ...}},
      "dtype":    {"TARGET|DRAFTER|THREADS|DEVICE": {"tokens_per_s": {DTYPE: ...}, "cpu_model": ..., ...}}}
 
-(all keys are strings in JSON; ``"dtype"`` is the cache of ``--dtype auto``, :mod:`dspark_cli.dtype`). The stored
+(all keys are strings in JSON; ``"dtype"`` is the cache of ``--dtype auto``, :mod:`evaluation.dtype`). The stored
 curve is the medians made non-increasing in B (isotonic regression of the step time): a bigger verify batch is
 never faster, and Algorithm 1's early stop relies on a unimodal Θ(B); the raw medians are kept under ``meta``, with
 the processor that measured them (``cpu_model``, see :func:`device_model`): a table from another processor is never

@@ -273,49 +273,6 @@ def test_encode_prompt_bounds_tokens():
         app.encode_prompt(_Tok(), "a b c", limit=2)
 
 
-def _write_profile(directory: Path, model: str, dtype: str = "float32", max_b: int = 17) -> None:
-    """A synthetic SPS(B) table in the profiler's file format: a verify step gets 5% slower per extra token."""
-    import json
-
-    import torch
-
-    from generation.profiling import cpu_model
-
-    curve = {str(b): 100.0 / (1 + 0.05 * (b - 1)) for b in range(1, max_b + 1)}
-    threads = str(torch.get_num_threads())
-    node = {threads: {"256": {"1": curve}}}
-    meta = {f"{model}|{dtype}|{threads}|256|1": {"cpu_model": cpu_model()}}  # measured "here"
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sps.json").write_text(json.dumps(
-        {"format": "dspark-sps-profile/1", "profiles": {model: {dtype: node}}, "meta": meta}))
-
-
-def test_resolve_sps_says_why_the_scheduler_is_off(monkeypatch, tmp_path):
-    from tests.conftest import make_drafter, tiny_target
-
-    monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
-    monkeypatch.delenv("DSPARK_SCHEDULER", raising=False)
-    target = tiny_target()
-    target.config._name_or_path = "tiny"
-    drafter = make_drafter(target, block_size=4)
-    sps, reason = app.resolve_sps(target, SimpleNamespace(confidence_head=None), 10)
-    assert sps is None and "no confidence head" in reason
-    sps, reason = app.resolve_sps(target, drafter, 10)
-    assert sps is None and "no SPS(B) profile for tiny / float32" in reason and "dspark profile" in reason
-    _write_profile(tmp_path / "profiles", "tiny", max_b=3)  # does not reach B = 1 + γ = 5
-    assert app.resolve_sps(target, drafter, 10)[0] is None
-    assert app.resolve_sps(target, drafter, 10, block_size=2)[0](3) == pytest.approx(100 / 1.1)
-    _write_profile(tmp_path / "profiles", "tiny")
-    sps, reason = app.resolve_sps(target, drafter, 10)
-    assert reason == "" and sps(1) == pytest.approx(100.0)
-    monkeypatch.setenv("DSPARK_SCHEDULER", "off")
-    assert "DSPARK_SCHEDULER" in app.resolve_sps(target, drafter, 10)[1]
-    monkeypatch.setitem(sys.modules, "generation.profiling", None)  # import fails
-    monkeypatch.delenv("DSPARK_SCHEDULER")
-    sps, reason = app.resolve_sps(target, drafter, 10)
-    assert sps is None and "profil" in reason
-
-
 def test_compare_note_cases():
     req = app.Request("Hi")
     decode = lambda t: f"t{t}"  # noqa: E731
@@ -341,10 +298,10 @@ class _FakeBank(app.ModelBank):
         return self.models
 
 
-def _fake_models(generate, block_size=4, sps=None):
+def _fake_models(generate, block_size=4):
     target = SimpleNamespace(generate=generate, device="cpu")
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=block_size))
-    return app.Models(target, _Tok(), drafter, "fake", "", sps, "no profile (test)")
+    return app.Models(target, _Tok(), drafter, "fake", "")
 
 
 def test_generation_error_is_reported_not_hung():
@@ -420,18 +377,15 @@ def test_one_real_request_fp32_greedy_identical(bank):
     assert s["speedup"] == pytest.approx(out.base.seconds / out.spec.seconds)
 
 
-def test_real_request_with_the_scheduler_cuts_slots(bank, monkeypatch, tmp_path):
-    monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path))
-    monkeypatch.delenv("DSPARK_SCHEDULER", raising=False)
+def test_real_request_with_the_scheduler(bank):
+    """The page's scheduler (the default policy) prices its rounds on this machine: every round is consistent (the
+    slots it verified are those it drafted, cut where it stopped) and the summary names the policy."""
     req = app.validate_request("Name a color.", 8, policy="scheduler")
-    _write_profile(tmp_path, "SmolLM2-135M-Instruct")  # a cached table (the page would measure one on first use)
     out = list(app.run_demo(bank, req, compare=False))[-1][1]
     rounds = [v for v in out.views if v.index > 0]
     assert rounds and all(v.consistent for v in out.views)
-    # the random drafter's c_k ≈ 0.45 make Θ stop growing after a few slots: the rest of the block is cut
-    cut = [c for v in rounds for c in v.cells if c.kind == "cut"]
-    assert cut and all(v.verified < v.slots for v in rounds if v.slots >= 5)
-    assert "verify policy: scheduler" in out.summary_html and "dspark-cut" in out.rounds_html
+    assert all(v.verified <= v.slots for v in rounds)
+    assert "verify policy: scheduler" in out.summary_html
 
 
 # ---------------------------------------------------------------------------------------------- browser

@@ -367,7 +367,7 @@ def test_every_environment_variable_is_documented():
         names |= set(re.findall(r"\bDSPARK_[A-Z_]+\b", path.read_text(errors="replace")))
     usage = (REPO / "docs" / "usage.md").read_text()
     table = usage.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
-    assert {"DSPARK_CACHE", "DSPARK_PROFILE_DIR", "DSPARK_SCHEDULER"} <= names
+    assert {"DSPARK_CACHE", "DSPARK_PROFILE_DIR"} <= names
     assert not [n for n in names if f"`{n}`" not in table]
 
 

@@ -459,7 +459,7 @@ def test_lookup_chains_verified_and_exact(tiny, long_refs, policy):
             assert not lookup_rounds and all(s in ("draft", "") for r in engine.stats.rounds for s in r.sources)
             continue
         assert sum(r.accepted[i] for i, r in lookup_rounds) > 0
-        if policy != "none":
+        if policy == "full":  # the scheduler prices drafting and lookups, so with this drafter it may not mix them
             assert any(r.requests > 1 and "draft" in r.sources and "lookup" in r.sources for r in engine.stats.rounds)
 
 

@@ -1,5 +1,5 @@
 """SPS(B) profiling (`generation.profiling`, `dspark profile`): table structure, storage, loader interpolation and
-errors, the generate() default, plots; `--dtype auto` (`dspark_cli.dtype`). Uses a tiny random target where the model does not
+errors, the generate() default, plots; `--dtype auto` (`evaluation.dtype`). Uses a tiny random target where the model does not
 matter."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from dspark_cli import dtype as choice
+from evaluation import dtype as choice
 from generation import profiling
 from generation.profiling import SPSCurve, SPSProfile, load_sps, monotone_sps
 from generation.scheduler import prefix_schedule

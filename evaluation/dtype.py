@@ -1,4 +1,4 @@
-"""``--dtype auto``: the faster dtype for the job, measured on this processor (the CLI's and the demo page's choice).
+"""``--dtype auto``: the faster dtype for the job, measured on this processor (the CLI and the demo page use it).
 
 float32 is the token-exact dtype: in bfloat16 a batched verify rounds differently from a one-token step, so at a
 near-tie the output can part from plain decoding.
