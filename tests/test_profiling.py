@@ -13,7 +13,7 @@ import torch
 
 from evaluation import dtype as choice
 from generation import profiling
-from generation.profiling import SPSCurve, SPSProfile, load_sps, monotone_sps
+from generation.profiling import SPSCurve, load_sps, monotone_sps
 from generation.scheduler import prefix_schedule
 
 from .conftest import make_drafter, tiny_target
