@@ -339,8 +339,9 @@ def test_other_formats_load_through_from_pretrained(tiny, tmp_path):
     exported = export.export_drafter(original, tmp_path / "spec", format="speculators", verifier_name="tiny-target")
     assert formats.detect_format(json.loads((exported / "config.json").read_text())) == "speculators"
     _fill_hub_cache(tmp_path / "hub", "someorg/spec-drafter", exported)
-    # lookup off: every round drafts, so the recorded drafts compare the drafters (the lookup's choice is timed)
-    with collect_stats() as runs, dspark_options(lookup=False):
+    # lookup off and policy full: every round drafts the whole block, so the recorded drafts compare the drafters
+    # (the default's choices follow measured times)
+    with collect_stats() as runs, dspark_options(lookup=False, policy="full"):
         reference = _generate(target, original)
         for loaded in (md.DSparkDraftModel.from_pretrained(exported, target=target),
                        md.DSparkDraftModel.from_pretrained("someorg/spec-drafter", target=target,
@@ -410,7 +411,8 @@ def test_cli_unsupported_target_family(tmp_path, capsys):
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=2, n_head=2, n_positions=64)).save_pretrained(
         tmp_path / "gpt2")
     tok.save_pretrained(tmp_path / "gpt2")
-    argv = ["generate", "--prompt", "hi", "--target", str(tmp_path / "gpt2"), "--max-new-tokens", "2"]
+    argv = ["generate", "--prompt", "hi", "--target", str(tmp_path / "gpt2"), "--max-new-tokens", "2",
+            "--dtype", "float32"]
     assert main([*argv, "--no-draft"]) == 0
     capsys.readouterr()
     assert main([*argv, "--drafter", "random"]) == 2

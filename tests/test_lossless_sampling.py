@@ -172,10 +172,10 @@ def _generate_kwargs(gen):
 
 
 # (processing, drafter, policy) of test_sampling_distribution_equals_target
-DRAFTER_CASES = [
-    (GENS[0], "markov", None),
-    (GENS[1], "markov+draft_vocab", None),
-    (GENS[2], "rnn+draft_vocab", None),
+DRAFTER_CASES = [  # full: every round drafts, so both branches of rejection sampling run often
+    (GENS[0], "markov", "full"),
+    (GENS[1], "markov+draft_vocab", "full"),
+    (GENS[2], "rnn+draft_vocab", "full"),
     # confidence-scheduled truncation (Algorithm 1, R = 1) under sampling: still the target's distribution
     (GENS[3], "markov", "scheduler"),
 ]
