@@ -81,50 +81,33 @@ def _confidence_rows(confidences: ConfidencesLike) -> list[list[float]]:
     """Validate ``confidences`` and return them as R python lists of γ floats.
 
     Raises:
-        ValueError: not 2-D, R = 0, γ = 0, ragged rows, NaN, or values
-            outside [0, 1].
-        TypeError: an entry that is not a number.
+        ValueError: not 2-D, R = 0, γ = 0, ragged rows, an entry that is not a number, NaN, or values outside [0, 1].
     """
-    if isinstance(confidences, torch.Tensor):
-        if confidences.dim() != 2:
-            raise ValueError(
-                f"confidences must be 2-D [R, gamma]; got a tensor of shape {tuple(confidences.shape)}"
-            )
-        if confidences.is_complex():
-            raise TypeError(f"confidences must be a real tensor; got dtype {confidences.dtype}")
-        rows = confidences.detach().to("cpu", torch.float64).tolist()
-    else:
-        if isinstance(confidences, (str, bytes)) or not isinstance(confidences, (Sequence, _array_like_types())):
-            raise ValueError(
-                f"confidences must be an [R, gamma] tensor or a list of R lists; got {type(confidences).__name__}"
-            )
-        rows = []
+    if isinstance(confidences, (str, bytes)) or not hasattr(confidences, "__len__"):
+        raise ValueError(f"confidences must be an [R, gamma] tensor or a list of R lists; got "
+                         f"{type(confidences).__name__}")
+    if not isinstance(confidences, torch.Tensor):
+        if len(confidences) == 0:
+            raise ValueError("confidences must hold at least one request (R >= 1); got R = 0")
         for r, row in enumerate(confidences):
-            if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
-                raise ValueError(
-                    f"confidences must be 2-D [R, gamma]; row {r} is {row!r}, not a sequence"
-                )
-            values = []
-            for k, value in enumerate(row):
-                if isinstance(value, (str, bytes)) or hasattr(value, "__iter__") and not _is_scalar(value):
-                    raise ValueError(
-                        f"confidences must be 2-D [R, gamma]; entry [{r}][{k}] is {value!r}, not a number"
-                    )
-                try:
-                    values.append(float(value))
-                except (TypeError, ValueError) as exc:
-                    raise TypeError(f"confidences[{r}][{k}] = {value!r} is not a number") from exc
-            rows.append(values)
-    if len(rows) == 0:
+            if isinstance(row, (str, bytes)) or not hasattr(row, "__len__"):
+                raise ValueError(f"confidences must be 2-D [R, gamma]; row {r} is {row!r}, not a sequence")
+            if len(row) != len(confidences[0]):
+                raise ValueError(f"confidences are ragged: row 0 has gamma = {len(confidences[0])} entries but "
+                                 f"row {r} has {len(row)}")
+        try:
+            confidences = torch.tensor([[float(c) for c in row] for row in confidences], dtype=torch.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"confidences must be 2-D [R, gamma] numbers: {exc}") from None
+    if confidences.dim() != 2 or confidences.is_complex():
+        raise ValueError(f"confidences must be 2-D [R, gamma] real numbers; got a tensor of shape "
+                         f"{tuple(confidences.shape)}, dtype {confidences.dtype}")
+    if confidences.shape[0] == 0:
         raise ValueError("confidences must hold at least one request (R >= 1); got R = 0")
-    gamma = len(rows[0])
-    for r, row in enumerate(rows):
-        if len(row) != gamma:
-            raise ValueError(
-                f"confidences are ragged: row 0 has gamma = {gamma} entries but row {r} has {len(row)}"
-            )
-    if gamma == 0:
-        raise ValueError(f"confidences must have gamma >= 1 positions per request; got shape ({len(rows)}, 0)")
+    if confidences.shape[1] == 0:
+        raise ValueError(f"confidences must have gamma >= 1 positions per request; got shape "
+                         f"{tuple(confidences.shape)}")
+    rows = confidences.detach().to("cpu", torch.float64).tolist()
     for r, row in enumerate(rows):
         for k, value in enumerate(row):
             if math.isnan(value):
@@ -132,21 +115,6 @@ def _confidence_rows(confidences: ConfidencesLike) -> list[list[float]]:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"confidences[{r}][{k}] = {value!r} is outside [0, 1]")
     return rows
-
-
-def _array_like_types() -> tuple[type, ...]:
-    try:  # numpy is optional here; accept its arrays without importing it eagerly elsewhere
-        import numpy as np
-
-        return (np.ndarray,)
-    except ImportError:  # pragma: no cover
-        return ()
-
-
-def _is_scalar(value: object) -> bool:
-    """True for 0-d tensors / numpy scalars, which are iterable-looking but scalar."""
-    shape = getattr(value, "shape", None)
-    return shape is not None and tuple(shape) == ()
 
 
 def survival_row(confidences: Sequence[float]) -> list[float]:
