@@ -37,7 +37,8 @@ def test_pyproject_declares_the_checked_transformers_range():
 
 
 @pytest.mark.parametrize("version, ok", [
-    (TRANSFORMERS_MIN, True), (f"{TRANSFORMERS_BELOW}.0.dev0", True), ("5.14.1", False), (TRANSFORMERS_BELOW, False),
+    (TRANSFORMERS_MIN, True), (f"{TRANSFORMERS_MIN}.post1", True), ("5.14.1", False),
+    (f"{TRANSFORMERS_BELOW}.0.dev0", False), (TRANSFORMERS_BELOW, False),
     (f"{TRANSFORMERS_BELOW}.1", False), ("4.57.6", False),
 ])
 def test_check_transformers_bounds(version, ok):
