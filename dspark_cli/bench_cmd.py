@@ -103,7 +103,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "but none, which stays plain decoding)")
     s.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price the scheduler with the SPS(B) tables of this profile file (`dspark profile --out`) "
-                        "instead of the verify times learned from the rounds")
+                        "instead of the verify times learned from the rounds (default: none, learned)")
     return p
 
 

@@ -150,8 +150,7 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *
     :func:`evaluation.dtype.auto_dtype` of ``target`` and ``drafter`` (None: plain decoding), which times both
     dtypes once where the processor leaves the choice open; with ``measure=False`` the processor alone decides
     (:func:`modeling_dspark.target.fast_dtype`: training, where a generate() timing says nothing). With ``announce``
-    (the command's name) the choice and its reason are said in one line on stderr, and an explicit bfloat16 on a CPU
-    without native bf16 gets a warning.
+    (the command's name) the choice and its reason are said in one line on stderr.
 
     Raises:
         CLIError: the timing could not load the drafter for the target (e.g. one built for another target).
@@ -160,10 +159,7 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *
 
     from modeling_dspark.target import fast_dtype
 
-    if spec != "auto":
-        if announce and spec == "bfloat16" and fast_dtype(device) != torch.bfloat16:
-            print(f"{announce}: warning: dtype bfloat16 without native bf16 matrix instructions on this CPU is "
-                  "usually slower than float32 (--dtype auto picks float32 here)", file=sys.stderr)
+    if spec != "auto":  # as given: on some CPUs without native bf16, plain bf16 decoding is the faster
         return spec
     if measure:
         from evaluation.dtype import auto_dtype

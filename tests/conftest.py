@@ -128,13 +128,17 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
-def _no_native_bf16(monkeypatch):
-    """Every test sees a CPU without native bf16 matrix instructions, whatever the processor: ``--dtype auto``
-    resolves to float32 (the token-exact mode) at once, with no timing run, so outputs and messages do not depend on
-    the machine. Tests of the auto dtype itself set the flags they need."""
+def _no_native_bf16(monkeypatch, request):
+    """Every test sees a CPU without native bf16 matrix instructions, whatever the processor, and ``--dtype auto``
+    resolves to float32 (the token-exact dtype) at once, with no timing run, so outputs and messages do not depend on
+    the machine. Tests of the auto dtype itself are marked ``real_auto_dtype`` and set the flags they need."""
+    import evaluation.dtype as dtype_mod
     import modeling_dspark.target as target_mod
 
     monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset())
+    if "real_auto_dtype" not in request.keywords:
+        monkeypatch.setattr(dtype_mod, "auto_dtype",
+                            lambda *a, **k: (torch.float32, "fixed by the tests: float32, not timed"))
 
 
 @pytest.fixture(scope="session")

@@ -245,14 +245,16 @@ def test_validate_request_accepts_page_values():
         assert app.validate_request("Hi", policy=spec).policy == spec
 
 
-def test_auto_dtype_follows_the_cpu_flags(monkeypatch):
-    import modeling_dspark.target as target_mod
-    from generation import profiling
+@pytest.mark.real_auto_dtype
+def test_auto_dtype_follows_the_timing(monkeypatch, tmp_path):
+    from evaluation import dtype as choice
 
-    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2", "amx_bf16"}))
-    monkeypatch.setattr(profiling, "_time_generate", lambda *a: {"float32": 10.0, "bfloat16": 15.0})
+    monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(choice, "_time_generate", lambda *a: {"float32": 10.0, "bfloat16": 15.0})
     assert app.auto_dtype()[0] == "bfloat16" and app.validate_request("Hi", dtype="auto").dtype == "bfloat16"
-    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2"}))
+    monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "other"))
+    monkeypatch.setattr(choice, "_time_generate", lambda *a: {"float32": 15.0, "bfloat16": 10.0})
     assert app.auto_dtype()[0] == "float32" and app.validate_request("Hi", dtype="auto").dtype == "float32"
 
 

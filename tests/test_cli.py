@@ -67,8 +67,8 @@ def test_no_draft_and_text_output(capsys):
     lines = cap.out.strip().splitlines()
     assert lines[-1].startswith("[dspark]") and "tok/s" in lines[-1]
     assert "random" not in cap.err
-    # --dtype auto says what it picked and why (tests run as on a CPU without native bf16, conftest)
-    assert "dspark generate: dtype float32 (no native bf16 matrix instructions on this CPU)" in cap.err
+    # --dtype auto says what it picked and why (the tests fix it at float32, conftest)
+    assert "dspark generate: dtype float32 (fixed by the tests: float32, not timed)" in cap.err
 
 
 def test_sampling_seeded_reproducible(capsys):
@@ -260,40 +260,34 @@ def test_fast_dtype_reads_the_cpu_flags(flags, expected, tmp_path, monkeypatch):
     assert cpu_flags(tmp_path / "missing") == frozenset()
 
 
-def test_auto_dtype_is_announced(monkeypatch, capsys):
-    import torch
-
+@pytest.mark.real_auto_dtype
+def test_auto_dtype_is_announced(monkeypatch, capsys, tmp_path):
     import modeling_dspark.target as target_mod
-    from dspark_cli.common import resolve_dtype
-    from generation import profiling
+    from dspark_cli.common import CLIError, resolve_dtype
+    from evaluation import dtype as choice
 
-    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"amx_bf16"}))
-    monkeypatch.setattr(profiling, "_time_generate", lambda *a: {"float32": 10.0, "bfloat16": 15.0})
+    monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(choice, "_time_generate", lambda *a: {"float32": 10.0, "bfloat16": 15.0})
     assert resolve_dtype("auto", "cpu", announce="dspark generate") == "bfloat16"
     err = capsys.readouterr().err
     assert "dtype bfloat16 (measured on this CPU for plain generate(): bfloat16 15.0 tok/s, float32 10.0" in err
+    assert "--dtype float32 for token-exact output" in err
     # training decides by the processor alone (a generate() timing says nothing about a training step)
+    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"amx_bf16"}))
     assert resolve_dtype("auto", "cpu", announce="dspark train", measure=False) == "bfloat16"
     assert "bf16 matrix instructions on this CPU" in capsys.readouterr().err
-    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"avx2"}))
-    assert resolve_dtype("auto", "cpu", announce="dspark generate") == "float32"
-    assert "dtype float32" in capsys.readouterr().err
-    # an explicit bfloat16 where it is slow is kept, with a warning; where it is fast, silently
-    assert resolve_dtype("bfloat16", "cpu", announce="x") == "bfloat16" and "slower" in capsys.readouterr().err
-    assert resolve_dtype("float32", "cpu", announce="x") == "float32" and capsys.readouterr().err == ""
-    monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"amx_bf16"}))
+    # an explicit dtype is kept as given, silently
     assert resolve_dtype("bfloat16", "cpu", announce="x") == "bfloat16" and capsys.readouterr().err == ""
-    # a drafter built for another target fails the timing's load: a CLI error naming the mismatch, no traceback
-    from dspark_cli.common import CLIError
+    assert resolve_dtype("float32", "cpu", announce="x") == "float32" and capsys.readouterr().err == ""
 
-    def mismatch(*a):
+    def mismatch(*a):  # a drafter built for another target fails the timing's load: a CLI error, no traceback
         raise ValueError("drafter/target mismatch: the drafter was built for a target with hidden size 576")
 
-    monkeypatch.setattr(profiling, "_time_generate", mismatch)
+    monkeypatch.setattr(choice, "_time_generate", mismatch)
     with pytest.raises(CLIError, match="--dtype auto could not time this drafter with this target: drafter/target "
                                        "mismatch"):
         resolve_dtype("auto", "cpu", announce="dspark generate", drafter="drafters/another-target")
-    del torch
 
 
 def test_bad_policy_is_refused_before_loading(capsys):
@@ -302,19 +296,16 @@ def test_bad_policy_is_refused_before_loading(capsys):
 
 
 def test_generate_with_the_scheduler_policy(tmp_path, monkeypatch, capsys):
-    """--policy scheduler works with no cached SPS(B) table: the library profiles on first use."""
-    from generation import profiling
-
+    """--policy scheduler runs with no SPS(B) table anywhere (it learns its prices from the rounds) and writes
+    nothing to the profile cache."""
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
-    # timings taken under other load may be refused (not cached; tests/test_profiling.py): count them plausible
-    monkeypatch.setattr(profiling, "timing_problem", lambda times: None)
     rc = main(["generate", "--prompt", "What is 2 + 2?", "--max-new-tokens", "4", "--json", "--policy", "scheduler",
                "--dtype", "float32", "--threads", "1"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     (rec,) = _json_lines(cap.out)
-    assert rec["num_new_tokens"] >= 1 and rec["dtype"] == "float32"
-    assert any((tmp_path / "profiles").iterdir())  # the table was measured and cached
+    assert rec["num_new_tokens"] >= 1 and rec["dtype"] == "float32" and rec["policy"] == "scheduler"
+    assert not (tmp_path / "profiles").exists()
 
 
 def test_threads_must_be_positive(capsys):

@@ -102,7 +102,7 @@ def test_drafter_input_does_not_grow_with_prefix(smollm, prompt_ids, random_draf
         lambda mod, args, kwargs, out: rows.append(args[2].shape[1]), with_kwargs=True
     )
     try:
-        with dspark_options(block_size=4, lookup=False):
+        with dspark_options(block_size=4, lookup=False, policy="full"):  # full: every round drafts
             target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=40, do_sample=False)
     finally:
         hook.remove()

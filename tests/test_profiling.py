@@ -265,6 +265,7 @@ def _fake_timing(monkeypatch, rates: dict[str, float]) -> list:
     return calls
 
 
+@pytest.mark.real_auto_dtype
 def test_auto_dtype_settled_by_the_processor_only_on_a_gpu(monkeypatch):
     """A GPU: bfloat16 with no timing run; every CPU (native bf16 or not) is measured."""
     calls = _fake_timing(monkeypatch, {"float32": 1.0, "bfloat16": 100.0})
@@ -275,6 +276,7 @@ def test_auto_dtype_settled_by_the_processor_only_on_a_gpu(monkeypatch):
         choice.auto_dtype(repeats=0)
 
 
+@pytest.mark.real_auto_dtype
 @pytest.mark.parametrize("fp32, bf16, expected", [(12.5, 19.6, torch.bfloat16),  # bf16 clearly faster
                                                    (17.5, 14.5, torch.float32),  # fp32 faster
                                                    (10.0, 10.4, torch.float32)])  # within the 5% margin
@@ -293,6 +295,7 @@ def test_auto_dtype_picks_the_faster_measured_dtype_and_caches_it(monkeypatch, f
     assert len(calls) == 2
 
 
+@pytest.mark.real_auto_dtype
 def test_auto_dtype_remeasures_on_another_processor_and_under_load(monkeypatch):
     calls = _fake_timing(monkeypatch, {"float32": 10.0, "bfloat16": 20.0})
     choice.auto_dtype(threads=1)
@@ -307,6 +310,7 @@ def test_auto_dtype_remeasures_on_another_processor_and_under_load(monkeypatch):
     assert len(calls) == 4  # a measurement under load is used once, never kept
 
 
+@pytest.mark.real_auto_dtype
 def test_auto_dtype_times_the_real_job():
     """The timing itself: greedy generate() of the default target in both dtypes, plain and with the shipped
     drafter, gives a positive tokens/s for each dtype."""
