@@ -28,6 +28,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+"""Environment variables that hold torch's kernels below what the processor offers (e.g. AVX2 only on an AVX-512
+CPU), recorded with the result."""
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="SmolLM2-135M-Instruct", help="packaged target name or directory")
@@ -138,7 +143,9 @@ def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: 
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Processor: {result['processor']}; torch threads {result['threads']}; target {result['target']}, "
+    limit = "; kernels limited by " + ", ".join(f"{k}={v}" for k, v in result["isa_limit"].items()) \
+        if result.get("isa_limit") else ""
+    lines = [f"Processor: {result['processor']}{limit}; torch threads {result['threads']}; target {result['target']}, "
              f"drafter {result['drafter']}; {result['settings']['per_domain']} prompts per domain × "
              f"{result['settings']['max_new_tokens']} new tokens, greedy.", "",
              "| dtype | domain | plain tok/s | default tok/s | × plain | faster | sign p | τ | rounds draft/lookup/plain "
@@ -182,7 +189,9 @@ def main(argv=None) -> int:
     drafter_spec = args.drafter or str(shipped_drafter_for(args.target))
     prompts = load_domain_prompts(args.per_domain, args.offset)
     levels = [int(x) for x in args.engine_requests.split(",") if x.strip()]
-    result = {**result_header("default", argv, threads), "processor": cpu_model(), "threads": threads,
+    isa_limit = {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}  # kernels held below the processor's
+    result = {**result_header("default", argv, threads), "processor": cpu_model(), "isa_limit": isa_limit,
+              "threads": threads,
               "target": args.target, "drafter": drafter_spec,
               "settings": {"per_domain": args.per_domain, "offset": args.offset,
                            "max_new_tokens": args.max_new_tokens, "engine_tokens": args.engine_tokens,
