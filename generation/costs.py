@@ -6,10 +6,14 @@ to survive to position j with probability p^j, p from its :class:`Record`. All t
 themselves (every round already times its verify and its drafting), so they follow the machine as it is, a busy one
 included, and nothing is stored: a new process starts from the priors.
 
-* verify: a least-squares line t(B) = t_0 + b·B through the recent rounds' (B, seconds), each observation weighted
-  by :data:`VERIFY_DECAY` ^ age; a line since a forward over B tokens costs a fixed weight read plus a per-token
-  part (on CPUs a 9-token verify measured 1.1 to 6.7 one-token steps). The slope is shrunk toward the prior
-  :data:`PRIOR_SLOPE` until the rounds have shown B values spread enough to measure it. An explicit
+* verify: a plain step (B = R, every request its anchor alone) is priced by a running average of plain steps, and a
+  verify of more tokens by a least-squares line t(B) = t_0 + b·B through the recent such rounds' (B, seconds), each
+  weighted by :data:`VERIFY_DECAY` ^ age, never below the plain step. Two prices, since a one-token step and a
+  multi-token forward take different kernels (matrix-vector and matrix-matrix products): on the EPYC with
+  AVX512-BF16 in float32 a 2-token verify of SmolLM2 cost 1.5 steps and a 9-token one about the same, while across
+  CPUs a 9-token verify measured 1.1 to 6.7 steps. The slope is shrunk toward the prior
+  :data:`PRIOR_SLOPE` until the rounds have shown B values spread enough to measure it; a run that has not taken a
+  plain step for :data:`PLAIN_EVERY` rounds takes one, so the line is anchored at B = R. An explicit
   SPS(B) table (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
 * drafting: an exponential average of drafting rounds that caught up on at most one round of committed positions
   (a round after skipped rounds ingests more, which is not the price of drafting every round).
@@ -36,6 +40,11 @@ VERIFY_DECAY = 0.95
 """Weight of a verify observation per later observation (the line follows ~20 recent rounds)."""
 PRIOR_SLOPE = 0.25
 """The prior per-token verify cost, as a fraction of a one-token verify (through the first observed round)."""
+PLAIN_DECAY = 0.8
+"""Weight of the plain-step average per later plain step."""
+PLAIN_EVERY = 16
+"""A round that has not seen a plain step (B = R: every request verifies its anchor alone) for this many rounds is
+one, so the line keeps a point at B = R: priced on long chains alone, its slope, hence t(R), would be a guess."""
 PRIOR_WEIGHT = 4.0
 """Weight of the prior slope, in units of the rounds' spread Σw(B − B̄)² (tokens²): two rounds 2 tokens apart
 outweigh it."""
@@ -92,13 +101,15 @@ class Prices:
         self.sps = sps
         self._curves: dict = {}
         self._sums = [0.0] * 5  # decayed Σw, Σw·B, Σw·B², Σw·t, Σw·B·t
-        self._first: tuple[int, float] | None = None
+        self._first: tuple[int, float] | None = None  # the first multi-token verify: (B, seconds)
+        self.plain: dict[int, float] = {}  # R -> seconds of a plain step of R requests (B = R), running average
         self.draft_s: float | None = None
+        self.since_plain = 0  # rounds since the last plain step
 
     @property
     def known(self) -> bool:
         """Whether a verify price exists (a table, or at least one observed round)."""
-        return self.sps is not None or self._first is not None
+        return self.sps is not None or self._first is not None or bool(self.plain)
 
     def verify_s(self, batch_tokens: int, requests: int = 1, context_len: float | None = None) -> float:
         """Seconds of a verify forward over B = ``batch_tokens`` tokens (R = ``requests``; mean context, tokens).
@@ -109,15 +120,20 @@ class Prices:
         """
         if self.sps is not None:
             return 1.0 / self._curve(requests, context_len)(batch_tokens)
-        if self._first is None:
-            raise RuntimeError("no verify price yet: observe a round first")
+        plain = self.plain.get(requests)
+        if batch_tokens == requests and plain is not None:
+            return plain
+        if self._first is None:  # no multi-token verify seen yet: the prior line through the plain step
+            if plain is None:
+                raise RuntimeError("no verify price yet: observe a round first")
+            return plain * (1 + PRIOR_SLOPE * (batch_tokens - requests))
         n, sb, sbb, st, sbt = self._sums
         mean_b, mean_t = sb / n, st / n
-        b0, t0 = self._first  # the prior line t(B) = t_1 · (1 + PRIOR_SLOPE · (B − 1)) through the first round
+        b0, t0 = self._first  # the prior line t(B) = t_1 · (1 + PRIOR_SLOPE · (B − 1)) through the first verify
         prior = PRIOR_SLOPE * t0 / (1 + PRIOR_SLOPE * (b0 - 1))
         sxx, sxy = sbb - n * mean_b**2, sbt - n * mean_b * mean_t  # weighted spread of B, co-spread with t
         slope = max(0.0, (sxy + PRIOR_WEIGHT * prior) / (sxx + PRIOR_WEIGHT))  # least squares shrunk to the prior
-        return max(1e-6, mean_t + slope * (batch_tokens - mean_b))
+        return max(1e-6, mean_t + slope * (batch_tokens - mean_b), plain or 0.0)
 
     def _curve(self, requests: int, context_len: float | None) -> Callable[[int], float]:
         sps = self.sps
@@ -130,9 +146,19 @@ class Prices:
             self._curves[key] = sps.curve(requests=requests, context_len=context_len)
         return self._curves[key]
 
-    def observe_verify(self, batch_tokens: int, seconds: float) -> None:
-        """Fold one round's verify time (forward and acceptance, seconds) for B tokens into the line."""
+    @property
+    def wants_plain_step(self) -> bool:
+        """Whether this round should be a plain step to measure t(R) (:data:`PLAIN_EVERY`; never with a table)."""
+        return self.sps is None and self.since_plain >= PLAIN_EVERY
+
+    def observe_verify(self, batch_tokens: int, seconds: float, requests: int = 1) -> None:
+        """Fold one round's verify time (forward and acceptance, seconds) for B tokens of R requests into the line."""
+        self.since_plain = 0 if batch_tokens == requests else self.since_plain + 1
         if not (math.isfinite(seconds) and seconds > 0):
+            return
+        if batch_tokens == requests:
+            last = self.plain.get(requests)
+            self.plain[requests] = seconds if last is None else PLAIN_DECAY * last + (1 - PLAIN_DECAY) * seconds
             return
         if self._first is None:
             self._first = (batch_tokens, seconds)

@@ -130,6 +130,8 @@ class Policy:
         if not self.priced or not self.prices.known:
             lookup_lengths = [len(t) for t in lookups]
             return lookup_lengths, [0 if n else b for n, b in zip(lookup_lengths, budgets)]
+        if self.prices.wants_plain_step:  # measure t(R) now and then (generation.costs.PLAIN_EVERY)
+            return [0] * num, [0] * num
         seconds = self._seconds(num, context_len)
         rows = [s.lookup_record.survival(len(t)) if t else [] for s, t in zip(states, lookups)]
         plain = greedy_prefix(rows, seconds, base_tokens=num, base_expected=num, stop=False)
