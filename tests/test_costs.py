@@ -139,3 +139,22 @@ def test_default_generate_is_lossless_whatever_the_prices():
     assert "" in sources and ("draft" in sources or "lookup" in sources)
     prices = costs.prices_for(target, drafter, 4)
     assert prices.known  # the call without a table learned these
+
+
+def test_a_plain_step_is_priced_apart_and_measured_now_and_then():
+    """A plain step (B = R) has its own price: a multi-token verify may cost far more than the line through long
+    chains says at B = R; after PLAIN_EVERY rounds without one, the plan takes a plain step (nobody drafts)."""
+    p = Prices()
+    for _ in range(20):
+        p.observe_verify(1, 0.057)
+        for b in (5, 9):
+            p.observe_verify(b, 0.088)  # every multi-token verify: about 1.5 plain steps
+    assert p.verify_s(1) == pytest.approx(0.057) and p.verify_s(2) == pytest.approx(0.088, rel=0.05)
+    assert p.verify_s(2, requests=2) >= 0.057  # no plain step of 2 requests seen: the line, never below R = 1's
+    assert not p.wants_plain_step
+    for _ in range(costs.PLAIN_EVERY):
+        p.observe_verify(9, 0.088)
+    assert p.wants_plain_step
+    assert _plan(p, [[5, 6]], [8], draft_p=0.99, lookup_p=0.99)[1] == ([0], [0])
+    p.observe_verify(1, 0.057)
+    assert not p.wants_plain_step and not Prices({1: 10.0}).wants_plain_step  # never with a table
