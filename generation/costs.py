@@ -16,7 +16,9 @@ included, and nothing is stored: a new process starts from the priors.
   plain step for :data:`PLAIN_EVERY` rounds takes one, so the line is anchored at B = R. An explicit
   SPS(B) table (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
 * drafting: an exponential average of drafting rounds that caught up on at most one round of committed positions
-  (a round after skipped rounds ingests more, which is not the price of drafting every round).
+  (a round after skipped rounds ingests more, which is not the price of drafting every round: it may only lower it).
+* the action not taken is measured again every :data:`PLAIN_EVERY` rounds: a plain step, or a probe that verifies
+  one drafted token per request whatever it costs (a decision fixed before the round: still lossless).
 * acceptance: per proposer, decayed counts of accepted and tried chain positions with a prior of
   :data:`PRIOR_STRENGTH` pseudo-trials at :data:`PRIOR_ACCEPT`; the counts decay every round, also when the proposer
   did not run, so a proposer priced out of the rounds drifts back to the prior and is tried again.
@@ -43,8 +45,10 @@ PRIOR_SLOPE = 0.25
 PLAIN_DECAY = 0.8
 """Weight of the plain-step average per later plain step."""
 PLAIN_EVERY = 16
-"""A round that has not seen a plain step (B = R: every request verifies its anchor alone) for this many rounds is
-one, so the line keeps a point at B = R: priced on long chains alone, its slope, hence t(R), would be a guess."""
+"""Rounds after which the scheduler measures the action it has not been taking: a plain step (B = R) after this many
+rounds without one, and a probe (one drafted token per request, verified whatever its price) after this many rounds
+without a multi-token verify. Prices learned on a busy machine would otherwise stay as they were for the action the
+scheduler stopped taking."""
 PRIOR_WEIGHT = 4.0
 """Weight of the prior slope, in units of the rounds' spread Σw(B − B̄)² (tokens²): two rounds 2 tokens apart
 outweigh it."""
@@ -105,6 +109,7 @@ class Prices:
         self.plain: dict[int, float] = {}  # R -> seconds of a plain step of R requests (B = R), running average
         self.draft_s: float | None = None
         self.since_plain = 0  # rounds since the last plain step
+        self.since_verify = 0  # rounds since the last verify of more than the anchors
 
     @property
     def known(self) -> bool:
@@ -151,9 +156,16 @@ class Prices:
         """Whether this round should be a plain step to measure t(R) (:data:`PLAIN_EVERY`; never with a table)."""
         return self.sps is None and self.since_plain >= PLAIN_EVERY
 
+    @property
+    def wants_probe(self) -> bool:
+        """Whether this round should verify one drafted token per request whatever its price, to measure the
+        drafting time and a multi-token verify again (:data:`PLAIN_EVERY` rounds without one; never with a table)."""
+        return self.since_verify >= PLAIN_EVERY and self._first is not None
+
     def observe_verify(self, batch_tokens: int, seconds: float, requests: int = 1) -> None:
         """Fold one round's verify time (forward and acceptance, seconds) for B tokens of R requests into the line."""
         self.since_plain = 0 if batch_tokens == requests else self.since_plain + 1
+        self.since_verify = 0 if batch_tokens > requests else self.since_verify + 1
         if not (math.isfinite(seconds) and seconds > 0):
             return
         if batch_tokens == requests:
@@ -165,10 +177,15 @@ class Prices:
         b = float(batch_tokens)
         self._sums = [VERIFY_DECAY * s + x for s, x in zip(self._sums, (1.0, b, b * b, seconds, b * seconds))]
 
-    def observe_draft(self, seconds: float) -> None:
-        """Fold one steady drafting round's time (seconds) into the drafting price."""
-        if math.isfinite(seconds) and seconds >= 0:
-            self.draft_s = seconds if self.draft_s is None else DRAFT_DECAY * self.draft_s + (1 - DRAFT_DECAY) * seconds
+    def observe_draft(self, seconds: float, steady: bool = True) -> None:
+        """Fold one drafting round's time (seconds) into the drafting price; a round that first caught up on skipped
+        rounds (not ``steady``) may only lower it: its time over-states a steady round's."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return
+        if self.draft_s is None or (not steady and seconds < self.draft_s):
+            self.draft_s = seconds
+        elif steady:
+            self.draft_s = DRAFT_DECAY * self.draft_s + (1 - DRAFT_DECAY) * seconds
 
 
 _registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

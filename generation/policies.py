@@ -65,6 +65,7 @@ class Policy:
     lag: int = 2
     prices: Prices | None = field(default=None, compare=False, repr=False)
     _round: tuple = field(default=(1, 1.0, 0.0, None), compare=False, repr=False)  # base B, base τ*, draft s, ctx
+    _probe: bool = field(default=False, compare=False, repr=False)  # this round verifies one draft token, unpriced
     _budgets: deque = field(default_factory=deque, compare=False, repr=False)  # lagged: K of later rounds
     _budget: int = field(default=0, compare=False, repr=False)  # lagged: this round's K
 
@@ -104,7 +105,7 @@ class Policy:
         if self.priced and prices is None:
             prices = Prices(sps)
         return dataclasses.replace(self, prices=prices if self.priced else None, _round=(1, 1.0, 0.0, None),
-                                   _budgets=deque(), _budget=0)
+                                   _probe=False, _budgets=deque(), _budget=0)
 
     def _seconds(self, requests: int, context_len: float | None, extra: float = 0.0):
         return lambda b: self.prices.verify_s(b, requests, context_len) + extra
@@ -124,7 +125,7 @@ class Policy:
             and every other request drafts.
         """
         num = len(states)
-        self._round = (num, float(num), 0.0, context_len)
+        self._round, self._probe = (num, float(num), 0.0, context_len), False
         if self.kind == "lagged":
             self._budget = self._budgets.popleft() if len(self._budgets) >= self.lag else num
         if not self.priced or not self.prices.known:
@@ -137,6 +138,10 @@ class Policy:
         plain = greedy_prefix(rows, seconds, base_tokens=num, base_expected=num, stop=False)
         budgets = [0 if n else b for n, b in zip(plain.lengths, budgets)]
         draft_s = self.prices.draft_s or 0.0  # unknown: free, so the first rounds draft and time it
+        self._round = (plain.batch_tokens, plain.expected_tokens, draft_s, context_len)
+        if self.prices.wants_probe and any(budgets):  # measure drafting and a verify again (generation.costs)
+            self._probe = True
+            return plain.lengths, [min(1, b) for b in budgets]
         rows = [s.draft_record.survival(b) for s, b in zip(states, budgets)]
         drafting = greedy_prefix(rows, self._seconds(num, context_len, draft_s), base_tokens=plain.batch_tokens,
                                  base_expected=plain.expected_tokens, stop=False)
@@ -144,7 +149,6 @@ class Policy:
             budgets = [b if n else 0 for n, b in zip(drafting.lengths, budgets)]
         else:
             budgets = [0] * num
-        self._round = (plain.batch_tokens, plain.expected_tokens, draft_s, context_len)
         return plain.lengths, budgets
 
     def lengths(self, confidences: list[list[float]], budgets: list[int]) -> list[int]:
@@ -163,7 +167,7 @@ class Policy:
         kind = self.kind
         if kind == "none":
             return [0] * len(budgets)
-        if kind == "full" or (kind == "scheduler" and not self.prices.known):
+        if kind == "full" or (kind == "scheduler" and (self._probe or not self.prices.known)):
             return list(budgets)
         if kind == "fixed":
             return [min(self.length, b) for b in budgets]

@@ -135,7 +135,7 @@ def propose(drafter, policy: Policy, states: list[RequestState], committed: list
 def record(policy: Policy, states: list[RequestState], chains: list[Chain], accepted: list[int],
            committed: list[int], t_verify_ms: float, num_slots: int) -> None:
     """Step 6 of the module doc: append each request's :class:`~generation.stats.RoundStats`, update its acceptance
-    records and the run's prices (verify time by batch tokens; drafting time of rounds where every drafting request
+    records and the run's prices (verify time by batch tokens; drafting time, steady where every drafting request
     caught up on at most one round, ≤ γ' + 1 positions).
 
     Args:
@@ -159,5 +159,6 @@ def record(policy: Policy, states: list[RequestState], chains: list[Chain], acce
         return
     policy.prices.observe_verify(sum(1 + len(c.tokens) for c in chains), t_verify_ms / 1e3, len(chains))
     drafted = [c for c in chains if c.ingested]
-    if drafted and all(c.ingested <= num_slots + 1 for c in drafted):
-        policy.prices.observe_draft(drafted[0].t_draft_ms * len(chains) / 1e3)
+    if drafted:
+        policy.prices.observe_draft(drafted[0].t_draft_ms * len(chains) / 1e3,
+                                    steady=all(c.ingested <= num_slots + 1 for c in drafted))
