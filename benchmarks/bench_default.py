@@ -148,8 +148,8 @@ def markdown(result: dict) -> str:
     lines = [f"Processor: {result['processor']}{limit}; torch threads {result['threads']}; target {result['target']}, "
              f"drafter {result['drafter']}; {result['settings']['per_domain']} prompts per domain × "
              f"{result['settings']['max_new_tokens']} new tokens, greedy.", "",
-             "| dtype | domain | plain tok/s | default tok/s | × plain | faster | sign p | τ | rounds draft/lookup/plain "
-             "| identical |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| dtype | domain | plain tok/s | default tok/s | × plain | faster | sign p | τ "
+             "| rounds draft/lookup/plain | identical |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for run in result["runs"]:
         g = run["generate"]
         for d, x in g["domains"].items():

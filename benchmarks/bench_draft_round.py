@@ -1,8 +1,8 @@
 """Benchmark: milliseconds of one drafting round (`generation.drafting.draft_round`), R = 1, on real target features.
 
 The shipped drafter of the target drafts γ' slots after ingesting 2 new positions of a prompt the target prefilled
-(a steady round), ``--rounds`` times per policy (``full``, and ``scheduler`` with every slot worth verifying so that it drafts the same slots and
-asks the policy at every slot); the median per round is reported. ``--checkout DIR`` runs another checkout's
+(a steady round), ``--rounds`` times per policy (``full``, and ``scheduler`` with every slot worth verifying so that
+it drafts the same slots and asks the policy at every slot); the median per round is reported. ``--checkout DIR`` runs another checkout's
 `generation` package (e.g. ``git worktree add --detach /tmp/base <commit>``) on the same job, so two commits are
 compared on one machine: run the two commands back to back, or alternate them.
 
