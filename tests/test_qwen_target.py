@@ -42,7 +42,10 @@ def test_shipped_qwen_drafter_is_lossless_and_drafts(qwen, lookup):
     committed = rounds = 0
     for x in ids:
         ref = target.generate(x, max_new_tokens=40, do_sample=False)
-        with dspark_options(lookup=lookup), collect_stats() as runs:
+        with dspark_options(lookup=lookup), collect_stats() as runs:  # the default: rounds priced here
+            out = target.generate(x, assistant_model=drafter, max_new_tokens=40, do_sample=False)
+        assert torch.equal(out, ref)
+        with dspark_options(lookup=lookup, policy="full"), collect_stats() as runs:  # every round drafts
             out = target.generate(x, assistant_model=drafter, max_new_tokens=40, do_sample=False)
         assert torch.equal(out, ref)
         committed += sum(r.committed for r in runs[-1].rounds)
