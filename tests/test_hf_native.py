@@ -92,7 +92,7 @@ def test_generate_with_any_loading_path_equals_plain_greedy(tiny, how):
     else:
         drafter = md.DSparkDraftModel.from_pretrained(drafter_dir).bind_target(target)
     reference = _generate(target)
-    with collect_stats() as runs:
+    with collect_stats() as runs, dspark_options(policy="full"):  # every round drafts (the default prices them)
         out = _generate(target, drafter)
     assert torch.equal(out, reference)
     assert runs and runs[-1].rounds, "DSpark's candidate generator was not used"
@@ -131,7 +131,7 @@ def test_num_assistant_tokens_sets_the_block_size(tiny):
     drafter = AutoModel.from_pretrained(drafter_dir)
     reference = _generate(target)
     for n in (1, 3):
-        with collect_stats() as runs, dspark_options(lookup=False):
+        with collect_stats() as runs, dspark_options(lookup=False, policy="full"):  # every round drafts its block
             assert torch.equal(_generate(target, drafter, num_assistant_tokens=n), reference)
         drafted = [r.drafted for r in runs[-1].rounds]
         assert max(drafted) == n, (n, drafted)
@@ -165,7 +165,7 @@ def test_num_assistant_tokens_and_dspark_options_must_agree(tiny):
     drafter = AutoModel.from_pretrained(drafter_dir)
     with dspark_options(block_size=2), pytest.raises(ValueError, match=r"num_assistant_tokens=3 and dspark_options"):
         _generate(target, drafter, num_assistant_tokens=3)
-    with dspark_options(block_size=2), collect_stats() as runs:
+    with dspark_options(block_size=2, policy="full"), collect_stats() as runs:  # every round drafts its block
         _generate(target, drafter, num_assistant_tokens=2)
     assert max(r.drafted for r in runs[-1].rounds) == 2
 
@@ -202,7 +202,8 @@ def test_auto_model_drafter_in_generate_and_pipeline_equals_plain_greedy(smollm,
     with collect_stats() as runs:
         assert spec(messages, max_new_tokens=24, do_sample=False) == reference
         assert runs and runs[-1].rounds
-        assert spec(messages, max_new_tokens=24, do_sample=False, num_assistant_tokens=2) == reference
+        with dspark_options(policy="full"):  # every round drafts its block (the default prices them)
+            assert spec(messages, max_new_tokens=24, do_sample=False, num_assistant_tokens=2) == reference
     assert max(r.drafted for r in runs[-1].rounds) == 2
 
 
