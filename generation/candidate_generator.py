@@ -36,7 +36,7 @@ from .costs import Prices, prices_for
 from .drafting import DraftContext, Sampler, check_drafter
 from .lookup import NGramLookup
 from .kv import RequestKV
-from .policies import Policy, parse_policy
+from .policies import Policy, default_policy, parse_policy
 from .round import Chain, RequestState, propose, record
 from .stats import register
 
@@ -73,7 +73,7 @@ def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps) -> Po
     or those learned by earlier calls with the same target and drafter in this process
     (:func:`generation.costs.prices_for`)."""
     if policy is None:
-        policy = parse_policy("scheduler" if drafter.confidence_head is not None else "full")
+        policy = default_policy(drafter)
     if not policy.priced:
         return policy.start()
     return policy.start(prices=Prices(sps) if sps is not None else prices_for(target, drafter, gamma))

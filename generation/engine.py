@@ -37,7 +37,7 @@ from .drafting import DraftContext, check_drafter
 from .lookup import NUM_TOKENS as LOOKUP_TOKENS, NGramLookup
 from .kv import RequestKV
 from .packed_target import PackedTarget
-from .policies import Policy, parse_policy
+from .policies import Policy, default_policy, parse_policy
 from .round import RequestState, propose, record
 from .stats import GenerationStats, RoundStats
 
@@ -252,10 +252,7 @@ class DSparkEngine:
         eos_token_id: int | Sequence[int] | None = None,
         lookup: bool = True,
     ):
-        if policy is None:
-            has_head = drafter is not None and getattr(drafter, "confidence_head", None) is not None
-            policy = "scheduler" if has_head else ("full" if drafter is not None else "none")
-        policy = parse_policy(policy)
+        policy = default_policy(drafter) if policy is None else parse_policy(policy)
         if not isinstance(lookup, bool):
             raise ValueError(f"lookup must be True or False; got {lookup!r}")
         if max_batch_size < 1:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from .costs import Prices
 from .scheduler import fill_budget, greedy_prefix, survival_row
 
-__all__ = ["POLICY_NAMES", "Policy", "parse_policy"]
+__all__ = ["POLICY_NAMES", "Policy", "default_policy", "parse_policy"]
 
 POLICY_NAMES = ("none", "full", "fixed:N", "threshold:P", "scheduler", "lagged[:LAG]")
 """The policy vocabulary, as the CLI's help text shows it."""
@@ -200,6 +200,14 @@ def _pad(rows: list[list[float]]) -> list[list[float]]:
     """Ragged confidence rows as a rectangle (0 past each row's end)."""
     width = max((len(r) for r in rows), default=0) or 1
     return [r + [0.0] * (width - len(r)) for r in rows]
+
+
+def default_policy(drafter) -> Policy:
+    """The policy a run gets when none is asked for: ``scheduler`` for a drafter with a confidence head, ``full`` for
+    one without, ``none`` without a drafter (`generate()` and the engine alike)."""
+    if drafter is None:
+        return Policy("none")
+    return Policy("scheduler" if getattr(drafter, "confidence_head", None) is not None else "full")
 
 
 def parse_policy(spec: str | Policy | None) -> Policy:
