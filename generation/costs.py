@@ -12,8 +12,7 @@ included, and nothing is stored: a new process starts from the priors.
   multi-token forward take different kernels (matrix-vector and matrix-matrix products): on the EPYC with
   AVX512-BF16 in float32 a 2-token verify of SmolLM2 cost 1.5 steps and a 9-token one about the same, while across
   CPUs a 9-token verify measured 1.1 to 6.7 steps. The slope is shrunk toward the prior
-  :data:`PRIOR_SLOPE` until the rounds have shown B values spread enough to measure it; a run that has not taken a
-  plain step for :data:`PLAIN_EVERY` rounds takes one, so the line is anchored at B = R. An explicit
+  :data:`PRIOR_SLOPE` until the rounds have shown B values spread enough to measure it. An explicit
   SPS(B) table (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
 * drafting: an exponential average of drafting rounds that caught up on at most one round of committed positions
   (a round after skipped rounds ingests more, which is not the price of drafting every round: it may only lower it).
@@ -154,7 +153,7 @@ class Prices:
     @property
     def wants_plain_step(self) -> bool:
         """Whether this round should be a plain step to measure t(R) (:data:`PLAIN_EVERY`; never with a table)."""
-        return self.sps is None and self.since_plain >= PLAIN_EVERY
+        return self.since_plain >= PLAIN_EVERY
 
     @property
     def wants_probe(self) -> bool:
@@ -163,7 +162,10 @@ class Prices:
         return self.since_verify >= PLAIN_EVERY and self._first is not None
 
     def observe_verify(self, batch_tokens: int, seconds: float, requests: int = 1) -> None:
-        """Fold one round's verify time (forward and acceptance, seconds) for B tokens of R requests into the line."""
+        """Fold one round's verify time (forward and acceptance, seconds) for B tokens of R requests into the line;
+        with an explicit table there is nothing to learn (and so no plain step or probe is ever asked for)."""
+        if self.sps is not None:
+            return
         self.since_plain = 0 if batch_tokens == requests else self.since_plain + 1
         self.since_verify = 0 if batch_tokens > requests else self.since_verify + 1
         if not (math.isfinite(seconds) and seconds > 0):

@@ -158,3 +158,14 @@ def test_a_plain_step_is_priced_apart_and_measured_now_and_then():
     assert _plan(p, [[5, 6]], [8], draft_p=0.99, lookup_p=0.99)[1] == ([0], [0])
     p.observe_verify(1, 0.057)
     assert not p.wants_plain_step and not Prices({1: 10.0}).wants_plain_step  # never with a table
+
+
+def test_an_explicit_table_asks_for_no_plain_step_or_probe():
+    """With an SPS(B) table the verify prices are given: rounds teach nothing, so none is forced."""
+    p = Prices({b: 10.0 for b in range(1, 20)})
+    for _ in range(2 * costs.PLAIN_EVERY):
+        p.observe_verify(9, 0.1)
+    p.observe_verify(1, 0.1)
+    for _ in range(2 * costs.PLAIN_EVERY):
+        p.observe_verify(1, 0.1)
+    assert not p.wants_plain_step and not p.wants_probe
