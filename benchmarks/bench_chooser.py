@@ -79,7 +79,7 @@ def worker(args) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "profile":
-            from generation.profiling import profile_target
+            from evaluation.profiling import profile_target
 
             res = profile_target(target, contexts=[256], requests=[1], tokens=list(range(1, cmd["max_b"] + 1)),
                                  repeats=5)

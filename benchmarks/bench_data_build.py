@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from generation.profiling import cpu_model
+    from evaluation.profiling import cpu_model
     from modeling_dspark.target import apply_chat_template, load_target
     from training import prompts as P
     from training.data import eos_token_ids, generate_responses

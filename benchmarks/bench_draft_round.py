@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO_ROOT))  # the models, prompts and drafters of this checkout
     import torch
 
-    from generation.profiling import cpu_model
+    from evaluation.profiling import cpu_model
     from modeling_dspark import DSparkDraftModel
     from modeling_dspark.target import apply_chat_template, context_features, hidden_state_indices, load_target
     from modeling_dspark.target import shipped_drafter_for

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from evaluation import dtype as choice
-    from generation import profiling
+    from evaluation import profiling
 
     hf_logging.disable_progress_bar()
     if args.threads:

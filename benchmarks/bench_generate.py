@@ -77,7 +77,7 @@ def machine_info(threads: int) -> dict:
     import torch
     import transformers
 
-    from generation.profiling import cpu_model
+    from evaluation.profiling import cpu_model
 
     cpu = cpu_model()
     try:

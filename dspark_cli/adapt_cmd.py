@@ -40,7 +40,6 @@ from .common import (
     require_out_dir,
     resolve_device,
     resolve_dtype,
-    resolve_resume,
     set_threads,
     silence_progress,
     target_for_drafter,
@@ -193,7 +192,7 @@ def run(args) -> int:
         trainable_parameter_summary,
         write_adapter_info,
     )
-    from training.pipeline import train_drafter
+    from training.pipeline import resolve_resume, train_drafter
     from training.trainer import prepare_dataset
 
     set_threads(args.threads)

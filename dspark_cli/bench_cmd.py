@@ -145,7 +145,7 @@ def _serve_command(args) -> int:
     import torch
 
     from evaluation import serving
-    from generation import profiling
+    from evaluation import profiling
 
     set_threads(args.threads)
     threads = torch.get_num_threads()

@@ -194,21 +194,6 @@ def set_threads(n: int | None) -> None:
     torch.set_num_threads(n)
 
 
-def resolve_resume(resume: str | None, output_dir: str) -> str | None:
-    """The checkpoint ``--resume`` names: ``None`` without the option, the latest ``checkpoint-N`` in
-    ``output_dir`` for ``"latest"`` (``None``, with a message, when there is none), else ``resume`` as given."""
-    if resume != "latest":
-        return resume or None
-    import os
-
-    from transformers.trainer_utils import get_last_checkpoint
-
-    found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if found is None:
-        print(f"no checkpoint in {output_dir}: starting from scratch")
-    return found
-
-
 def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -> int:
     """``python -m dspark_cli.X_cmd ...``: one sub-command's parser (``add_arguments``) run by ``run`` on ``argv``."""
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -127,7 +127,7 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from evaluation.eval_sets import evaluate, markdown, plot
-    from generation.profiling import cpu_model
+    from evaluation.profiling import cpu_model
 
     hf_logging.disable_progress_bar()
     set_threads(args.threads)

@@ -98,7 +98,7 @@ def run(args) -> int:
 
     import torch
 
-    from generation import profiling
+    from evaluation import profiling
     from modeling_dspark.target import load_target
 
     threads = args.threads or torch.get_num_threads()

@@ -34,7 +34,6 @@ from .common import (
     require_out_dir,
     resolve_device,
     resolve_dtype,
-    resolve_resume,
     set_threads,
     silence_progress,
 )
@@ -222,7 +221,7 @@ def run(args) -> int:
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
     from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
-    from training.pipeline import train_drafter
+    from training.pipeline import resolve_resume, train_drafter
     from training.trainer import init_from_target
 
     set_threads(args.threads)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from generation.profiling import _read, _write, default_profile_path, device_model, dtype_name, synchronize
+from evaluation.profiling import _read, _write, default_profile_path, device_model, dtype_name, synchronize
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from generation.profiling import synchronize
+from evaluation.profiling import synchronize
 
 __all__ = ["MODES", "MIN_SPEED_PROMPTS", "ForwardCounter", "timed_generate", "evaluate", "markdown", "plot"]
 

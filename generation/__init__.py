@@ -1,5 +1,5 @@
 """DSpark inference: the drafting round, the round's decisions, verify policies, Algorithm 1, `generate()`
-integration, the batched engine, SPS(B) profiling and statistics.
+integration, the batched engine and statistics (SPS(B) tables are measured by :mod:`evaluation.profiling`).
 
 Never imports training code.
 """
@@ -9,7 +9,6 @@ from .drafting import draft_round
 from .engine import DSparkEngine, RequestOutput, generate_batch
 from .integration import dspark_options
 from .policies import POLICY_NAMES, Policy, parse_policy
-from .profiling import SPSCurve, SPSProfile, load_profile, load_sps
 from .stats import GenerationStats, RoundStats, collect_stats
 
 __all__ = [
@@ -22,10 +21,6 @@ __all__ = [
     "POLICY_NAMES",
     "Policy",
     "parse_policy",
-    "SPSCurve",
-    "SPSProfile",
-    "load_profile",
-    "load_sps",
     "GenerationStats",
     "RoundStats",
     "collect_stats",

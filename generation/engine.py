@@ -226,7 +226,7 @@ class DSparkEngine:
             a drafter.
         block_size: γ' ≤ the drafter's γ slots per round (default γ).
         sps: an explicit SPS(B) for ``scheduler`` / ``lagged``: a mapping ``{B: steps/s}``, a callable, or a
-            :class:`generation.profiling.SPSProfile` (then the curve for the round's R and mean context is used);
+            :class:`evaluation.profiling.SPSProfile` (then the curve for the round's R and mean context is used);
             default: verify prices learned from the rounds (:mod:`generation.costs`).
         max_batch_size: at most this many requests run at once; more wait in a queue (FIFO).
         eos_token_id: int or list; default the target's ``generation_config.eos_token_id``.

@@ -1,4 +1,4 @@
-"""SPS(B) profiling (`generation.profiling`, `dspark profile`): table structure, storage, loader interpolation and
+"""SPS(B) profiling (`evaluation.profiling`, `dspark profile`): table structure, storage, loader interpolation and
 errors, the generate() default, plots; `--dtype auto` (`evaluation.dtype`). Uses a tiny random target where the model does not
 matter."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from evaluation import dtype as choice
-from generation import profiling
-from generation.profiling import SPSCurve, load_sps, monotone_sps
+from evaluation import profiling
+from evaluation.profiling import SPSCurve, load_sps, monotone_sps
 from generation.scheduler import prefix_schedule
 
 from .conftest import make_drafter, tiny_target

@@ -3,6 +3,7 @@ collator (the target run online, or its outputs read from a feature cache), trai
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,19 @@ class TrainingRun:
     def logs(self) -> list[dict]:
         """The trainer's log entries that carry a training loss, in order."""
         return [h for h in self.trainer.state.log_history if "loss" in h]
+
+
+def resolve_resume(resume: str | None, output_dir: str) -> str | None:
+    """The checkpoint a ``resume`` option names: None for None, the latest ``checkpoint-N`` in ``output_dir`` for
+    ``"latest"`` (None, with a message, when there is none), else ``resume`` as given."""
+    if resume != "latest":
+        return resume or None
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if found is None:
+        print(f"no checkpoint in {output_dir}: starting from scratch")
+    return found
 
 
 def train_drafter(model, target, data, *, output_dir: str, block_size: int, anchors_per_seq: int, pad_id: int,

@@ -342,7 +342,7 @@ def measure_verify(
     Measurements are interleaved (one pass over all q per repeat) so slow drifts of the machine spread over every
     B; ``warmup`` passes are discarded. Returns ``{q: [seconds per forward, …]}``.
     """
-    from .packed_target import PackedTarget
+    from generation.packed_target import PackedTarget
 
     packed = PackedTarget(target)
     gen = torch.Generator().manual_seed(seed)

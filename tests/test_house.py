@@ -1,0 +1,57 @@
+"""Size limits of the code (issue 50): small packages and functions a reader can hold in mind.
+
+Counted from the files (physical lines, ``ast`` for function spans); nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LIBRARY = ("modeling_dspark", "generation", "training", "evaluation")
+PACKAGE_LINES = {"generation": 2800, "dspark_cli": 2500}
+"""The most lines a package's modules may hold together."""
+MODULE_LINES = 600
+"""The most lines of one library module."""
+FUNCTION_LINES = {"generation": 60}
+"""The most lines of one function (decorators and docstring included) in these packages."""
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((REPO / package).rglob("*.py"))
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+@pytest.mark.parametrize("package, limit", sorted(PACKAGE_LINES.items()))
+def test_package_size(package, limit):
+    total = sum(_lines(p) for p in _modules(package))
+    assert total <= limit, f"{package}/ holds {total} lines, more than {limit}"
+
+
+def test_module_size():
+    big = [f"{p.relative_to(REPO)}: {n}" for pkg in LIBRARY for p in _modules(pkg) if (n := _lines(p)) > MODULE_LINES]
+    assert not big, f"library modules over {MODULE_LINES} lines: {big}"
+
+
+@pytest.mark.parametrize("package, limit", sorted(FUNCTION_LINES.items()))
+def test_function_size(package, limit):
+    long = []
+    for path in _modules(package):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if (n := node.end_lineno - first + 1) > limit:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, f"functions over {limit} lines in {package}/: {long}"
+
+
+def test_the_counts_see_the_code():
+    """The limits are checked against real files: each package has modules, and the largest is not empty."""
+    for package in set(PACKAGE_LINES) | set(LIBRARY):
+        assert max(_lines(p) for p in _modules(package)) > 100, package
