@@ -6,9 +6,13 @@ prompt to prompt, in the same dtype; outputs are compared token for token. Per d
 ratio (total tokens over total seconds), how many prompts ran faster with DSpark, and a two-sided sign test of
 that count (scipy's binomtest).
 
-Engine arm (``--engine-requests``): for each R, 2R prompts served with at most R in flight by
-:class:`generation.DSparkEngine` with the drafter (default policy) and without (plain batched decoding: no drafter,
-no lookup), ``--repeats`` repetitions interleaved; the ratio per repetition and the sign test over repetitions.
+Engine arm (``--engine-requests``): for each R, a stream of ``--engine-waves`` × R prompts, all queued at the start,
+served with at most R in flight by :class:`generation.DSparkEngine` with the drafter (default policy) and without
+(plain batched decoding: no drafter, no lookup), ``--repeats`` repetitions interleaved; the ratio per repetition and
+the sign test over repetitions. Request i asks for 24 + (37·i mod 49) new tokens (24..72, mean about
+``--engine-tokens`` = 48), as requests of a server differ in length; ``--engine-equal-lengths`` gives every request
+``--engine-tokens``, so that plain decoding admits and retires the requests in lock-step waves while speculation
+staggers them (the drain at the end then runs with few requests in flight).
 
     python benchmarks/bench_default.py --target SmolLM2-135M-Instruct --per-domain 8 --max-new-tokens 96 \\
         --dtypes float32,bfloat16 --engine-requests 1,4,16 --out benchmarks/results/default/smollm2.json
@@ -42,7 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--engine-requests", default="", help="comma-separated R values for the engine arm (default: none)")
-    p.add_argument("--engine-tokens", type=int, default=48, help="new tokens per engine request (default: 48)")
+    p.add_argument("--engine-tokens", type=int, default=48, help="new tokens per engine request, mean (default: 48)")
+    p.add_argument("--engine-waves", type=int, default=4, help="engine requests per R in flight (default: 4)")
+    p.add_argument("--engine-equal-lengths", action="store_true",
+                   help="every engine request asks for exactly --engine-tokens (default: 24..72, see above)")
     p.add_argument("--repeats", type=int, default=3, help="engine repetitions (default: 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--out", required=True)
@@ -108,15 +115,21 @@ def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
     return {"domains": domains, "macro": macro, "per_prompt": records}
 
 
-def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: int, repeats: int) -> dict:
+def engine_lengths(num: int, mean: int, equal: bool) -> list[int]:
+    """New tokens of each of ``num`` engine requests: ``mean`` each, or spread over mean ± mean/2 (module doc)."""
+    return [mean] * num if equal else [mean // 2 + (37 * i) % (mean + 1) for i in range(num)]
+
+
+def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: int, repeats: int, waves: int = 4,
+               equal: bool = False) -> dict:
     from generation import DSparkEngine
     from modeling_dspark.target import apply_chat_template
 
     pool = [apply_chat_template(tok, p["prompt"]) for ps in zip(*prompts.values()) for p in ps]
 
     def serve(engine, batch) -> float:
-        for ids in batch:
-            engine.add_request(ids, max_new)
+        for ids, n in zip(batch, engine_lengths(len(batch), max_new, equal)):
+            engine.add_request(ids, n)
         t0 = time.perf_counter()
         outs = engine.run()
         return sum(o.num_tokens for o in outs) / (time.perf_counter() - t0)
@@ -125,7 +138,7 @@ def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: 
     for r in levels:
         engines = {"dspark": DSparkEngine(target, drafter, max_batch_size=r),
                    "plain": DSparkEngine(target, None, policy="none", lookup=False, max_batch_size=r)}
-        batch = [pool[i % len(pool)] for i in range(2 * r)]
+        batch = [pool[i % len(pool)] for i in range(waves * r)]
         for e in engines.values():  # warm-up, and the drafter's first prices
             serve(e, batch[: max(1, r)])
         rates = {"dspark": [], "plain": []}
@@ -161,7 +174,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {run['dtype']} | **macro** | | | **{m['ratio']:.2f}×** | {m['faster']}/{m['prompts']} | "
                      f"{m['sign_p']:.3f} | | | |")
     if any(run.get("engine") for run in result["runs"]):
-        lines += ["", "| dtype | engine R | plain tok/s | with drafter tok/s | × plain | faster | sign p |",
+        st = result["settings"]
+        lengths = (f"{st['engine_tokens']} new tokens each" if st.get("engine_equal_lengths")
+                   else f"{st['engine_tokens'] // 2}..{st['engine_tokens'] * 3 // 2} new tokens")
+        lines += ["", f"Engine: {st.get('engine_waves', 2)}·R requests queued at the start, {lengths}.", "",
+                  "| dtype | engine R | plain tok/s | with drafter tok/s | × plain | faster | sign p |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for run in result["runs"]:
             for r, x in (run.get("engine") or {}).items():
@@ -179,7 +196,7 @@ def main(argv=None) -> int:
 
     from benchmarks.bench_generate import result_header, usable_cores, write_result
     from benchmarks.bench_proposers import load_domain_prompts
-    from generation.profiling import cpu_model
+    from evaluation.profiling import cpu_model
     from modeling_dspark.pairing import load_models
     from modeling_dspark.target import shipped_drafter_for
 
@@ -195,6 +212,7 @@ def main(argv=None) -> int:
               "target": args.target, "drafter": drafter_spec,
               "settings": {"per_domain": args.per_domain, "offset": args.offset,
                            "max_new_tokens": args.max_new_tokens, "engine_tokens": args.engine_tokens,
+                           "engine_waves": args.engine_waves, "engine_equal_lengths": args.engine_equal_lengths,
                            "repeats": args.repeats, "prompt_ids": {d: [p["id"] for p in ps]
                                                                    for d, ps in prompts.items()}},
               "runs": []}
@@ -203,7 +221,8 @@ def main(argv=None) -> int:
         target, tok, drafter = load_models(args.target, drafter_spec, dt)
         run = {"dtype": dt, "generate": generate_arm(target, tok, drafter, prompts, args.max_new_tokens)}
         if levels:
-            run["engine"] = engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats)
+            run["engine"] = engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats,
+                                       args.engine_waves, args.engine_equal_lengths)
         result["runs"].append(run)
         del target, drafter
     write_result(result, markdown(result), args.out)

@@ -1,7 +1,7 @@
 """What a round costs on this machine and what each proposer is expected to yield, learned from the rounds.
 
 The scheduler prices every round (Algorithm 1 with a drafting-cost term, docs/method.md §4): a verify of B tokens
-costs ``Prices.verify_s(B)`` seconds and a drafting round ``Prices.draft_s`` seconds; a proposer's chain is expected
+costs ``Prices.verify_s(B)`` seconds and a drafting round ``Prices.draft_s(n)`` seconds; a proposer's chain is expected
 to survive to position j with probability p^j, p from its :class:`Record`. All three are measured by the rounds
 themselves (every round already times its verify and its drafting), so they follow the machine as it is, a busy one
 included, and nothing is stored: a new process starts from the priors.
@@ -14,8 +14,10 @@ included, and nothing is stored: a new process starts from the priors.
   CPUs a 9-token verify measured 1.1 to 6.7 steps. The slope is shrunk toward the prior
   :data:`PRIOR_SLOPE` until the rounds have shown B values spread enough to measure it. An explicit
   SPS(B) table (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
-* drafting: an exponential average of drafting rounds that caught up on at most one round of committed positions
-  (a round after skipped rounds ingests more, which is not the price of drafting every round: it may only lower it).
+* drafting: per number of drafting requests n, an exponential average of drafting rounds that caught up on at most
+  one round of committed positions (a round after skipped rounds ingests more, which is not the price of drafting
+  every round: it may only lower it); a count not timed yet takes the nearest timed count's price. One price for
+  every n would misprice the engine: on the Xeon with AMX a drafting round of 16 requests took twice one of a few.
 * the action not taken is measured again every :data:`PLAIN_EVERY` rounds: a plain step, or a probe that verifies
   one drafted token per request whatever it costs (a decision fixed before the round: still lossless).
 * acceptance: per proposer, decayed counts of accepted and tried chain positions with a prior of
@@ -97,7 +99,7 @@ class Prices:
 
     Args:
         sps: an explicit SPS(B) (steps/s; a mapping ``{B: steps/s}``, a callable, or an
-            :class:`~generation.profiling.SPSProfile`); None learns the verify line from the rounds.
+            :class:`~evaluation.profiling.SPSProfile`); None learns the verify line from the rounds.
     """
 
     def __init__(self, sps=None):
@@ -106,7 +108,7 @@ class Prices:
         self._sums = [0.0] * 5  # decayed Σw, Σw·B, Σw·B², Σw·t, Σw·B·t
         self._first: tuple[int, float] | None = None  # the first multi-token verify: (B, seconds)
         self.plain: dict[int, float] = {}  # R -> seconds of a plain step of R requests (B = R), running average
-        self.draft_s: float | None = None
+        self.draft: dict[int, float] = {}  # n drafting requests -> seconds of a drafting round, running average
         self.since_plain = 0  # rounds since the last plain step
         self.since_verify = 0  # rounds since the last verify of more than the anchors
 
@@ -179,15 +181,23 @@ class Prices:
         b = float(batch_tokens)
         self._sums = [VERIFY_DECAY * s + x for s, x in zip(self._sums, (1.0, b, b * b, seconds, b * seconds))]
 
-    def observe_draft(self, seconds: float, steady: bool = True) -> None:
-        """Fold one drafting round's time (seconds) into the drafting price; a round that first caught up on skipped
-        rounds (not ``steady``) may only lower it: its time over-states a steady round's."""
+    def draft_s(self, requests: int = 1) -> float | None:
+        """Seconds of a drafting round of ``requests`` drafting requests: their running average, else the nearest
+        timed count's (the larger on a tie); None before any drafting round was timed."""
+        if not self.draft:
+            return None
+        return self.draft[min(self.draft, key=lambda n: (abs(n - requests), -n))]
+
+    def observe_draft(self, seconds: float, requests: int = 1, steady: bool = True) -> None:
+        """Fold one drafting round's time (seconds) of ``requests`` drafting requests into its price; a round that
+        first caught up on skipped rounds (not ``steady``) may only lower it: its time over-states a steady round's."""
         if not (math.isfinite(seconds) and seconds >= 0):
             return
-        if self.draft_s is None or (not steady and seconds < self.draft_s):
-            self.draft_s = seconds
+        last = self.draft.get(requests)
+        if last is None or (not steady and seconds < last):
+            self.draft[requests] = seconds
         elif steady:
-            self.draft_s = DRAFT_DECAY * self.draft_s + (1 - DRAFT_DECAY) * seconds
+            self.draft[requests] = DRAFT_DECAY * last + (1 - DRAFT_DECAY) * seconds
 
 
 _registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

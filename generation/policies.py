@@ -137,7 +137,7 @@ class Policy:
         rows = [s.lookup_record.survival(len(t)) if t else [] for s, t in zip(states, lookups)]
         plain = greedy_prefix(rows, seconds, base_tokens=num, base_expected=num, stop=False)
         budgets = [0 if n else b for n, b in zip(plain.lengths, budgets)]
-        draft_s = self.prices.draft_s or 0.0  # unknown: free, so the first rounds draft and time it
+        draft_s = self.prices.draft_s(sum(b > 0 for b in budgets)) or 0.0  # unknown: free, so it is timed
         self._round = (plain.batch_tokens, plain.expected_tokens, draft_s, context_len)
         if self.prices.wants_probe and any(budgets):  # measure drafting and a verify again (generation.costs)
             self._probe = True

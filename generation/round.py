@@ -160,5 +160,5 @@ def record(policy: Policy, states: list[RequestState], chains: list[Chain], acce
     policy.prices.observe_verify(sum(1 + len(c.tokens) for c in chains), t_verify_ms / 1e3, len(chains))
     drafted = [c for c in chains if c.ingested]
     if drafted:
-        policy.prices.observe_draft(drafted[0].t_draft_ms * len(chains) / 1e3,
+        policy.prices.observe_draft(drafted[0].t_draft_ms * len(chains) / 1e3, len(drafted),
                                     steady=all(c.ingested <= num_slots + 1 for c in drafted))

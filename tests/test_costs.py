@@ -59,12 +59,19 @@ def test_prices_fit_a_line_and_shrink_to_the_prior():
         table.verify_s(7)
 
 
-def test_draft_price_is_a_running_average():
+def test_draft_price_is_a_running_average_per_request_count():
     p = Prices()
-    assert p.draft_s is None
+    assert p.draft_s() is None
     p.observe_draft(0.1)
     p.observe_draft(0.2)
-    assert p.draft_s == pytest.approx(costs.DRAFT_DECAY * 0.1 + (1 - costs.DRAFT_DECAY) * 0.2)
+    assert p.draft_s() == pytest.approx(costs.DRAFT_DECAY * 0.1 + (1 - costs.DRAFT_DECAY) * 0.2)
+    p.observe_draft(0.5, requests=16)  # 16 drafting requests: their own price, the one-request price unchanged
+    assert p.draft_s(16) == 0.5 and p.draft_s(1) == pytest.approx(0.12)
+    assert p.draft_s(12) == 0.5 and p.draft_s(3) == pytest.approx(0.12)  # an untimed count: the nearest timed one
+    p.observe_draft(0.9, requests=16, steady=False)  # a catch-up round may only lower the price
+    assert p.draft_s(16) == 0.5
+    p.observe_draft(0.3, requests=16, steady=False)
+    assert p.draft_s(16) == 0.3
 
 
 def _plan(prices, lookups, budgets, draft_p=None, lookup_p=None):
