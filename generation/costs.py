@@ -22,7 +22,9 @@ included, and nothing is stored: a new process starts from the priors.
   one drafted token per request whatever it costs (a decision fixed before the round: still lossless).
 * acceptance: per proposer, decayed counts of accepted and tried chain positions with a prior of
   :data:`PRIOR_STRENGTH` pseudo-trials at :data:`PRIOR_ACCEPT`; the counts decay every round, also when the proposer
-  did not run, so a proposer priced out of the rounds drifts back to the prior and is tried again.
+  did not run, so a proposer priced out of the rounds drifts back to the prior and is tried again. A drafting round
+  whose policy verified nothing counts as a chain rejected at its first position: otherwise a drafter whose
+  confidences keep refusing every slot would keep its record at the prior and be run, and paid for, every round.
 
 Nothing here can change the output: the prices decide only how many proposed tokens are verified, from rounds
 already finished (non-anticipation).
@@ -69,7 +71,8 @@ class Record:
 
     Attributes:
         accepted: decayed count of accepted chain positions.
-        tried: decayed count of positions tried: the accepted ones and the first rejected one of each chain.
+        tried: decayed count of positions tried: the accepted ones and the first rejected one of each chain (a
+            drafting round whose policy verified nothing counts as a chain rejected at its first position).
     """
 
     accepted: float = 0.0

@@ -147,7 +147,9 @@ def record(policy: Policy, states: list[RequestState], chains: list[Chain], acce
     """
     for s, c, a, n in zip(states, chains, accepted, committed):
         ell = len(c.tokens)
-        s.draft_record.update(ell if c.source == "draft" else None, a)
+        # a drafting round that verified nothing (the policy saw low confidences) counts as a chain rejected at its
+        # first position: the plan prices what running the drafter yields, not only what the verified chains did
+        s.draft_record.update(ell if c.source == "draft" else (1 if c.ingested else None), a)
         s.lookup_record.update(ell if c.source == "lookup" else None, a)
         s.stats.rounds.append(RoundStats(
             drafted=len(c.drafted), verified=ell, accepted=a, committed=n,
