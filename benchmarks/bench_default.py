@@ -53,7 +53,10 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="engine repetitions (default: 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.engine_tokens < 2 or args.engine_waves < 1:
+        p.error("--engine-tokens must be >= 2 and --engine-waves >= 1")
+    return args
 
 
 def sign_test(wins: int, n: int) -> float:
@@ -175,7 +178,7 @@ def markdown(result: dict) -> str:
                      f"{m['sign_p']:.3f} | | | |")
     if any(run.get("engine") for run in result["runs"]):
         st = result["settings"]
-        lengths = (f"{st['engine_tokens']} new tokens each" if st.get("engine_equal_lengths")
+        lengths = (f"{st['engine_tokens']} new tokens each" if st.get("engine_equal_lengths", "engine_waves" not in st)
                    else f"{st['engine_tokens'] // 2}..{st['engine_tokens'] * 3 // 2} new tokens")
         lines += ["", f"Engine: {st.get('engine_waves', 2)}·R requests queued at the start, {lengths}.", "",
                   "| dtype | engine R | plain tok/s | with drafter tok/s | × plain | faster | sign p |",

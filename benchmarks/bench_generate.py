@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -288,11 +289,18 @@ def markdown(result: dict) -> str:
 
 
 def result_header(benchmark: str, argv: list[str] | None, threads: int) -> dict:
-    """The keys every benchmark JSON starts with: its name, the UTC date, the command line (``argv``, else
-    ``sys.argv``) and :func:`machine_info`."""
+    """The keys every benchmark JSON starts with: its name, the UTC date, the code it ran (``git describe
+    --always --dirty`` of this checkout, "unknown" outside one), the command line (``argv``, else ``sys.argv``) and
+    :func:`machine_info`."""
+    try:
+        code = subprocess.run(["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        code = "unknown"
     return {
         "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "code": code,
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "machine": machine_info(threads),
     }

@@ -37,10 +37,10 @@ _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options"
 class dspark_options(ScopedValue):
     """Set, for `generate()` calls made inside a ``with`` block (this thread / task only): the verify policy (a spec
     of :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler
-    when the drafter has a confidence head and an SPS(B) table made by ``dspark profile`` is cached, else ``full``),
-    the block size γ', the SPS(B) table (``scheduler`` / ``lagged`` profile one on first use when none is given or
-    cached) and whether the n-gram lookup proposer runs beside the drafter (:mod:`generation.lookup`;
-    ``policy="none"`` with ``lookup=True`` is lookup alone)::
+    when the drafter has a confidence head, else ``full``: :func:`generation.policies.default_policy`), the block
+    size γ', an explicit SPS(B) table for ``scheduler`` / ``lagged`` (e.g. from ``dspark profile``; None: the rounds
+    price themselves, :mod:`generation.costs`) and whether the n-gram lookup proposer runs beside the drafter
+    (:mod:`generation.lookup`; ``policy="none"`` with ``lookup=True`` is lookup alone)::
 
         with dspark_options(policy="fixed:3", block_size=4):
             target.generate(ids, assistant_model=drafter)
@@ -131,7 +131,7 @@ def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_con
                                model_kwargs, tokenizer=None) -> DSparkCandidateGenerator:
     """The candidate generator of one `target.generate(..., assistant_model=drafter)` call (called by the hook of
     :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails
-    here, before any profiling or model compute.
+    here, before any model compute.
 
     An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``, after
     :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device

@@ -145,8 +145,9 @@ class Policy:
         rows = [s.draft_record.survival(b) for s, b in zip(states, budgets)]
         drafting = greedy_prefix(rows, self._seconds(num, context_len, draft_s), base_tokens=plain.batch_tokens,
                                  base_expected=plain.expected_tokens, stop=False)
-        if drafting.theta > plain.theta:
+        if drafting.theta > plain.theta:  # the drafting price of the requests that do draft, for Algorithm 1
             budgets = [b if n else 0 for n, b in zip(drafting.lengths, budgets)]
+            self._round = self._round[:2] + (self.prices.draft_s(sum(b > 0 for b in budgets)) or 0.0, context_len)
         else:
             budgets = [0] * num
         return plain.lengths, budgets

@@ -147,9 +147,9 @@ def record(policy: Policy, states: list[RequestState], chains: list[Chain], acce
     """
     for s, c, a, n in zip(states, chains, accepted, committed):
         ell = len(c.tokens)
-        # a drafting round that verified nothing (the policy saw low confidences) counts as a chain rejected at its
-        # first position: the plan prices what running the drafter yields, not only what the verified chains did
-        s.draft_record.update(ell if c.source == "draft" else (1 if c.ingested else None), a)
+        # a request the drafter ran for but whose policy verified none of its slots counts as a chain rejected at
+        # its first position: the plan prices what running the drafter yields, not only what verified chains did
+        s.draft_record.update(ell if c.source == "draft" else (1 if c.source == "" and c.ingested else None), a)
         s.lookup_record.update(ell if c.source == "lookup" else None, a)
         s.stats.rounds.append(RoundStats(
             drafted=len(c.drafted), verified=ell, accepted=a, committed=n,

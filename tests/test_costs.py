@@ -9,7 +9,7 @@ import torch
 from generation import costs
 from generation.costs import Prices, Record
 from generation.policies import parse_policy
-from generation.round import RequestState
+from generation.round import Chain, RequestState, record
 
 from .conftest import make_drafter, tiny_target
 
@@ -59,6 +59,21 @@ def test_prices_fit_a_line_and_shrink_to_the_prior():
         table.verify_s(7)
 
 
+def test_a_drafting_round_that_verified_nothing_counts_against_the_drafter():
+    """The drafter ran for the first request but its policy verified no slot: its record drops below the prior, as
+    after a chain rejected at position 1; the second request did not draft, its record stays at the prior."""
+    policy = parse_policy("scheduler").start()
+    ran, idle = RequestState(None, None), RequestState(None, None)
+    chains = [Chain([], "", drafted=[], confidences=[0.1], ingested=1, t_draft_ms=5.0), Chain([], "", t_draft_ms=5.0)]
+    record(policy, [ran, idle], chains, accepted=[0, 0], committed=[1, 1], t_verify_ms=30.0, num_slots=8)
+    assert policy.prices.draft == {1: pytest.approx(0.010)}  # the round's 10 ms, priced for one drafting request
+    expected = Record()
+    expected.update(1, 0)
+    assert ran.draft_record.p == pytest.approx(expected.p) < costs.PRIOR_ACCEPT
+    assert idle.draft_record.p == pytest.approx(costs.PRIOR_ACCEPT)
+    assert ran.lookup_record.p == pytest.approx(costs.PRIOR_ACCEPT)
+
+
 def test_draft_price_is_a_running_average_per_request_count():
     p = Prices()
     assert p.draft_s() is None
@@ -103,6 +118,11 @@ def test_plan_drafts_only_where_it_pays():
     assert _plan(_prices(1.0, 0.5), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
     assert _plan(_prices(0.02, 20.0), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
     assert _plan(_prices(0.02, 0.2), [[], []], [8, 8], draft_p=0.0)[1] == ([0, 0], [0, 0])
+    per_count = _prices(0.02, None)  # drafting is priced for the number of requests that would draft
+    per_count.observe_draft(0.05, requests=1)
+    per_count.observe_draft(20.0, requests=2)
+    assert _plan(per_count, [[]], [8], draft_p=0.9)[1] == ([0], [8])
+    assert _plan(per_count, [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
     # unpriced (nothing timed yet): every lookup match verified whole, every other request drafts
     assert _plan(Prices(), [[5, 6, 7], []], [8, 8])[1] == ([3, 0], [0, 8])
 
