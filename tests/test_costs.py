@@ -69,7 +69,7 @@ def test_a_drafting_round_that_verified_nothing_counts_against_the_drafter():
     assert policy.prices.draft == {1: pytest.approx(0.010)}  # the round's 10 ms, priced for one drafting request
     expected = Record()
     expected.update(1, 0)
-    assert ran.draft_record.p == pytest.approx(expected.p) < costs.PRIOR_ACCEPT
+    assert ran.draft_record.p == pytest.approx(expected.p) and expected.p < costs.PRIOR_ACCEPT
     assert idle.draft_record.p == pytest.approx(costs.PRIOR_ACCEPT)
     assert ran.lookup_record.p == pytest.approx(costs.PRIOR_ACCEPT)
 
