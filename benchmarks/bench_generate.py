@@ -288,19 +288,24 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def result_header(benchmark: str, argv: list[str] | None, threads: int) -> dict:
-    """The keys every benchmark JSON starts with: its name, the UTC date, the code it ran (``git describe
-    --always --dirty`` of this checkout, "unknown" outside one), the command line (``argv``, else ``sys.argv``) and
-    :func:`machine_info`."""
+def code_version(root: str | os.PathLike = REPO_ROOT) -> str | None:
+    """The commit of the checkout at ``root`` (``git describe --always --dirty --abbrev=40``: ``-dirty`` where its
+    tracked files differ from it); None outside a checkout or without git."""
     try:
-        code = subprocess.run(["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        code = "unknown"
+        proc = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
+                              capture_output=True, text=True)
+    except OSError:
+        return None
+    return proc.stdout.strip() or None
+
+
+def result_header(benchmark: str, argv: list[str] | None, threads: int) -> dict:
+    """The keys every benchmark JSON starts with: its name, the UTC date, the code it ran (:func:`code_version`), the
+    command line (``argv``, else ``sys.argv``) and :func:`machine_info`."""
     return {
         "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "code": code,
+        "code": code_version(),
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "machine": machine_info(threads),
     }

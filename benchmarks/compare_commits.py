@@ -35,6 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.bench_generate import code_version  # noqa: E402  (after the path: run as a script)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -134,20 +139,13 @@ def main(argv=None) -> int:
     table, markdown = compare(args.bench, runs)
     report = {"command": "python benchmarks/compare_commits.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "before": str(args.before), "after": str(args.after),
-              "commits": {s: _commit(p) for s, p in sides.items()}, "bench": args.bench,
+              "commits": {s: code_version(p) for s, p in sides.items()}, "bench": args.bench,
               "bench_args": args.bench_args, "after_args": args.after_args, "repeats": args.repeats, "metrics": table,
               "runs": runs, "markdown": markdown}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(report["markdown"])
     return 0
-
-
-def _commit(root: Path) -> str | None:
-    """The checkout's commit, with ``-dirty`` where its tracked files differ from it."""
-    proc = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
-                          capture_output=True, text=True)
-    return proc.stdout.strip() or None
 
 
 if __name__ == "__main__":
