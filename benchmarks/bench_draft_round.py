@@ -40,7 +40,8 @@ def main(argv=None) -> int:
 
     from evaluation.profiling import cpu_model
     from modeling_dspark import DSparkDraftModel
-    from modeling_dspark.target import apply_chat_template, context_features, hidden_state_indices, load_target
+    from generation.features import context_features, hidden_state_indices
+    from modeling_dspark.target import apply_chat_template, load_target
     from modeling_dspark.target import shipped_drafter_for
 
     torch.set_num_threads(args.threads)

@@ -29,11 +29,9 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from modeling_dspark.modeling_dspark import DSparkDraftModel
-from modeling_dspark.target import context_features, hidden_state_indices
-
 from .costs import Prices, prices_for
 from .drafting import DraftContext, Sampler, check_drafter
+from .features import context_features, hidden_state_indices
 from .lookup import NGramLookup
 from .kv import RequestKV
 from .policies import Policy, default_policy, parse_policy
@@ -111,7 +109,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def __init__(
         self,
-        drafter: DSparkDraftModel,
+        drafter,
         target,
         generation_config,
         logits_processor=None,

@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from modeling_dspark.target import context_features
-
 from .drafting import DraftContext, check_drafter
+from .features import context_features
 from .lookup import NUM_TOKENS as LOOKUP_TOKENS, NGramLookup
 from .kv import RequestKV
 from .packed_target import PackedTarget

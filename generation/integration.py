@@ -24,10 +24,8 @@ from collections.abc import Mapping
 
 from transformers import GenerationConfig
 
-from modeling_dspark.compat import check_transformers
-from modeling_dspark.modeling_dspark import DSparkDraftModel
-
 from .candidate_generator import DSparkCandidateGenerator
+from .compat import check_transformers
 from .policies import Policy, parse_policy
 from .scoped import ScopedValue
 
@@ -127,7 +125,7 @@ def _assistant_options(generation_config, block_size: int | None, gamma: int) ->
     return n
 
 
-def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_config, input_ids, logits_processor,
+def dspark_candidate_generator(target, drafter, generation_config, input_ids, logits_processor,
                                model_kwargs, tokenizer=None) -> DSparkCandidateGenerator:
     """The candidate generator of one `target.generate(..., assistant_model=drafter)` call (called by the hook of
     :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails
@@ -141,7 +139,7 @@ def dspark_candidate_generator(target, drafter: DSparkDraftModel, generation_con
     The policy and its SPS(B) table are resolved by :class:`DSparkCandidateGenerator` (after its checks).
 
     Raises:
-        RuntimeError: the installed transformers is outside the supported range (:mod:`modeling_dspark.compat`).
+        RuntimeError: the installed transformers is outside the supported range (:mod:`generation.compat`).
     """
     check_transformers()
     opts = _options.get()

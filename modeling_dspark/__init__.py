@@ -9,12 +9,15 @@ Importing this package
   assistant_model=drafter)`) drafts with DSpark for any target when ``drafter`` is a `DSparkDraftModel`, and
   defers to transformers unchanged for every other assistant (draft models, prompt lookup, early exit, …).
 
-The hook imports the `generation` package only when it is called with a DSpark drafter, so this package never
-imports `generation` at import time.
+The model sits above decoding, as transformers' models sit above `transformers.generation`: this package imports
+`generation` (the hook's candidate generator, the target features of eq. 2) and `generation` never imports this
+package, so neither imports the other in a circle.
 """
 
 from transformers import AutoConfig, AutoModel
 from transformers.generation.utils import GenerationMixin
+
+from generation.integration import dspark_candidate_generator
 
 from .configuration_dspark import DSparkConfig, default_target_layer_ids
 from .modeling_dspark import DSparkDraftModel, DSparkOutput
@@ -38,8 +41,6 @@ def install_generate_hook() -> None:
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
         if isinstance(assistant_model, DSparkDraftModel):
-            from generation.integration import dspark_candidate_generator
-
             return dspark_candidate_generator(self, assistant_model, generation_config, input_ids, logits_processor,
                                               model_kwargs, tokenizer=target_tokenizer)
         return transformers_method(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

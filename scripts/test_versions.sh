@@ -2,7 +2,7 @@
 # The core tests (`pytest -m core`: lossless greedy and sampling, model I/O, the generate() integration) at the highest
 # supported Python and torch, in a fresh venv that installs this package from pyproject.toml with its test extra (so
 # the declared ranges must resolve there). The lowest end, Python 3.11 with torch 2.13.0, is .ci/run's main run in
-# .venv; transformers is one minor release at both (modeling_dspark/compat.py). .ci/run runs this after the main run.
+# .venv; transformers is one minor release at both (generation/compat.py). .ci/run runs this after the main run.
 #   high: Python 3.13, torch 2.15.0, transformers 5.24.0
 # Venvs go under $DSPARK_VERSIONS_DIR (default .venv-versions, git-ignored); the packaged targets' cache
 # ($DSPARK_CACHE) is shared with .venv. Usage: scripts/test_versions.sh [high ...] (default: every end).

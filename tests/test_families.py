@@ -154,7 +154,7 @@ def test_anchor_slot_convention():
 
 
 def test_layer_id_minus_one_reads_embeddings():
-    from modeling_dspark.target import context_features, hidden_state_indices
+    from generation.features import context_features, hidden_state_indices
 
     target = _target("llama3")
     assert hidden_state_indices([-1, 0, 2]) == [0, 1, 3]

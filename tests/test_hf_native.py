@@ -254,7 +254,7 @@ def test_generate_refuses_an_unsupported_transformers(tiny, monkeypatch):
     the installed and the supported versions; the installed release is inside the range."""
     import transformers
 
-    from modeling_dspark.compat import check_transformers, supported_transformers
+    from generation.compat import check_transformers, supported_transformers
 
     check_transformers()
     target, drafter_dir = tiny

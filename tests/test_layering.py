@@ -1,16 +1,16 @@
 """Every package imports only downward, read from the import statements with ``ast`` (nothing is imported).
 
-Layers, lowest first: ``modeling_dspark`` (the model), ``generation`` (decoding), ``training``, ``evaluation``;
-``dspark_cli`` and the page (``app.py``, ``app_render.py``) may import any of them. A module may import its own
-package and any lower layer, at module level or inside a function alike: a lazy import upward is still a dependency
-upward (and was how ``modeling_dspark`` → ``generation`` → ``modeling_dspark`` closed a circle).
+Layers, lowest first: ``generation`` (decoding, which knows a drafter only by the methods it calls),
+``modeling_dspark`` (the model, whose package installs the ``generate()`` hook that returns ``generation``'s
+candidate generator: transformers' models sit above ``transformers.generation`` the same way), ``training``,
+``evaluation``; ``dspark_cli`` and the page (``app.py``, ``app_render.py``) may import any of them. A module may
+import its own package and any lower layer, at module level or inside a function alike: a lazy import upward is
+still a dependency upward.
 
 Inside ``generation`` the batched engine and the drafting round sit below the ``generate()`` adapter
 (``candidate_generator``, ``integration``), and only the engine uses its packed
 target (``packed_target``).
 
-Known leaks are listed in :data:`KNOWN_LEAKS`, each an expected failure (strict): once a leak is fixed its test
-passes, pytest reports that as a failure, and the entry is to be deleted.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-LAYER = {"modeling_dspark": 0, "generation": 1, "training": 2, "evaluation": 3, "dspark_cli": 4, "app": 4,
+LAYER = {"generation": 0, "modeling_dspark": 1, "training": 2, "evaluation": 3, "dspark_cli": 4, "app": 4,
          "app_render": 4}
 """Layer of each top-level package or module; a higher layer may import a lower one."""
 TOP = max(LAYER.values())
@@ -115,17 +115,6 @@ def violation(imp: Import) -> str | None:
     return None
 
 
-KNOWN_LEAKS = [
-    pytest.param(Import("modeling_dspark", "generation.integration", "dspark_candidate_generator", 0),
-                 id="modeling_dspark-imports-generation.integration"),
-]
-"""Imports that break the layering today (line 0: any line)."""
-
-
-def _same(a: Import, b: Import) -> bool:
-    return a._replace(line=0) == b._replace(line=0)
-
-
 def test_the_parser_sees_the_packages():
     found = imports()
     assert {_package(i.importer) for i in found} >= set(LAYER) - {"app_render"}
@@ -134,17 +123,8 @@ def test_the_parser_sees_the_packages():
 
 
 def test_every_package_imports_only_downward():
-    known = [p.values[0] for p in KNOWN_LEAKS]
-    bad = [f"{imp}: {why}" for imp in imports() if (why := violation(imp)) and not any(_same(imp, k) for k in known)]
+    bad = [f"{imp}: {why}" for imp in imports() if (why := violation(imp))]
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
-
-
-@pytest.mark.xfail(strict=True, reason="a known layering leak, to be fixed in generation/ (issue 50); when this "
-                                       "passes, delete its KNOWN_LEAKS entry")
-@pytest.mark.parametrize("leak", KNOWN_LEAKS)
-def test_known_leak_is_gone(leak):
-    assert violation(leak), f"{leak} is allowed by the rules: remove it from KNOWN_LEAKS"
-    assert not [imp for imp in imports() if _same(imp, leak)], f"{leak} is still there"
 
 
 def test_no_private_target_reads_outside_the_model():
@@ -156,7 +136,9 @@ def test_options_do_not_take_their_base_from_the_statistics():
 
 
 @pytest.mark.parametrize("imp, allowed", [
-    (Import("generation.round", "modeling_dspark.target", "x", 1), True),
+    (Import("generation.round", "modeling_dspark.target", "x", 1), False),
+    (Import("generation.integration", "modeling_dspark", "DSparkDraftModel", 1), False),
+    (Import("modeling_dspark", "generation.integration", "x", 1), True),
     (Import("modeling_dspark.target", "evaluation.profiling", "x", 1), False),
     (Import("generation.costs", "evaluation.profiling", "x", 1), False),
     (Import("generation.engine", "training.data", "x", 1), False),

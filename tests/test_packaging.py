@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from modeling_dspark.compat import TRANSFORMERS_BELOW, TRANSFORMERS_MIN, check_transformers, supported_transformers
+from generation.compat import TRANSFORMERS_BELOW, TRANSFORMERS_MIN, check_transformers, supported_transformers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -6,7 +6,7 @@ with :func:`build_feature_cache` and train any number of epochs (and any anchors
 :class:`CachedFeatureCollator`. What is stored per token of every sequence:
 
 * ``features``   ``[T, m·H]`` bf16 — the raw decoder-layer outputs ``[H^(l_1); …; H^(l_m)]`` of eq. 2, exactly
-  what :func:`modeling_dspark.target.context_features` gives at inference;
+  what :func:`generation.features.context_features` gives at inference;
 * ``last_hidden`` ``[T, H]`` bf16 — the final normed hidden state; the target's logits at a block slot are
   ``LM_head(last_hidden)``, so the drafter's N draft columns cost an N×H product, not V×H;
 * ``lse``        ``[T]`` float32 — logsumexp of the target's full-vocabulary logits (response positions only;
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from modeling_dspark.common import gather_slots, softcap
-from modeling_dspark.target import context_features, decoder_of, hidden_state_indices
+from generation.features import context_features, hidden_state_indices
+from modeling_dspark.target import decoder_of
 from .trainer import DSparkCollator
 
 __all__ = ["build_feature_cache", "FeatureCache", "CachedFeatureCollator", "FeatureCacheError"]

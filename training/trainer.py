@@ -4,7 +4,7 @@
   response part only, never at the last token), deterministically for ``(seed, epoch, example)``.
 * :class:`DSparkTrainer` holds the frozen target *outside* the trained model (so it is neither optimised nor
   saved), computes the target's context features and block logits online under ``no_grad`` with the same
-  :func:`modeling_dspark.target.context_features` used at inference (or reads them from a
+  :func:`generation.features.context_features` used at inference (or reads them from a
   :class:`~training.feature_cache.FeatureCache` when the batch carries them), runs the drafter on all anchors of a batch at
   once with :func:`modeling_dspark.common.block_attention_mask`, adds the teacher-forced sequential correction and the
   confidence logits, and optimises :func:`training.losses.dspark_loss` (eqs. 11–14). ce / tv / conf / loss
@@ -32,7 +32,8 @@ from transformers import Trainer, TrainerCallback
 
 from modeling_dspark.common import block_attention_mask, block_positions, gather_slots, softcap
 from .losses import dspark_loss, position_weights
-from modeling_dspark.target import context_features, decoder_of, hidden_state_indices
+from generation.features import context_features, hidden_state_indices
+from modeling_dspark.target import decoder_of
 
 __all__ = ["DSparkCollator", "DSparkTrainer", "init_from_target", "init_from_drafter", "default_init_layer_ids",
            "prepare_dataset"]
