@@ -124,17 +124,16 @@ def cpu_model() -> str:
     architecture) with the flags of :data:`_CPU_FLAGS` it has and its logical core count, e.g.
     ``"AMD EPYC [avx2] x2"``. Virtual machines often report a generic model name, hence the flags. Profiles record
     it: an SPS table measured on another processor is not used (:func:`load_profile`)."""
-    name, flags = None, set()
+    from modeling_dspark.target import cpu_flags
+
+    name = None
     try:
         with open("/proc/cpuinfo") as f:
-            for ln in f:  # the first processor's entries
-                if ln.startswith("model name") and name is None:
-                    name = ln.split(":", 1)[1].strip()
-                elif ln.startswith("flags") and not flags:
-                    flags = set(ln.split(":", 1)[1].split())
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
     except OSError:
         pass
     name = name or platform.processor() or platform.machine()
+    flags = cpu_flags()
     have = " ".join(f for f in _CPU_FLAGS if f in flags)
     return f"{name} [{have}] x{os.cpu_count() or 1}" if have else f"{name} x{os.cpu_count() or 1}"
 

@@ -169,6 +169,27 @@ def test_profile_from_another_processor_is_not_used(tiny, measured, monkeypatch)
     assert set(profiling.load_profile("llama-h32-l4-v32", "float32", 1).tables) == {16}
 
 
+def test_cpu_model_names_the_flags_of_cpu_flags(monkeypatch):
+    """The processor name carries the speed-relevant flags that :func:`modeling_dspark.target.cpu_flags` reads (the
+    one /proc/cpuinfo flags parser), in the order of ``_CPU_FLAGS``, and the core count."""
+    import os
+
+    import modeling_dspark.target as target_mod
+
+    def model_with(flags: set[str]) -> str:
+        monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset(flags))
+        profiling.cpu_model.cache_clear()
+        return profiling.cpu_model()
+
+    cores = os.cpu_count() or 1
+    try:
+        assert model_with({"amx_bf16", "avx2", "fpu"}).endswith(f" [avx2 amx_bf16] x{cores}")
+        plain = model_with({"fpu"})
+        assert plain.endswith(f" x{cores}") and not plain.endswith(f"] x{cores}")
+    finally:
+        profiling.cpu_model.cache_clear()
+
+
 def test_timing_problem_spread_and_order():
     """The plausibility criterion of a measurement {B: [seconds, ...]}, on fake timings."""
     good = {1: [0.010, 0.011, 0.0105], 2: [0.011, 0.012, 0.0115], 5: [0.013, 0.014, 0.013]}
