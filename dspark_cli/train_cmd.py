@@ -16,12 +16,11 @@ from pathlib import Path
 
 from .common import (
     CLIError,
-    add_device_option,
-    add_dtype_option,
     add_hidden_alias,
     add_out_dir_option,
-    add_progress_option,
-    add_threads_option,
+    add_run_options,
+    add_target_option,
+    add_trainer_machine_options,
     check_made_for_target,
     check_min,
     check_out_dir,
@@ -36,30 +35,8 @@ from .common import (
     resolve_dtype,
     set_threads,
     silence_progress,
+    standalone_main,
 )
-
-
-# drafter fields a checkpoint's weights depend on: resuming with other values would load it partly (Trainer loads
-# non-strictly) and train a different drafter without an error
-RESUME_FIELDS = ("hidden_size", "vocab_size", "block_size", "num_draft_layers", "draft_layer_style", "mask_token_id",
-                 "sequential_head", "markov_rank", "use_confidence_head", "draft_vocab_size", "target_layer_ids")
-
-
-def _check_resume_config(checkpoint: str, cfg) -> None:
-    """Refuse to resume ``checkpoint`` with a drafter config whose :data:`RESUME_FIELDS` differ from its own.
-
-    Raises:
-        CLIError: the checkpoint has no config.json, or names every differing field with both values.
-    """
-    path = Path(checkpoint) / "config.json"
-    if not path.is_file():
-        raise CLIError(f"--resume {checkpoint}: no config.json there (not a dspark train checkpoint)")
-    saved = json.loads(path.read_text())
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RESUME_FIELDS
-            if saved.get(k) != getattr(cfg, k)]
-    if diff:
-        raise CLIError(f"--resume {checkpoint}: the drafter options differ from the checkpoint's ("
-                       + "; ".join(diff) + "); pass the options it was trained with")
 
 
 def _source_manifest(drafter_dir: str | None) -> dict | None:
@@ -75,9 +52,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_out_dir_option(p, None, "checkpoints (OUT_DIR/checkpoint-N) and the final drafter; a new run needs a new or "
                                 "empty OUT_DIR, a non-empty one is refused unless --resume is given")
     add_hidden_alias(p, "--output-dir", "out_dir")
-    p.add_argument("--target", default=None, metavar="PATH",
-                   help="local target checkpoint directory or packaged target name, e.g. Qwen2.5-Coder-0.5B-Instruct "
-                        "(default: SmolLM2-135M-Instruct)")
+    add_target_option(p, "SmolLM2-135M-Instruct", "target")
     g = p.add_argument_group("drafter")
     g.add_argument("--block-size", type=int, default=8, help="block size γ: draft slots per round (default: 8)")
     g.add_argument("--sequential-head", choices=["markov", "rnn", "none"], default="markov",
@@ -119,25 +94,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--sampling", choices=["group_by_length", "random"], default="group_by_length",
                    help="batch sampling: group sequences of similar length (less padding) or random "
                         "(default: group_by_length)")
-    add_dtype_option(t, "float32")
-    add_hidden_alias(t, "--bf16", "dtype", const="bfloat16")
-    t.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed (default: 0)")
-    t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="resume from CHECKPOINT, or without a value from the latest checkpoint in --out-dir (needed "
-                        "to train into a non-empty --out-dir; default: start fresh in a new or empty --out-dir)")
-    t.add_argument("--save-steps", type=int, default=500, help="checkpoint every N steps (default: 500)")
-    t.add_argument("--save-total-limit", type=int, default=3, help="checkpoints kept (default: 3)")
-    t.add_argument("--logging-steps", type=int, default=10, help="log the losses every N steps (default: 10)")
-    t.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
+    add_run_options(t, "initialisation and data-order", save_steps=500, keep=3)
     t.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="run the frozen target once over the data, store its features in DIR (resumable; ~7 KB per "
                         "token for SmolLM2) and train from them: no target forward per step. Under `accelerate "
                         "launch` rank 0 builds it while the others wait (at most ddp_timeout, 30 min): build it with "
                         "one process first (default: run the target online every step)")
-    add_device_option(p)
-    add_hidden_alias(p, "--cpu", "device", const="cpu")
-    add_threads_option(p)
-    add_progress_option(p)
+    add_trainer_machine_options(p)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -221,7 +184,7 @@ def run(args) -> int:
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
     from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
-    from training.pipeline import resolve_resume, train_drafter
+    from training.pipeline import check_resume_config, resolve_resume, train_drafter
     from training.trainer import init_from_target
 
     set_threads(args.threads)
@@ -254,8 +217,10 @@ def run(args) -> int:
         # a local checkpoint by its absolute path, which the other commands accept from any working directory
         cfg.target_name_or_path = str(Path(args.target).resolve())
     resume = resolve_resume(args.resume, args.output_dir)
-    if resume is not None:
-        _check_resume_config(resume, cfg)
+    try:
+        check_resume_config(resume, cfg)
+    except ValueError as err:
+        raise CLIError(f"--resume {resume}: {err}") from None
     drafter = DSparkDraftModel(cfg)
     if args.init_from_target is not None:
         try:
@@ -329,8 +294,6 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    from dspark_cli.common import standalone_main
-
     return standalone_main("dspark train", __doc__, _add_arguments, run, argv)
 
 

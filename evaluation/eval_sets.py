@@ -14,7 +14,7 @@ Reported per set and mode: τ = committed tokens / speculative rounds (the paper
 is not a round), ``tokens_per_target_forward`` = new tokens / target forward calls counted with a forward hook (the
 τ-equivalent of the prompt-lookup row; it includes the prefill), the conditional acceptance rate of each position k
 (P(x_k accepted | x_<k accepted)), the survival P(x_1..x_k accepted) and the implied τ for block size k
-(1 + Σ_{j≤k} survival_j). :func:`markdown` and :func:`plot` render a report.
+(1 + Σ_{j≤k} survival_j). :func:`markdown` renders a report (``dspark eval`` also plots it).
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ import contextlib
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from evaluation.profiling import synchronize
 
-__all__ = ["MODES", "MIN_SPEED_PROMPTS", "ForwardCounter", "timed_generate", "evaluate", "markdown", "plot"]
+__all__ = ["MODES", "MIN_SPEED_PROMPTS", "ForwardCounter", "timed_generate", "evaluate", "markdown"]
 
 MODES = ("greedy", "sample")
 MIN_SPEED_PROMPTS = 8
@@ -302,45 +301,3 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {name} | {mode} | " + " | ".join(_f(v) for v in pp) + " |")
     lines += ["", f"Command: `{cfg['command']}`", ""]
     return "\n".join(lines)
-
-
-def plot(report: dict, path: Path) -> Path:
-    """Write a PNG of an eval report to ``path`` (returned): conditional acceptance rate per position, and the
-    implied τ for block size k. matplotlib's Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (name, r) in enumerate(report["results"].items()):
-        for mode, ls in (("greedy", "-"), ("sample", "--")):
-            if mode not in r:
-                continue
-            pp = r[mode]["per_position"]
-            ks = list(range(1, len(pp["survival"]) + 1))
-            cond = [v if v is not None else float("nan") for v in pp["conditional_accept_rate"]]
-            c = colors[i % len(colors)]
-            ax1.plot(ks, cond, ls, marker="o", ms=3, color=c, label=f"{name} ({'T=1' if mode == 'sample' else mode})")
-            ax2.plot([0] + ks, [1.0] + pp["implied_tau_at_block_size"], ls, marker="o", ms=3, color=c,
-                     label=f"{name} ({'T=1' if mode == 'sample' else mode}), τ={_f(r[mode]['tau'])}")
-    ax1.set_xlabel("draft position k")
-    ax1.set_ylabel("P(x_k accepted | x_<k accepted)")
-    ax1.set_ylim(0, 1)
-    ax1.set_title("conditional acceptance rate")
-    ax2.set_xlabel("block size k")
-    ax2.set_ylabel("τ(k) = 1 + Σ(j≤k) P(x_1..x_j accepted)")
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in (ax1, ax2):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax2.set_title("acceptance length per position")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"dspark eval: {Path(report['config']['drafter']).name}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -18,7 +18,8 @@ machine hits every policy alike. Each cell holds the median over repetitions and
 estimate (:func:`aggregate_reps`); :func:`comparisons` sets every dynamic policy against the best static one with
 the ratio of medians, the combined relative half-range, the paired per-repetition ratios and a one-sided sign test
 (:func:`sign_test_p`): "strictly faster" needs the paired repetitions to agree, e.g. 10 of 10 (p = 0.001) or 9 of
-10 (p = 0.011), not a median alone. :func:`markdown_table` and :func:`pareto_plot` render the results.
+10 (p = 0.011), not a median alone. :func:`markdown_table` renders the results (``dspark bench serve`` also plots
+them).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from pathlib import Path
 
 __all__ = ["policy_label", "prompt_pool", "sps_context", "serving_engine", "serve", "bench_serve", "aggregate_reps",
-           "sign_test_p", "compare_cells", "comparisons", "markdown_table", "pareto_plot"]
+           "sign_test_p", "compare_cells", "comparisons", "markdown_table"]
 
 STATIC_POLICIES = ("none", "fixed", "full", "threshold")
 POLICY_LABELS = {
@@ -290,33 +290,3 @@ def comparisons(results: list[dict], policies: list[str], levels: list[int]) -> 
                 if best is not None and mine is not None and key in mine:
                     out.append({"R": R, "policy": dyn, "key": key, **compare_cells(mine, best, key)})
     return out
-
-
-def pareto_plot(results: list[dict], policies: list[str], out_png: Path, title: str) -> Path:
-    """Write ``out_png`` (returned): total throughput against per-user speed, one line per policy through its R
-    values. matplotlib's Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for pol in policies:
-        pts = sorted((r for r in results if r["policy"] == pol), key=lambda r: r["R"])
-        if not pts:
-            continue
-        xs = [r["per_user_tok_s"] for r in pts]
-        ys = [r["throughput_tok_s"] for r in pts]
-        ax.plot(xs, ys, marker="o", label=policy_label(pol))
-        for r, x, y in zip(pts, xs, ys):
-            ax.annotate(f"R={r['R']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("per-user speed (tokens/s)")
-    ax.set_ylabel("total throughput (tokens/s)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png

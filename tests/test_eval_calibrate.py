@@ -315,10 +315,11 @@ def test_calibrate_usage_errors(tmp_path, capsys):
 def test_eval_default_drafter_follows_the_target():
     """The shipped drafter for the default target, named or not; a random one for any other target."""
     from modeling_dspark.target import shipped_drafter_for
-    from dspark_cli.eval_cmd import _resolve_drafter
+    from dspark_cli.common import drafter_or_shipped
 
-    assert _resolve_drafter(None, None) == _resolve_drafter(None, "SmolLM2-135M-Instruct") == str(shipped_drafter_for())
-    assert _resolve_drafter(None, "/some/other/target") == "random"
+    shipped = str(shipped_drafter_for())
+    assert drafter_or_shipped(None, None) == drafter_or_shipped(None, "SmolLM2-135M-Instruct") == (shipped, shipped)
+    assert drafter_or_shipped(None, "/some/other/target") == ("random", "random")
 
 
 def test_a_drafter_brings_its_target(tmp_path):

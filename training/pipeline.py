@@ -3,6 +3,7 @@ collator (the target run online, or its outputs read from a feature cache), trai
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -41,6 +42,33 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     if found is None:
         print(f"no checkpoint in {output_dir}: starting from scratch")
     return found
+
+
+RESUME_FIELDS = ("hidden_size", "vocab_size", "block_size", "num_draft_layers", "draft_layer_style", "mask_token_id",
+                 "sequential_head", "markov_rank", "use_confidence_head", "draft_vocab_size", "target_layer_ids")
+"""Drafter fields a checkpoint's weights depend on: resuming with other values would load it partly (the Trainer
+loads non-strictly) and train a different drafter without an error."""
+
+
+def check_resume_config(checkpoint: str | None, cfg) -> None:
+    """Refuse to resume ``checkpoint`` (None: no resume, nothing to check) with a drafter config whose
+    :data:`RESUME_FIELDS` differ from its own.
+
+    Raises:
+        ValueError: the checkpoint has no config.json, or names every differing field with both values.
+    """
+    if checkpoint is None:
+        return
+    path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError("no config.json there (not a dspark train checkpoint)")
+    with open(path) as f:
+        saved = json.load(f)
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in RESUME_FIELDS
+            if saved.get(k) != getattr(cfg, k)]
+    if diff:
+        raise ValueError("the drafter options differ from the checkpoint's (" + "; ".join(diff)
+                         + "); pass the options it was trained with")
 
 
 def train_drafter(model, target, data, *, output_dir: str, block_size: int, anchors_per_seq: int, pad_id: int,
