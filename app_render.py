@@ -32,7 +32,7 @@ import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from generation.scheduler import survival_row
+import torch
 
 __all__ = [
     "KINDS",
@@ -154,7 +154,7 @@ def round_views(
         ell, n = int(r.verified), int(r.accepted)
         drafts = [int(t) for t in r.draft_tokens][:ell]
         confs = [float(c) for c in r.confidences][:ell]
-        surv = survival_row(confs)
+        surv = torch.tensor(confs, dtype=torch.float64).cumprod(dim=0).tolist()  # a_k = Π_{j≤k} c_j (eq. 9)
         cells = []
         for k in range(1, ell + 1):
             kind = "accepted" if k <= n else ("rejected" if k == n + 1 else "discarded")

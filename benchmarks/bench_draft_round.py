@@ -55,6 +55,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(Path(args.checkout).resolve()))
     import generation
     from generation import drafting, policies
+    from generation.round import RequestState
 
     ids = torch.tensor([apply_chat_template(tok, "Write a Python function that checks whether a number is prime.")])
     layers = list(drafter.config.target_layer_ids)
@@ -75,12 +76,7 @@ def main(argv=None) -> int:
             if i:
                 ctx.cache.length = prompt_len - 2
                 ctx.pending = [feats[:, -2:]]
-            if hasattr(policy, "plan"):
-                from generation.round import RequestState
-
-                policy.plan([RequestState(None, None)], [gamma], [[]], ids.shape[1])
-            else:
-                policy.begin_round(1, ids.shape[1])
+            policy.plan([RequestState(None, None)], [gamma], [[]], ids.shape[1])
             t0 = time.perf_counter()
             res = drafting.draft_round(drafter, [ctx], [int(ids[0, -1])], [ids.shape[1] - 1], [gamma], policy,
                                        num_slots=gamma)

@@ -34,7 +34,7 @@ from .drafting import DraftContext, Sampler, check_drafter
 from .features import context_features, hidden_state_indices
 from .lookup import NGramLookup
 from .kv import RequestKV
-from .policies import Policy, default_policy, parse_policy
+from .policies import Policy, PolicyRun, default_policy, parse_policy
 from .round import Chain, RequestState, propose, record
 from .stats import register
 
@@ -65,7 +65,7 @@ def validate_request(drafter, target, generation_config, input_ids=None, block_s
     return check_drafter(drafter, target, block_size, policy)
 
 
-def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps) -> Policy:
+def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps) -> PolicyRun:
     """The verify policy of a `generate()` call, started with its prices: ``policy``, or the default (``scheduler``
     when the drafter has a confidence head, else ``full``). The scheduler's prices are an explicit SPS(B) ``sps``,
     or those learned by earlier calls with the same target and drafter in this process

@@ -6,10 +6,10 @@ A round, read top to bottom (docs/method.md §2 and §4):
    own context K/V cache (:class:`DraftContext`; the drafter never re-reads the whole prefix);
 2. ONE drafter forward over [anchor, mask × (γ'−1)] for all drafting requests → h_k and the base logits U_k
    (docs/method.md eqs. 2–4);
-3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) → the verify
-   policy decides from c_1..c_k whether x_k is verified (:meth:`generation.policies.Policy.lengths`; x_k is not
-   sampled yet, so the decision cannot anticipate it) → correction B_k (eq. 5 or 6) → logits processors → argmax,
-   or a sample from exactly the distribution returned as the candidate logits.
+3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) into the
+   round's ``[R, γ']`` confidence table → the verify policy decides from c_1..c_k whether x_k is verified
+   (:meth:`generation.policies.PolicyRun.lengths`; x_k is not sampled yet, so the decision cannot anticipate it) →
+   correction B_k (eq. 5 or 6) → logits processors → argmax, or a sample from exactly the distribution returned as the candidate logits.
 
 Greedy without logits processors takes the argmax in the draft vocabulary and keeps no logits; with logits
 processors or sampling (R = 1, `generate()`) the full-vocabulary processed logits of every drafted token are kept,
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv import RequestKV
-from .policies import Policy, parse_policy
+from .policies import Policy, PolicyRun, parse_policy
 
 __all__ = ["DraftContext", "DraftResult", "Sampler", "check_drafter", "draft_round"]
 
@@ -189,7 +189,7 @@ def draft_round(
     anchors: list[int],
     anchor_positions: list[int],
     budgets: list[int],
-    policy: Policy,
+    policy: PolicyRun,
     *,
     num_slots: int,
     sampler: Sampler | None = None,
@@ -203,7 +203,7 @@ def draft_round(
         anchor_positions: per request the anchor's position (committed tokens − 1).
         budgets: per request the most draft tokens it may verify this round (0: it does not draft, its pending
             features wait for its next drafting round).
-        policy: the run's verify policy, its round begun (:meth:`generation.policies.Policy.begin_round`).
+        policy: the run's verify policy, its round planned (:meth:`generation.policies.PolicyRun.plan`).
         num_slots: γ' ≤ γ, slots of the block forward.
         sampler: R = 1 with logits processors or sampling (None: greedy argmax, no logits kept).
 
@@ -213,31 +213,31 @@ def draft_round(
     num = len(contexts)
     assert sampler is None or num == 1, "a Sampler drafts for one request"
     tokens: list[list[int]] = [[] for _ in range(num)]
-    conf: list[list[float]] = [[] for _ in range(num)]
+    conf = torch.zeros(num, max(budgets, default=0), dtype=torch.float64)  # c_{r,k}, known for k < known[r]
+    known = [0] * num
     kept: list[list[torch.Tensor]] = [[] for _ in range(num)]
     ingested = [0] * num
     active = [i for i in range(num) if budgets[i] > 0] if policy.drafts else []
-    if active and not any(policy.lengths([[1.0] * b for b in budgets], budgets)):
+    if active and not any(policy.lengths(torch.ones_like(conf), budgets)):
         active = []  # not even drafts certain to be accepted (every c_k = 1) would be verified: skip the drafter
     if active:
         ingested = [contexts[i].num_pending if i in active else 0 for i in range(num)]
         h = _block_forward(drafter, [contexts[i] for i in active], [anchors[i] for i in active],
                            [anchor_positions[i] for i in active], num_slots)  # [A, γ', H]
-        _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, kept)
-    lengths = policy.lengths(conf, budgets)
+        _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, known, kept)
+    lengths = policy.lengths(conf, budgets, known)
     lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
     logits = [torch.cat(k, dim=0) if k else None for k in kept]
-    return DraftResult(tokens, lengths, conf, logits, ingested)
+    return DraftResult(tokens, lengths, [conf[i, : known[i]].tolist() for i in range(num)], logits, ingested)
 
 
-def _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, kept) -> None:
-    """Step 3 of the module doc, batched over the requests still drafting at slot k (fills tokens, conf, kept)."""
+def _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, known, kept) -> None:
+    """Step 3 of the module doc, batched over the requests still drafting at slot k (fills tokens, the confidence
+    table ``conf`` and its ``known`` counts, kept)."""
     d, device = drafter, drafter.device
     row_of = {i: a for a, i in enumerate(active)}
     prev = torch.tensor([anchors[i] for i in active], device=device)
     max_slots = max(budgets[i] for i in active)
-    if policy.kind == "fixed":
-        max_slots = min(max_slots, policy.length)
     base = None
     if len(active) * max_slots <= EAGER_LOGITS_ROWS:
         flat = h[:, :max_slots].reshape(-1, h.shape[-1])  # 2-D with canonical strides (a fast GEMM path)
@@ -249,9 +249,10 @@ def _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, c
         h_k, p_k = h[rows, k], prev[rows]
         cl = d.confidence_logits(p_k, h_k)
         if cl is not None:
-            for i, c in zip(alive, d.calibrated_confidence(cl, k).tolist()):
-                conf[i].append(float(c))
-        lengths = policy.lengths(conf, budgets)
+            conf[alive, k] = d.calibrated_confidence(cl, k).to("cpu", torch.float64)
+            for i in alive:
+                known[i] = k + 1
+        lengths = policy.lengths(conf, budgets, known)
         admit = [n for n, i in enumerate(alive) if lengths[i] > k]
         if not admit:
             break

@@ -8,7 +8,7 @@ A round, read top to bottom (:func:`propose`, then the caller's verify, then :fu
    drafter's budget is 0 where the policy does not draft;
 2. **lookup**: each request's n-gram lookup (:class:`~generation.lookup.NGramLookup`) matches the end of its
    committed text;
-3. **plan** (:meth:`~generation.policies.Policy.plan`): how much of each lookup chain to verify, and whether the
+3. **plan** (:meth:`~generation.policies.PolicyRun.plan`): how much of each lookup chain to verify, and whether the
    drafter runs, for which requests; a request that verifies a lookup chain skips the drafter this round (the rule
    of vLLM's hybrid proposer); the features it committed meanwhile wait for its next drafting round;
 4. **draft**: one drafting round for the drafting requests (:func:`~generation.drafting.draft_round`), which also
@@ -32,7 +32,7 @@ import torch
 from .costs import Record
 from .drafting import DraftContext, DraftResult, Sampler, draft_round
 from .lookup import NGramLookup
-from .policies import Policy
+from .policies import PolicyRun
 from .stats import GenerationStats, RoundStats
 
 __all__ = ["RequestState", "Chain", "propose", "record"]
@@ -87,7 +87,7 @@ class Chain:
             self.source = ""
 
 
-def propose(drafter, policy: Policy, states: list[RequestState], committed: list, rooms: list[int], num_slots: int,
+def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: list, rooms: list[int], num_slots: int,
             sampler: Sampler | None = None) -> list[Chain]:
     """Steps 1–4 of the module doc: each request's chain for this round.
 
@@ -132,7 +132,7 @@ def propose(drafter, policy: Policy, states: list[RequestState], committed: list
     return chains
 
 
-def record(policy: Policy, states: list[RequestState], chains: list[Chain], accepted: list[int],
+def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], accepted: list[int],
            committed: list[int], t_verify_ms: float, num_slots: int) -> None:
     """Step 6 of the module doc: append each request's :class:`~generation.stats.RoundStats`, update its acceptance
     records and the run's prices (verify time by batch tokens; drafting time, steady where every drafting request

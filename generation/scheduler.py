@@ -36,12 +36,12 @@ __all__ = [
     "SPSLike",
     "ConfidencesLike",
     "survival",
-    "survival_row",
     "prefix_schedule",
     "prefix_schedule_detailed",
     "greedy_prefix",
     "budget_from_confidences",
     "fill_budget",
+    "fill",
 ]
 
 SPSLike = Union[Mapping[int, float], Callable[[int], float]]
@@ -77,8 +77,8 @@ class ScheduleResult:
 # --------------------------------------------------------------------------
 # validation helpers
 # --------------------------------------------------------------------------
-def _confidence_rows(confidences: ConfidencesLike) -> list[list[float]]:
-    """Validate ``confidences`` and return them as R python lists of γ floats.
+def _confidence_table(confidences: ConfidencesLike) -> torch.Tensor:
+    """Validate ``confidences`` (where a user hands them in) and return them as a float64 CPU tensor ``[R, γ]``.
 
     Raises:
         ValueError: not 2-D, R = 0, γ = 0, ragged rows, an entry that is not a number, NaN, or values outside [0, 1].
@@ -107,34 +107,37 @@ def _confidence_rows(confidences: ConfidencesLike) -> list[list[float]]:
     if confidences.shape[1] == 0:
         raise ValueError(f"confidences must have gamma >= 1 positions per request; got shape "
                          f"{tuple(confidences.shape)}")
-    rows = confidences.detach().to("cpu", torch.float64).tolist()
-    for r, row in enumerate(rows):
-        for k, value in enumerate(row):
-            if math.isnan(value):
-                raise ValueError(f"confidences[{r}][{k}] is NaN")
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"confidences[{r}][{k}] = {value!r} is outside [0, 1]")
-    return rows
+    table = confidences.detach().to("cpu", torch.float64)
+    bad = table.isnan() | (table < 0.0) | (table > 1.0)
+    if bad.any():
+        r, k = (int(i) for i in bad.nonzero()[0])
+        value = table[r, k].item()
+        raise ValueError(f"confidences[{r}][{k}] is NaN" if math.isnan(value) else
+                         f"confidences[{r}][{k}] = {value!r} is outside [0, 1]")
+    return table
 
 
-def survival_row(confidences: Sequence[float]) -> list[float]:
-    """Survival a_j = Π_{i≤j} c_i of one request's prefix up to j (docs/method.md eq. 9): floats, non-increasing."""
-    out, prod = [], 1.0
-    for c in confidences:
-        prod *= c
-        out.append(prod)
-    return out
+def _ranked_entries(a: torch.Tensor, limits) -> list[tuple[int, int, float]]:
+    """Pool E = {(r, j) : j ≤ limits[r]} (j 1-based) sorted by a_{r,j} desc, then j asc, then r asc.
+
+    ``a`` is ``[R, W]`` float64 survivals; entries past a row's limit (not drafted yet, or beyond its budget) are
+    not in the pool. Flattened j-major, a stable descending sort keeps ties in (j, r) order.
+    """
+    num, width = a.shape
+    valid = torch.arange(width)[None, :] < torch.as_tensor(limits, dtype=torch.long)[:, None]
+    pos = valid.T.reshape(-1).nonzero().squeeze(1)
+    values = a.T.reshape(-1)[pos]
+    order = torch.sort(values, descending=True, stable=True).indices
+    return [(p % num, p // num + 1, v) for p, v in zip(pos[order].tolist(), values[order].tolist())]
 
 
-def _survival_rows(rows: list[list[float]]) -> list[list[float]]:
-    return [survival_row(row) for row in rows]
-
-
-def _ranked_entries(a: list[list[float]]) -> list[tuple[int, int, float]]:
-    """Pool E = {(r, j)} (j 1-based) sorted by a_{r,j} desc, then j asc, then r asc."""
-    entries = [(r, j + 1, a_rj) for r, row in enumerate(a) for j, a_rj in enumerate(row)]
-    entries.sort(key=lambda e: (-e[2], e[1], e[0]))
-    return entries
+def fill(a: torch.Tensor, limits, budget: int) -> list[int]:
+    """ℓ_r from the top ``budget`` entries of the pooled order over survivals ``a`` ``[R, W]`` (not validated: the
+    run's own values; :func:`fill_budget` is the checked entry point). Prefix-closed per request."""
+    lengths = [0] * a.shape[0]
+    for r, j, _ in _ranked_entries(a, limits)[:budget]:
+        lengths[r] = j  # entries of one request arrive in increasing j
+    return lengths
 
 
 class MissingSPSEntry(ValueError):
@@ -201,10 +204,10 @@ def survival(confidences: ConfidencesLike) -> torch.Tensor:
         ValueError: not 2-D, R = 0, γ = 0, ragged rows, NaN, or values
             outside [0, 1].
     """
-    return torch.tensor(_survival_rows(_confidence_rows(confidences)), dtype=torch.float64)
+    return _confidence_table(confidences).cumprod(dim=1)
 
 
-def greedy_prefix(a: list[list[float]], seconds: Callable[[int], float], *, base_tokens: int,
+def greedy_prefix(a: torch.Tensor, limits, seconds: Callable[[int], float], *, base_tokens: int,
                   base_expected: float, stop: bool = True) -> ScheduleResult:
     """The greedy of Algorithm 1 over valid survival rows, with the round's cost as a function of B.
 
@@ -214,8 +217,10 @@ def greedy_prefix(a: list[list[float]], seconds: Callable[[int], float], *, base
     (Θ = τ* · SPS(B)).
 
     Args:
-        a: R rows of survivals a_{r,j} ∈ [0, 1], non-increasing along j (not validated here: the callers do it
-            where values are handed in).
+        a: ``[R, W]`` float64 survivals a_{r,j} ∈ [0, 1], non-increasing along j (not validated here: the
+            public functions below do it where values are handed in).
+        limits: per request the entries of its row in the pool (j ≤ limits[r]; the rest are unknown or past its
+            budget).
         seconds: B -> the round's time (any unit) for a verify batch of B tokens (drafting included, if sunk).
         base_tokens, base_expected: B and τ* before any entry is admitted (the anchors, fixed chains).
         stop: STOP at the first entry that does not raise Θ (Algorithm 1, non-anticipating); False searches
@@ -224,10 +229,10 @@ def greedy_prefix(a: list[list[float]], seconds: Callable[[int], float], *, base
     Returns:
         :class:`ScheduleResult` of the best prefix (``lengths`` ℓ_r, Θ, B, τ*).
     """
-    lengths = [0] * len(a)
+    lengths = [0] * a.shape[0]
     batch, expected = base_tokens, float(base_expected)
     best = ScheduleResult(list(lengths), expected / seconds(batch), batch, expected)
-    for r, j, a_rj in _ranked_entries(a):
+    for r, j, a_rj in _ranked_entries(a, limits):
         lengths[r] = j
         batch += 1
         expected += a_rj
@@ -265,9 +270,9 @@ def prefix_schedule_detailed(confidences: ConfidencesLike, sps: SPSLike) -> Sche
             message names B); an SPS value that is non-positive, NaN or infinite.
         TypeError: ``sps`` neither a Mapping nor callable.
     """
-    a = _survival_rows(_confidence_rows(confidences))
-    lookup = _as_lookup(sps)
-    return greedy_prefix(a, lambda b: 1.0 / lookup(b), base_tokens=len(a), base_expected=len(a))
+    a, lookup = survival(confidences), _as_lookup(sps)
+    num, gamma = a.shape
+    return greedy_prefix(a, [gamma] * num, lambda b: 1.0 / lookup(b), base_tokens=num, base_expected=num)
 
 
 def prefix_schedule(confidences: ConfidencesLike, sps: SPSLike) -> list[int]:
@@ -287,7 +292,7 @@ def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
 
     Only safe (lossless) when ``confidences`` are from an EARLIER round than
     the draft tokens the budget will be spent on (see
-    :meth:`generation.policies.Policy.end_round`); applied to the current round it
+    :meth:`generation.policies.PolicyRun.end_round`); applied to the current round it
     anticipates and biases the output distribution (docs/method.md §4 counterexample).
 
     Args:
@@ -301,10 +306,10 @@ def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
     Raises:
         ValueError / TypeError: as :func:`prefix_schedule_detailed`.
     """
-    a = _survival_rows(_confidence_rows(confidences))
-    lookup = _as_lookup(sps)
-    best = greedy_prefix(a, lambda b: 1.0 / lookup(b), base_tokens=len(a), base_expected=len(a), stop=False)
-    return best.batch_tokens - len(a)
+    a, lookup = survival(confidences), _as_lookup(sps)
+    num, gamma = a.shape
+    best = greedy_prefix(a, [gamma] * num, lambda b: 1.0 / lookup(b), base_tokens=num, base_expected=num, stop=False)
+    return best.batch_tokens - num
 
 
 def fill_budget(confidences: ConfidencesLike, budget: int) -> list[int]:
@@ -335,8 +340,5 @@ def fill_budget(confidences: ConfidencesLike, budget: int) -> list[int]:
         budget = as_int
     if budget < 0:
         raise ValueError(f"verify budget K must be a non-negative int; got {budget}")
-    a = _survival_rows(_confidence_rows(confidences))
-    lengths = [0] * len(a)
-    for r, j, _ in _ranked_entries(a)[:budget]:
-        lengths[r] = j  # entries of one request arrive in increasing j
-    return lengths
+    a = survival(confidences)
+    return fill(a, [a.shape[1]] * a.shape[0], budget)

@@ -184,7 +184,7 @@ class ScriptedProposer:
     def __call__(self, drafter, contexts, anchors, anchor_positions, budgets, policy, **kwargs):
         from generation.drafting import DraftResult
 
-        n = policy.lengths([[]], budgets)[0]
+        n = policy.lengths(torch.zeros(1, 0, dtype=torch.float64), budgets)[0]
         contexts[0].pending = []
         cur = anchor_positions[0] + 1
         ref = self.reference[cur : cur + n]

@@ -139,12 +139,12 @@ def test_in_round_lengths_price_the_spent_drafting_time():
     """In the drafting round, Algorithm 1 stops at the first slot that does not raise tokens per second; the drafting
     time already spent makes longer chains worth more."""
     policy, _ = _plan(_prices(0.3, 0.0), [[]], [8], draft_p=0.9)
-    short = policy.lengths([[0.9, 0.6, 0.6, 0.6]], [8])
+    short = policy.lengths(torch.tensor([[0.9, 0.6, 0.6, 0.6]], dtype=torch.float64), [8])
     policy, _ = _plan(_prices(0.3, 3.0), [[]], [8], draft_p=0.9)
-    long = policy.lengths([[0.9, 0.6, 0.6, 0.6]], [8])
+    long = policy.lengths(torch.tensor([[0.9, 0.6, 0.6, 0.6]], dtype=torch.float64), [8])
     assert short[0] < long[0] <= 4
     # unknown confidences (not drafted yet) count as 0: never verified
-    assert policy.lengths([[0.9]], [8]) == [1]
+    assert policy.lengths(torch.tensor([[0.9, 0.6, 0.6, 0.6]], dtype=torch.float64), [8], known=[1]) == [1]
 
 
 def test_default_generate_is_lossless_whatever_the_prices():

@@ -210,24 +210,26 @@ def test_greedy_drafting_equals_the_processed_logits_path(head, draft_vocab):
     specs = ["full", "fixed:2", "threshold:0.3", "scheduler"] + (["lagged:1"] if head != "none" else [])
     lengths = set()
     for spec in specs:
-        policy = parse_policy(spec).start(sps=sps)
-        if policy.needs_confidence and head == "none":
+        spec = parse_policy(spec)
+        if spec.needs_confidence and head == "none":
             continue
+        policy = spec.start(sps=sps)
         for budget in (1, 3, 6):
             outs = []
             for sampler in (None, Sampler(False, None, ids)):
-                policy.plan([RequestState(None, None)], [budget], [[]], 4)
-                outs.append(draft_round(drafter, [context(0)], anchors[:1], positions[:1], [budget], policy,
+                _, budgets = policy.plan([RequestState(None, None)], [budget], [[]], 4)
+                outs.append(draft_round(drafter, [context(0)], anchors[:1], positions[:1], budgets, policy,
                                         num_slots=6, sampler=sampler))
             fast, slow = outs
             assert fast.tokens == slow.tokens and fast.lengths == slow.lengths, (spec, budget)
             assert fast.confidences[0] == pytest.approx(slow.confidences[0], abs=1e-6)
             assert fast.logits[0] is None and (slow.logits[0] is None) == (not slow.tokens[0])
             lengths.add(fast.lengths[0])
-            if policy.kind in ("full", "fixed", "threshold"):  # per-request policies: batching changes nothing
-                batch = draft_round(drafter, [context(r) for r in range(3)], anchors, positions, [budget, 2, budget],
-                                    policy, num_slots=6)
-                for r, b in enumerate([budget, 2, budget]):
+            if spec.kind in ("full", "fixed", "threshold"):  # per-request policies: batching changes nothing
+                _, budgets = policy.plan([RequestState(None, None)] * 3, [budget, 2, budget], [[]] * 3, 4)
+                batch = draft_round(drafter, [context(r) for r in range(3)], anchors, positions, budgets, policy,
+                                    num_slots=6)
+                for r, b in enumerate(budgets):
                     alone = draft_round(drafter, [context(r)], anchors[r : r + 1], positions[r : r + 1], [b], policy,
                                         num_slots=6)
                     assert batch.tokens[r] == alone.tokens[0] and batch.lengths[r] == alone.lengths[0], (spec, r)

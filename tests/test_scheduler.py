@@ -22,8 +22,8 @@ from generation.scheduler import (
 )
 
 class LaggedScheduler:
-    """The ``lagged`` policy over whole rounds (:meth:`Policy.plan`, :meth:`Policy.lengths`,
-    :meth:`Policy.end_round`), every request drafting its whole row."""
+    """The ``lagged`` policy over whole rounds (:meth:`PolicyRun.plan`, :meth:`PolicyRun.lengths`,
+    :meth:`PolicyRun.end_round`), every request drafting its whole row."""
 
     def __init__(self, sps, lag=2):
         self.policy, self.last_budget = parse_policy(f"lagged:{lag}").start(sps), None
@@ -34,7 +34,7 @@ class LaggedScheduler:
         budgets = [len(row) for row in rows]
         self.policy.plan([RequestState(None, None) for _ in rows], budgets, [[] for _ in rows], 0)
         self.last_budget = self.policy._budget
-        lengths = self.policy.lengths(rows, budgets)
+        lengths = self.policy.lengths(torch.tensor(rows, dtype=torch.float64), budgets)
         self.policy.end_round(rows, budgets)
         return lengths
 
