@@ -35,7 +35,7 @@ VARIANTS = ("plain", "prompt_lookup", "dspark", "dspark+lookup")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", default="smollm2-135m-dspark", help="drafter directory or 'random'")
+    p.add_argument("--drafter", default="smollm2-135m-dspark", help="drafter directory, shipped drafter name or 'random'")
     p.add_argument("--target", default=None, help="target directory or packaged target name (default: the drafter's "
                    "target if it is a packaged target or a local directory, else SmolLM2-135M-Instruct)")
     p.add_argument("--per-domain", type=int, default=4, help="prompts per domain (default: 4)")
@@ -225,11 +225,11 @@ def main(argv=None) -> int:
 
     if "lookup" not in inspect.signature(dspark_options).parameters:
         sys.exit("this checkout's dspark_options has no lookup= option (the lookup proposer is not wired in)")
-    if args.drafter != "random" and not Path(args.drafter).is_dir():
-        sys.exit(f"drafter directory not found: {args.drafter}")
-    from modeling_dspark.pairing import InputError, target_for_drafter
+    from modeling_dspark.pairing import InputError, drafter_dir, target_for_drafter
 
     try:
+        if args.drafter != "random":  # a directory, shipped name or Hub id, checked before the target loads
+            args.drafter = drafter_dir(args.drafter)
         args.target = target_for_drafter(args.target, args.drafter)
     except InputError as err:
         sys.exit(str(err))
