@@ -327,8 +327,12 @@ def test_scheduler_skips_drafting_when_no_token_can_pay(tiny):
     assert not calls and engine.stats.summary()["draft_rounds"] == 0
 
 
-def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
+def test_bench_serve_smoke(tmp_path, monkeypatch, capsys, saved_figures):
     """`dspark bench serve` end to end at a toy size (no scheduler policy, so no profiling), plus its helpers."""
+    import statistics
+
+    import matplotlib.pyplot as plt
+
     from dspark_cli.main import main
     from evaluation import serving
 
@@ -343,18 +347,34 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys):
     report = json.loads(out.read_text())
     assert [(r["R"], r["policy"]) for r in report["results"]] == [(1, "none"), (1, "fixed:1"), (2, "none"),
                                                                     (2, "fixed:1")]
-    assert all(r["tokens"] == 6 and r["throughput_tok_s"] > 0 for r in report["results"])
+    assert all(r["tokens"] == 6 for r in report["results"])
+    # each repeat's speed is its tokens over its wall time; with two repeats the median wall time is their mean, so
+    # tokens / wall_s is the harmonic mean of the two speeds
+    for r in report["results"]:
+        assert r["tokens"] / r["wall_s"] == pytest.approx(statistics.harmonic_mean(r["throughput_reps"]))
     assert report["config"]["lookup"] is True  # the default; `none` stays plain decoding
     assert all(r["lookup_request_rounds"] == 0 for r in report["results"] if r["policy"] == "none")
-    # the loaded phase ends when the queue is empty and fewer than R requests run: at R = 1 only after the last one
-    assert all(r["steady_tokens"] == 6 for r in report["results"] if r["R"] == 1)
-    assert all(0 < r["steady_tokens"] <= r["tokens"] and r["steady_tok_s"] > 0 for r in report["results"])
+    # the loaded phase ends when the queue is empty and fewer than R requests run: at R = 1 only after the last one,
+    # so there the steady speed is the whole run's (the two clocks stop a few statements apart)
+    for r in (r for r in report["results"] if r["R"] == 1):
+        assert r["steady_tokens"] == 6 and r["steady_reps"] == pytest.approx(r["throughput_reps"], rel=0.02)
+    assert all(0 < r["steady_tokens"] <= r["tokens"] for r in report["results"])
+    assert all(r["steady_min"] <= r["steady_tok_s"] <= r["steady_max"] for r in report["results"])
     assert all(r["repeats"] == 2 and len(r["throughput_reps"]) == 2 for r in report["results"])
     assert all(r["throughput_min"] <= r["throughput_tok_s"] <= r["throughput_max"] for r in report["results"])
     assert report["config"]["repeats"] == 2 and report["config"]["warmup_repeats"] == 1
     assert report["comparisons"] == []  # no dynamic policy in this run
     assert report["results"][1]["agreement_with_none"] == 1.0  # fp32: speculation changes nothing
-    assert out.with_suffix(".png").exists()
+    # the Pareto plot: one line per policy through its R values, per-user speed against total throughput
+    (fig,) = saved_figures
+    (ax,) = fig.axes
+    cell = {(r["policy"], r["R"]): r for r in report["results"]}
+    assert [ln.get_label() for ln in ax.get_lines()] == [serving.policy_label(p) for p in ("none", "fixed:1")]
+    for pol, ln in zip(("none", "fixed:1"), ax.get_lines()):
+        assert list(ln.get_xdata()) == [cell[pol, R]["per_user_tok_s"] for R in (1, 2)]
+        assert list(ln.get_ydata()) == [cell[pol, R]["throughput_tok_s"] for R in (1, 2)]
+    assert [t.get_text() for t in ax.texts] == ["R=1", "R=2"] * 2
+    assert plt.imread(out.with_suffix(".png")).shape[:2] == (5 * 110, round(7.5 * 110))  # 7.5 x 5 in at 110 dpi
     assert "| no speculation |" in capsys.readouterr().out
     rows = [{"R": 1, "policy": p, "throughput_tok_s": t, "per_user_tok_s": t} for p, t in
             [("none", 10.0), ("full", 5.0), ("scheduler", 12.0)]]

@@ -243,15 +243,18 @@ def test_calibrate_report_and_write(drafter_dir, smollm, tmp_path, capsys, saved
     assert rc == 0, cap.err
     rep = json.loads((out / "calibration.json").read_text())
     temps = rep["temperatures"]
-    assert len(temps) == BLOCK and all(t > 0 for t in temps)
+    assert len(temps) == BLOCK
     assert len(rep["positions"]) == BLOCK and rep["n_blocks"] >= 2 and rep["n_prompts"] == 2
     p1 = rep["positions"][0]
     assert {"ece_before", "ece_after", "auroc", "accept_rate"} <= p1.keys()
     assert p1["ece_after"] <= p1["ece_before"] + 1e-12
     assert rep["previous_temperatures"] == [1.0] * BLOCK
     assert all(pid.startswith("gsm_symbolic-") for pid in rep["prompt_ids"])
-    assert (out / "pairs.npz").is_file()
     import matplotlib.pyplot as plt
+    import numpy as np
+
+    with np.load(out / "pairs.npz") as z:  # the raw data: a row per block, a column per position
+        assert z["logits"].shape == z["accepted"].shape == (rep["n_blocks"], BLOCK)
 
     (fig,) = saved_figures  # the reliability diagram: one panel per position, raw and calibrated curves
     assert [ax.get_title().split(",")[0] for ax in fig.axes] == [f"position {k}" for k in range(1, BLOCK + 1)]
@@ -272,8 +275,6 @@ def test_calibrate_report_and_write(drafter_dir, smollm, tmp_path, capsys, saved
     rep_b = json.loads((tmp_path / "b" / "calibration.json").read_text())
     assert rep_b["method"].startswith("STS + logit offset") and len(rep_b["biases"]) == BLOCK
     # the written pair is the maximum-likelihood fit of the stored pairs
-    import numpy as np
-
     from training.calibration import fit_sts_bias
 
     with np.load(out / "pairs.npz") as z:

@@ -143,6 +143,11 @@ def test_lora_lowers_domain_loss_and_tau_is_measured(target, base_dir, domain, t
             return float(tr.compute_loss(model, batch))
 
     prompts = [domain[i]["input_ids"][:4] for i in range(3)]
+    # the new tokens of plain greedy decoding (the same tokens): the rounds commit all but the prefill's (the first)
+    # and, where one token is left to make, the last (a plain step: nothing to draft)
+    plain = [target.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False) for p in prompts]
+    new = [out.shape[1] - len(p) for out, p in zip(plain, prompts)]
     tau_before = greedy_tau(target, model, prompts, max_new_tokens=12)
     before = loss_now()
     tr.train()
@@ -150,7 +155,9 @@ def test_lora_lowers_domain_loss_and_tau_is_measured(target, base_dir, domain, t
     assert after < 0.9 * before, (before, after)
     tau_after = greedy_tau(target, model, prompts, max_new_tokens=12)
     for t in (tau_before, tau_after):
-        assert 1.0 <= t["tau"] <= GAMMA + 1 and t["rounds"] >= 1 and len(t["per_position_acceptance"]) == GAMMA
+        assert sum(new) - 2 * len(new) <= t["tokens"] <= sum(new) - len(new)
+        assert t["tau"] == t["tokens"] / t["rounds"] <= GAMMA + 1
+        assert len(t["per_position_acceptance"]) == GAMMA
     assert tau_after["tau"] >= tau_before["tau"], (tau_before, tau_after)
 
 

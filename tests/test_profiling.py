@@ -5,7 +5,6 @@ matter."""
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import pytest
@@ -58,17 +57,29 @@ def test_profile_table_structure(tiny, measured, measured_and_wall):
         for r, table in per_r.items():
             assert sorted(table) == [r * q for q in (1, 2, 3, 5)]  # B = R x q
             rates = [table[b] for b in sorted(table)]
-            assert all(math.isfinite(s) and s > 0 for s in rates)
             assert all(a >= b for a, b in zip(rates, rates[1:])), "stored curve must be non-increasing in B"
-            assert set(measured["raw"][ctx][r]) == set(table)
+            # the stored curve is the isotonic fit of the measured medians, at the same B
+            assert table == pytest.approx(monotone_sps(measured["raw"][ctx][r]))
     assert measured["meta"]["repeats"] == 3
     assert 0 < measured["meta"]["seconds"] <= measured_and_wall[1] + 0.005  # within the call's (rounded to 10 ms)
     assert torch.get_num_threads() == 1  # restored
 
 
-def test_measure_verify_returns_repeats(tiny):
-    times = profiling.measure_verify(tiny, requests=2, tokens=[1, 4], context_len=5, warmup=0, repeats=2)
-    assert set(times) == {1, 4} and all(len(v) == 2 and min(v) > 0 for v in times.values())
+def test_measure_verify_times_each_verify_forward(tiny):
+    """Each timed forward is one verify, in seconds: with every target forward made 20 ms slower, each time is at
+    least 20 ms, and together they leave room in the call's wall time for the untimed prefills (one per request) and
+    the warm-up pass (one forward per q)."""
+    pause = 0.02
+    hook = tiny.register_forward_hook(lambda *args: time.sleep(pause))
+    try:
+        t0 = time.perf_counter()
+        times = profiling.measure_verify(tiny, requests=2, tokens=[1, 4], context_len=5, warmup=1, repeats=2)
+        wall = time.perf_counter() - t0
+    finally:
+        hook.remove()
+    assert set(times) == {1, 4} and all(len(v) == 2 for v in times.values())
+    assert min(min(v) for v in times.values()) >= pause
+    assert sum(map(sum, times.values())) <= wall - (2 + 2) * pause
 
 
 def test_monotone_sps_is_isotonic():
@@ -147,7 +158,7 @@ def test_profile_from_another_processor_is_not_used(tiny, measured, monkeypatch)
     re-profiling replaces it instead of mixing the two machines' tables."""
     assert measured["meta"]["cpu_model"] == profiling.cpu_model()
     profiling.save_profile(measured)
-    assert load_sps("llama-h32-l4-v32", "float32", 1, 8)(1) > 0  # same processor: used
+    assert load_sps("llama-h32-l4-v32", "float32", 1, 8)(1) == pytest.approx(measured["tables"][8][1][1])  # used
     monkeypatch.setattr(profiling, "cpu_model", lambda: "Other CPU 9000")
     with pytest.raises(FileNotFoundError, match="another processor.*Other CPU 9000"):
         load_sps("llama-h32-l4-v32", "float32", 1, 8)
@@ -176,18 +187,14 @@ def test_cpu_model_names_the_flags_of_cpu_flags(monkeypatch):
 
     import modeling_dspark.target as target_mod
 
-    def model_with(flags: set[str]) -> str:
+    def model_with(flags: set[str]) -> str:  # uncached: the session's processor name stays as first read
         monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset(flags))
-        profiling.cpu_model.cache_clear()
-        return profiling.cpu_model()
+        return profiling.cpu_model.__wrapped__()
 
     cores = os.cpu_count() or 1
-    try:
-        assert model_with({"amx_bf16", "avx2", "fpu"}).endswith(f" [avx2 amx_bf16] x{cores}")
-        plain = model_with({"fpu"})
-        assert plain.endswith(f" x{cores}") and not plain.endswith(f"] x{cores}")
-    finally:
-        profiling.cpu_model.cache_clear()
+    assert model_with({"amx_bf16", "avx2", "fpu"}).endswith(f" [avx2 amx_bf16] x{cores}")
+    plain = model_with({"fpu"})
+    assert plain.endswith(f" x{cores}") and not plain.endswith(f"] x{cores}")
 
 
 def test_timing_problem_spread_and_order():
@@ -238,8 +245,10 @@ def test_plot(measured, tmp_path, saved_figures):
     assert plt.imread(png).shape[:2] == (round(4.2 * 110), round(11 * 110))
 
 
-def test_profile_cli(tmp_path, capsys):
+def test_profile_cli(tmp_path, capsys, saved_figures):
     """`dspark profile` on the default target with a tiny measurement, then `--show`."""
+    import matplotlib.pyplot as plt
+
     from dspark_cli.main import main
 
     out = tmp_path / "sps.json"
@@ -248,7 +257,14 @@ def test_profile_cli(tmp_path, capsys):
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["model"] == "SmolLM2-135M-Instruct" and set(printed["tables"]["4"]["1"]) == {"1", "2"}
-    assert (tmp_path / "SmolLM2-135M-Instruct-float32-t1.png").exists()
+    # the plot next to the profile file draws the table printed: SPS(B) at B = 1, 2, and the step time in ms
+    (fig,) = saved_figures
+    table = {int(b): s for b, s in printed["tables"]["4"]["1"].items()}
+    (sps,), (ms,) = (ax.get_lines() for ax in fig.axes)
+    assert list(sps.get_xdata()) == list(ms.get_xdata()) == [1, 2]
+    assert list(sps.get_ydata()) == pytest.approx([table[1], table[2]])
+    assert list(ms.get_ydata()) == pytest.approx([1e3 / table[1], 1e3 / table[2]])
+    assert plt.imread(tmp_path / "SmolLM2-135M-Instruct-float32-t1.png").shape[:2] == (462, 1210)
     assert main(["profile", "--show", "--threads", "1", "--dtype", "float32", "--out", str(out)]) == 0
     assert "R=1" in capsys.readouterr().out
     assert main(["profile", "--repeats", "0"]) == 2
@@ -332,11 +348,24 @@ def test_auto_dtype_remeasures_on_another_processor_and_under_load(monkeypatch):
 
 
 @pytest.mark.real_auto_dtype
-def test_auto_dtype_times_the_real_job():
+def test_auto_dtype_times_the_real_job(monkeypatch):
     """The timing itself: greedy generate() of the default target in both dtypes, plain and with the shipped
-    drafter, gives a positive tokens/s for each dtype."""
+    drafter, each dtype's rate the new tokens over the seconds of its fastest timed call. A clock whose k-th reading
+    is 1 + 2 + ... + k makes every timed call last as long as the number of its closing reading: after the untimed
+    warm-up (readings 1, 2), float32 is timed by readings 3-4 and 7-8, bfloat16 by 5-6 and 9-10."""
     from modeling_dspark.target import shipped_drafter_for
 
+    class Clock:
+        reads = 0
+
+        @classmethod
+        def perf_counter(cls) -> float:
+            cls.reads += 1
+            return cls.reads * (cls.reads + 1) / 2
+
     for drafter in (None, str(shipped_drafter_for())):
-        rates = choice._time_generate(None, drafter, (torch.float32, torch.bfloat16), 3, 1, "cpu")
-        assert set(rates) == {"float32", "bfloat16"} and min(rates.values()) > 0, drafter
+        Clock.reads = 0
+        monkeypatch.setattr(choice, "time", Clock)
+        rates = choice._time_generate(None, drafter, (torch.float32, torch.bfloat16), 3, 2, "cpu")
+        monkeypatch.undo()
+        assert rates == {"float32": 3 / 4, "bfloat16": 3 / 6}, drafter  # 3 new tokens each, the faster call kept

