@@ -115,7 +115,7 @@ class ScriptedEngine(DSparkEngine):
         for r, budget in zip(reqs, budgets):
             if budget > 0:
                 r.draft.pending = []  # ingested, as the real drafter does
-        lengths = policy.lengths(conf, budgets)
+        lengths = policy.lengths(torch.tensor(conf, dtype=torch.float64), budgets)
         lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
         for r, ell, toks in zip(reqs, lengths, tokens):
             good = self.pattern[(r.id + len(r.stats.rounds)) % len(self.pattern)]
