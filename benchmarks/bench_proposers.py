@@ -161,7 +161,7 @@ def bench_dtype(args, dtype_name: str, prompts: dict[str, list[dict]]) -> dict:
     from evaluation.eval_sets import ForwardCounter
     from modeling_dspark.target import apply_chat_template
 
-    target, tok, drafter = load_models(args.target, args.drafter, dtype_name)
+    target, tok, drafter = load_models(args.target, args.drafter_dir, dtype_name)
     param_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": pad}
@@ -228,9 +228,9 @@ def main(argv=None) -> int:
     from modeling_dspark.pairing import InputError, drafter_dir, target_for_drafter
 
     try:
-        if args.drafter != "random":  # a directory, shipped name or Hub id, checked before the target loads
-            args.drafter = drafter_dir(args.drafter)
-        args.target = target_for_drafter(args.target, args.drafter)
+        # a directory, shipped name or Hub id, checked before the target loads; the JSON records it as given
+        args.drafter_dir = args.drafter if args.drafter == "random" else drafter_dir(args.drafter)
+        args.target = target_for_drafter(args.target, args.drafter_dir)
     except InputError as err:
         sys.exit(str(err))
     if args.per_domain < 1 or args.max_new_tokens < 2:

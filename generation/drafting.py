@@ -9,7 +9,8 @@ A round, read top to bottom (docs/method.md §2 and §4):
 3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) into the
    round's ``[R, γ']`` confidence table → the verify policy decides from c_1..c_k whether x_k is verified
    (:meth:`generation.policies.PolicyRun.lengths`; x_k is not sampled yet, so the decision cannot anticipate it) →
-   correction B_k (eq. 5 or 6) → logits processors → argmax, or a sample from exactly the distribution returned as the candidate logits.
+   correction B_k (eq. 5 or 6) → logits processors → argmax, or a sample from exactly the distribution returned as
+   the candidate logits.
 
 Greedy without logits processors takes the argmax in the draft vocabulary and keeps no logits; with logits
 processors or sampling (R = 1, `generate()`) the full-vocabulary processed logits of every drafted token are kept,
@@ -201,8 +202,9 @@ def draft_round(
         contexts: per request its :class:`DraftContext` (R of them).
         anchors: per request the anchor x_0, its last committed token id.
         anchor_positions: per request the anchor's position (committed tokens − 1).
-        budgets: per request the most draft tokens it may verify this round (0: it does not draft, its pending
-            features wait for its next drafting round).
+        budgets: per request the most draft tokens it may verify this round, as the policy's
+            :meth:`~generation.policies.PolicyRun.plan` returned them (0: it does not draft, its pending features
+            wait for its next drafting round).
         policy: the run's verify policy, its round planned (:meth:`generation.policies.PolicyRun.plan`).
         num_slots: γ' ≤ γ, slots of the block forward.
         sampler: R = 1 with logits processors or sampling (None: greedy argmax, no logits kept).

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["context_features", "hidden_state_indices"]
+
 
 def hidden_state_indices(target_layer_ids) -> list[int]:
     """Indices into ``outputs.hidden_states`` for the raw outputs of decoder layers ``target_layer_ids``.

@@ -26,7 +26,9 @@ A round asks the run (:mod:`generation.round`):
 2. :meth:`PolicyRun.lengths`, in the drafting round before sampling slot k, on the ``[R, γ']`` confidence table with
    c_{r,1..k} known: ``scheduler`` runs Algorithm 1 with its early STOP over the known entries, pricing a verify of B
    tokens at the learned verify time plus the (now spent) drafting time, so whether x_{r,k} is verified never
-   depends on x_{r,k} itself (non-anticipation, docs/method.md §4): the output stays lossless whatever the policy.
+   depends on x_{r,k} itself (non-anticipation, docs/method.md §4): the output stays lossless whatever the policy;
+3. :meth:`PolicyRun.end_round`, after drafting: ``lagged`` turns this round's confidences into the verify budget
+   of LAG rounds later.
 
 Θ(B) = τ*(B) / seconds(B), committed tokens per second (Algorithm 1's τ* · SPS(B) with seconds = 1 / SPS).
 """
@@ -116,10 +118,12 @@ class PolicyRun:
 
     @property
     def drafts(self) -> bool:
+        """:attr:`Policy.drafts` of the spec."""
         return self.spec.drafts
 
     @property
     def name(self) -> str:
+        """:attr:`Policy.name` of the spec."""
         return self.spec.name
 
     def plan(self, states, budgets: list[int], lookups: list[list[int]], context_len: float) -> tuple[list, list]:
@@ -171,10 +175,13 @@ class _None(PolicyRun):
 
 
 class _Fixed(PolicyRun):
-    """``fixed:N``: the budgets are capped at N in the plan, then verified whole."""
+    """``fixed:N``: the budgets are capped at N in the plan (so the drafter drafts no more), then verified whole."""
 
     def plan(self, states, budgets, lookups, context_len):
         return super().plan(states, [min(self.spec.length, b) for b in budgets], lookups, context_len)
+
+    def lengths(self, conf, budgets, known=None):
+        return [min(self.spec.length, b) for b in budgets]
 
 
 class _Threshold(PolicyRun):

@@ -12,7 +12,7 @@ objective is the system throughput Θ = τ* · SPS(B) (expected committed tokens
   never depends on c_{r,k+1} or later, which may depend on the sampled value of x_{r,k}.
 * :func:`budget_from_confidences` + :func:`fill_budget` — the production variant: the verify budget K comes from a
   full search of the Θ(B) curve over the confidences of ``lag`` rounds earlier, and the K slots are filled by the
-  current round's ranking (the state is kept by :class:`generation.policies.Policy`).
+  current round's ranking (the state is kept by the ``lagged`` :class:`generation.policies.PolicyRun`).
 
 Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j first, then smaller r. Since a_{r,j} is
 non-increasing in j, every prefix of this order is prefix-closed per request (a valid ℓ vector) and, for its size,
@@ -121,19 +121,18 @@ def _ranked_entries(a: torch.Tensor, limits) -> list[tuple[int, int, float]]:
     """Pool E = {(r, j) : j ≤ limits[r]} (j 1-based) sorted by a_{r,j} desc, then j asc, then r asc.
 
     ``a`` is ``[R, W]`` float64 survivals; entries past a row's limit (not drafted yet, or beyond its budget) are
-    not in the pool. Flattened j-major, a stable descending sort keeps ties in (j, r) order.
+    not in the pool. The pool holds at most R·γ entries, so one Python sort of the table's values is cheaper than
+    a chain of tensor operations.
     """
-    num, width = a.shape
-    valid = torch.arange(width)[None, :] < torch.as_tensor(limits, dtype=torch.long)[:, None]
-    pos = valid.T.reshape(-1).nonzero().squeeze(1)
-    values = a.T.reshape(-1)[pos]
-    order = torch.sort(values, descending=True, stable=True).indices
-    return [(p % num, p // num + 1, v) for p, v in zip(pos[order].tolist(), values[order].tolist())]
+    entries = [(r, j + 1, v) for r, (row, n) in enumerate(zip(a.tolist(), limits)) for j, v in enumerate(row[:n])]
+    entries.sort(key=lambda e: (-e[2], e[1], e[0]))
+    return entries
 
 
 def fill(a: torch.Tensor, limits, budget: int) -> list[int]:
-    """ℓ_r from the top ``budget`` entries of the pooled order over survivals ``a`` ``[R, W]`` (not validated: the
-    run's own values; :func:`fill_budget` is the checked entry point). Prefix-closed per request."""
+    """ℓ_r from the top ``budget`` entries of the pooled order over survivals ``a`` ``[R, W]`` float64, row r's
+    first ``limits[r]`` entries in the pool (not validated: the run's own values; :func:`fill_budget` is the checked
+    entry point). Returns R ints, prefix-closed per request, summing to min(budget, Σ limits)."""
     lengths = [0] * a.shape[0]
     for r, j, _ in _ranked_entries(a, limits)[:budget]:
         lengths[r] = j  # entries of one request arrive in increasing j

@@ -1,4 +1,4 @@
-"""The round's prices and acceptance records (`generation.costs`) and the scheduler's plan (`Policy.plan`): fast, no
+"""The round's prices and acceptance records (`generation.costs`) and the scheduler's plan (`PolicyRun.plan`): fast, no
 models, except the last test (a tiny random target)."""
 
 from __future__ import annotations

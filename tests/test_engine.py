@@ -355,9 +355,9 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys, saved_figures):
     assert report["config"]["lookup"] is True  # the default; `none` stays plain decoding
     assert all(r["lookup_request_rounds"] == 0 for r in report["results"] if r["policy"] == "none")
     # the loaded phase ends when the queue is empty and fewer than R requests run: at R = 1 only after the last one,
-    # so there the steady speed is the whole run's (the two clocks stop a few statements apart)
+    # so there the steady phase holds every token, timed by a clock that runs inside the whole run's
     for r in (r for r in report["results"] if r["R"] == 1):
-        assert r["steady_tokens"] == 6 and r["steady_reps"] == pytest.approx(r["throughput_reps"], rel=0.02)
+        assert r["steady_tokens"] == 6 and all(s >= t for s, t in zip(r["steady_reps"], r["throughput_reps"]))
     assert all(0 < r["steady_tokens"] <= r["tokens"] for r in report["results"])
     assert all(r["steady_min"] <= r["steady_tok_s"] <= r["steady_max"] for r in report["results"])
     assert all(r["repeats"] == 2 and len(r["throughput_reps"]) == 2 for r in report["results"])
