@@ -1,11 +1,14 @@
-"""Size limits of the code (issue 50): small packages and functions a reader can hold in mind.
+"""House rules read from the files (issue 50): small packages and functions a reader can hold in mind, and shipped
+drafters stored in bfloat16 (each re-shipped copy stays in git history, so half the bytes matter).
 
-Counted from the files (physical lines, ``ast`` for function spans); nothing is imported.
+Counted from the files (physical lines, ``ast`` for function spans, safetensors headers); nothing is imported.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,24 @@ def test_the_counts_see_the_code():
     """The limits are checked against real files: each package has modules, and the largest is not empty."""
     for package in set(PACKAGE_LINES) | set(LIBRARY):
         assert max(_lines(p) for p in _modules(package)) > 100, package
+
+
+def _safetensors_dtypes(path: Path) -> set[str]:
+    """The tensor dtypes a safetensors file declares in its header (8-byte little-endian length, then JSON)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+SHIPPED = sorted((REPO / "modeling_dspark" / "drafters").glob("*/model.safetensors"))
+
+
+@pytest.mark.parametrize("weights", SHIPPED, ids=[p.parent.name for p in SHIPPED])
+def test_shipped_drafters_are_bfloat16(weights):
+    floats = _safetensors_dtypes(weights) - {"I64", "I32", "BOOL"}
+    assert floats == {"BF16"}, f"{weights.parent.name} stores {sorted(floats)}"
+    assert json.loads((weights.parent / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_there_are_shipped_drafters():
+    assert {p.parent.name for p in SHIPPED} == {"smollm2-135m-dspark", "qwen2.5-coder-0.5b-dspark"}
