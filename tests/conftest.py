@@ -6,10 +6,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# tests never read or write the user's SPS(B) profiles: a cached profile would turn the scheduler on by default
+# tests never read or write the user's SPS(B) profiles: a cached profile would turn the scheduler on by default;
+# the directory is this process's and is removed when it exits
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 os.environ["DSPARK_PROFILE_DIR"] = tempfile.mkdtemp(prefix="dspark-test-profiles-")
+atexit.register(shutil.rmtree, os.environ["DSPARK_PROFILE_DIR"], ignore_errors=True)
 
 import pytest
 import torch
