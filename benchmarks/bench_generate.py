@@ -52,8 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
     p.add_argument("--policy", default=None,
-                   help="verify policy (generation.policies; default: generate()'s default, the scheduler when an SPS "
-                        "table is cached and the drafter has a confidence head, else full)")
+                   help="verify policy (generation.policies; default: generate()'s default, the scheduler when the "
+                        "drafter has a confidence head, else full)")
     p.add_argument("--lookup", choices=("on", "off"), default="off",
                    help="the n-gram lookup proposer beside the drafter (generate()'s default is on; default here: off, "
                         "the drafter alone)")

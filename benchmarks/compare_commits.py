@@ -18,7 +18,7 @@ commit with ``git worktree add ../dspark-old COMMIT``; both use the Python runni
 table cache is shared (set ``DSPARK_PROFILE_DIR`` to profile once for both)::
 
     python benchmarks/compare_commits.py --before ../dspark-old --after . --bench generate --repeats 6 \\
-        --out benchmarks/results/before-after-generate.json -- --drafter drafters/smollm2-135m-dspark \\
+        --out benchmarks/results/before-after-generate.json -- --drafter smollm2-135m-dspark \\
         --num-prompts 4 --max-new-tokens 64 --dtypes float32 --threads 2 --ranks ""
 """
 
