@@ -230,7 +230,7 @@ def draft_round(
     lengths = policy.lengths(conf, budgets, known)
     lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
     logits = [torch.cat(k, dim=0) if k else None for k in kept]
-    return DraftResult(tokens, lengths, [conf[i, : known[i]].tolist() for i in range(num)], logits, ingested)
+    return DraftResult(tokens, lengths, [row[:n] for row, n in zip(conf.tolist(), known)], logits, ingested)
 
 
 def _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, known, kept) -> None:
