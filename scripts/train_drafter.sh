@@ -8,7 +8,7 @@
 # dry-run: a few prompts and steps on the CPU, proving every step starts and writes its output (minutes).
 # Every step resumes where it stopped (data shards, training checkpoints), so rerun the same command after a kill.
 # OUT receives data/ (not for committing), run/ (the drafter, calibrated), eval/ and export/.
-# DSPARK: the command that runs dspark (default: dspark), e.g. DSPARK="python -m dspark_cli".
+# DSPARK: the command that runs dspark (default: dspark), e.g. DSPARK="python -m dspark.cli".
 set -euo pipefail
 
 OUT=${1:?usage: scripts/train_drafter.sh OUT [gpu|cpu|dry-run]}
