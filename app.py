@@ -5,7 +5,7 @@
     python app.py --host 0.0.0.0       # listen on all interfaces (off by default); --share: a gradio.live link
 
 A thin layer over the library (``modeling_dspark`` loads the models, ``generation`` runs
-``target.generate(ids, assistant_model=drafter)`` and records every round, ``app_render`` turns the
+``target.generate(ids, assistant_model=drafter)`` and records every round, ``dspark.app_render`` turns the
 rounds into token rows); the library never imports this file. The functions above :func:`build_ui` do not need a
 browser (``tests/test_app.py`` calls them directly).
 
@@ -37,8 +37,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from generation import collect_stats, dspark_options  # noqa: E402
-from app_render import (  # noqa: E402
+from dspark.generation import collect_stats, dspark_options  # noqa: E402
+from dspark.app_render import (  # noqa: E402
     empty_position_counts,
     first_difference,
     position_chart_html,
@@ -53,7 +53,7 @@ RANDOM_DRAFTER_SEED = 0
 RANDOM_DRAFTER_BLOCK_SIZE = 8
 DTYPES = ("float32", "bfloat16")
 POLICY_CHOICES = ("scheduler", "full", "threshold:0.5", "fixed:1", "fixed:4", "none")
-"""The policy dropdown's entries (any spec of :func:`generation.policies.parse_policy` may be typed in)."""
+"""The policy dropdown's entries (any spec of :func:`dspark.generation.policies.parse_policy` may be typed in)."""
 
 MAX_PROMPT_CHARS = 4000
 MAX_PROMPT_TOKENS = 1024
@@ -139,7 +139,7 @@ def validate_request(prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, decoding="gr
             raise AppError(f"block size must be at least 1, got {block_size}.")
     else:
         block_size = None
-    from generation.policies import parse_policy
+    from dspark.generation.policies import parse_policy
 
     try:
         policy = parse_policy(str(policy or "full").strip()).name
@@ -178,9 +178,9 @@ def encode_prompt(tok, prompt: str, limit: int = MAX_PROMPT_TOKENS) -> torch.Lon
 # ---------------------------------------------------------------------------------------------- models
 def auto_dtype(drafter: str | None = None, target: str | None = None, device="cpu") -> tuple[str, str]:
     """The faster dtype's name for ``generate()`` with ``drafter`` (a directory; None or ``"random"``: plain
-    decoding) on ``target`` here, and why, for the page (:func:`evaluation.dtype.auto_dtype`: the processor
+    decoding) on ``target`` here, and why, for the page (:func:`dspark.evaluation.dtype.auto_dtype`: the processor
     decides, or both dtypes are timed once and the result cached)."""
-    from evaluation.dtype import auto_dtype as pick
+    from dspark.evaluation.dtype import auto_dtype as pick
 
     dtype, why = pick(target, None if drafter in (None, "random") else drafter, device=device)
     return ("bfloat16" if dtype == torch.bfloat16 else "float32"), why
@@ -458,7 +458,7 @@ def run_demo(bank: ModelBank, req: Request, counts: dict | None = None, cancel: 
             raise AppError(f"block size must be between 1 and {gamma} for this drafter, got {req.block_size}.")
         ids = encode_prompt(models.tok, req.prompt).to(models.target.device)
         block = req.block_size or gamma
-        from generation.policies import parse_policy
+        from dspark.generation.policies import parse_policy
 
         policy = parse_policy(req.policy)
         if policy.needs_confidence and getattr(models.drafter, "confidence_head", None) is None:

@@ -31,12 +31,12 @@ run_arm() {
   local name=${1%%|*} opts=${1#*|}
   [ -f "$OUT/$name/model.safetensors" ] && return 0
   # shellcheck disable=SC2086
-  $PY -m dspark_cli train $BASE $opts --out-dir "$OUT/$name" > "$OUT/$name.log" 2>&1
+  $PY -m dspark.cli train $BASE $opts --out-dir "$OUT/$name" > "$OUT/$name.log" 2>&1
 }
 export -f run_arm; export OUT BASE PY
 # one process builds the feature cache (a one-step run), so that the two workers do not build it at once
 # shellcheck disable=SC2086
-[ -f "$OUT/cache-warmup/model.safetensors" ] || $PY -m dspark_cli train $BASE --max-steps 1 --threads 2 \
+[ -f "$OUT/cache-warmup/model.safetensors" ] || $PY -m dspark.cli train $BASE --max-steps 1 --threads 2 \
   --draft-vocab-size 8192 --out-dir "$OUT/cache-warmup" > "$OUT/cache-warmup.log" 2>&1
 # the costlier arms (last in the list) start first, so that the two workers finish together
 printf '%s\n' "$ARMS" | tac | xargs -d '\n' -P 2 -I{} bash -c 'run_arm "$@"' _ {}

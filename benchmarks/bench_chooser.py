@@ -69,7 +69,7 @@ def worker(args) -> None:
     """One checkout's side: read JSON commands from stdin, answer one JSON line each."""
     import torch
 
-    from generation import dspark_options
+    from dspark.generation import dspark_options
     from modeling_dspark import DSparkDraftModel
     from modeling_dspark.target import apply_chat_template, load_target
 
@@ -79,13 +79,13 @@ def worker(args) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "profile":
-            from evaluation.profiling import profile_target
+            from dspark.evaluation.profiling import profile_target
 
             res = profile_target(target, contexts=[256], requests=[1], tokens=list(range(1, cmd["max_b"] + 1)),
                                  repeats=5)
             reply = {"sps": {str(b): v for b, v in res["tables"][256][1].items()}}
         elif cmd["op"] == "engine":
-            from generation import DSparkEngine
+            from dspark.generation import DSparkEngine
 
             plain = cmd["arm"] == "plain"
             engine = DSparkEngine(target, None if plain else drafter, "none" if plain else "full", lookup=not plain,
@@ -146,7 +146,7 @@ def git_rev(checkout: str) -> str:
 
 def load_prompts(per_set: int, offset: int) -> list[dict]:
     sys.path.insert(0, str(REPO_ROOT))
-    from training.prompts import load_eval_prompts
+    from dspark.training.prompts import load_eval_prompts
 
     return [r for s in SETS for r in load_eval_prompts(s, offset + per_set)[offset:]]
 

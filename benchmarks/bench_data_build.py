@@ -1,6 +1,6 @@
 """Benchmark: target tokens/s of `dspark data build`'s generation against the batch size.
 
-``dspark data build`` answers prompts with :func:`training.data.generate_responses`: one plain batched, greedy
+``dspark data build`` answers prompts with :func:`dspark.training.data.generate_responses`: one plain batched, greedy
 ``target.generate()`` per batch (left padding, KV cache), prompts sorted by length within a shard. This script
 times it on the same ShareGPT prompts (sorted by length, as the build does) for each ``--batch-sizes`` value and
 dtype, after one warm-up call, and reports new tokens/s (tokens up to and including EOS; the rest of a finished
@@ -34,10 +34,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from evaluation.profiling import cpu_model
+    from dspark.evaluation.profiling import cpu_model
     from modeling_dspark.target import apply_chat_template, load_target
-    from training import prompts as P
-    from training.data import eos_token_ids, generate_responses
+    from dspark.training import prompts as P
+    from dspark.training.data import eos_token_ids, generate_responses
 
     if args.threads:
         torch.set_num_threads(args.threads)

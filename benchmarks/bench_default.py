@@ -7,7 +7,7 @@ ratio (total tokens over total seconds), how many prompts ran faster with DSpark
 that count (scipy's binomtest).
 
 Engine arm (``--engine-requests``): for each R, a stream of ``--engine-waves`` × R prompts, all queued at the start,
-served with at most R in flight by :class:`generation.DSparkEngine` with the drafter (default policy) and without
+served with at most R in flight by :class:`dspark.generation.DSparkEngine` with the drafter (default policy) and without
 (plain batched decoding: no drafter, no lookup), ``--repeats`` repetitions interleaved; the ratio per repetition and
 the sign test over repetitions. Request i asks for 24 + (37·i mod 49) new tokens (24..72, mean about
 ``--engine-tokens`` = 48), as requests of a server differ in length; ``--engine-equal-lengths`` gives every request
@@ -69,7 +69,7 @@ def sign_test(wins: int, n: int) -> float:
 def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
     import torch
 
-    from evaluation.eval_sets import timed_generate
+    from dspark.evaluation.eval_sets import timed_generate
     from modeling_dspark.target import apply_chat_template
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -125,7 +125,7 @@ def engine_lengths(num: int, mean: int, equal: bool) -> list[int]:
 
 def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: int, repeats: int, waves: int = 4,
                equal: bool = False) -> dict:
-    from generation import DSparkEngine
+    from dspark.generation import DSparkEngine
     from modeling_dspark.target import apply_chat_template
 
     pool = [apply_chat_template(tok, p["prompt"]) for ps in zip(*prompts.values()) for p in ps]
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
 
     from benchmarks.bench_generate import result_header, usable_cores, write_result
     from benchmarks.bench_proposers import load_domain_prompts
-    from evaluation.profiling import cpu_model
+    from dspark.evaluation.profiling import cpu_model
     from modeling_dspark.pairing import load_models
     from modeling_dspark.target import shipped_drafter_for
 

@@ -1,4 +1,5 @@
-"""Benchmark: milliseconds of one drafting round (`generation.drafting.draft_round`), R = 1, on real target features.
+"""Benchmark: milliseconds of one drafting round (`dspark.generation.drafting.draft_round`), R = 1, on real target
+features.
 
 The shipped drafter of the target drafts γ' slots after ingesting 2 new positions of a prompt the target prefilled
 (a steady round), ``--rounds`` times per policy (``full``, and ``scheduler`` with every slot worth verifying so that
@@ -13,6 +14,7 @@ compared on one machine: run the two commands back to back, or alternate them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -38,9 +40,9 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO_ROOT))  # the models, prompts and drafters of this checkout
     import torch
 
-    from evaluation.profiling import cpu_model
+    from dspark.evaluation.profiling import cpu_model
     from modeling_dspark import DSparkDraftModel
-    from generation.features import context_features, hidden_state_indices
+    from dspark.generation.features import context_features, hidden_state_indices
     from modeling_dspark.target import apply_chat_template, load_target
     from modeling_dspark.target import shipped_drafter_for
 
@@ -49,13 +51,18 @@ def main(argv=None) -> int:
     target, tok = load_target(args.target, dtype=dtype)
     drafter = DSparkDraftModel.from_pretrained(str(shipped_drafter_for(args.target)), target=target, dtype=dtype)
     drafter.eval()
+    package = "dspark.generation"
     if args.checkout:  # time the other checkout's round on the same models
-        for name in [m for m in sys.modules if m == "generation" or m.startswith("generation.")]:
+        root = Path(args.checkout).resolve()
+        if not (root / "dspark" / "__init__.py").is_file():  # a checkout from before the `dspark` namespace
+            package = "generation"
+        top = package.split(".")[0]
+        for name in [m for m in sys.modules if m == top or m.startswith(f"{top}.")]:
             del sys.modules[name]
-        sys.path.insert(0, str(Path(args.checkout).resolve()))
-    import generation
-    from generation import drafting, policies
-    from generation.round import RequestState
+        sys.path.insert(0, str(root))
+    generation = importlib.import_module(package)
+    drafting, policies = (importlib.import_module(f"{package}.{m}") for m in ("drafting", "policies"))
+    RequestState = importlib.import_module(f"{package}.round").RequestState
 
     ids = torch.tensor([apply_chat_template(tok, "Write a Python function that checks whether a number is prime.")])
     layers = list(drafter.config.target_layer_ids)

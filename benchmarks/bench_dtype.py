@@ -1,6 +1,6 @@
 """Benchmark: the dtype `--dtype auto` picks, against a longer measurement of the same jobs.
 
-:func:`evaluation.dtype.auto_dtype` times greedy ``generate()`` of one prompt for 32 tokens in float32 and
+:func:`dspark.evaluation.dtype.auto_dtype` times greedy ``generate()`` of one prompt for 32 tokens in float32 and
 bfloat16 and picks the faster (float32 within 5 %). This script times the same two jobs (plain decoding, and
 with the shipped drafter at its default options) longer — ``--max-new-tokens`` tokens, ``--repeats`` interleaved
 runs, the fastest kept — and reports, per job, tokens/s in each dtype, the ratio bf16 / fp32 and what the short
@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from evaluation import dtype as choice
-    from evaluation import profiling
+    from dspark.evaluation import dtype as choice
+    from dspark.evaluation import profiling
 
     hf_logging.disable_progress_bar()
     if args.threads:

@@ -52,8 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=None, help="draft slots per round (default: the drafter's)")
     p.add_argument("--policy", default=None,
-                   help="verify policy (generation.policies; default: generate()'s default, the scheduler when the "
-                        "drafter has a confidence head, else full)")
+                   help="verify policy (dspark.generation.policies; default: generate()'s default, the scheduler when "
+                        "the drafter has a confidence head, else full)")
     p.add_argument("--lookup", choices=("on", "off"), default="off",
                    help="the n-gram lookup proposer beside the drafter (generate()'s default is on; default here: off, "
                         "the drafter alone)")
@@ -78,7 +78,7 @@ def machine_info(threads: int) -> dict:
     import torch
     import transformers
 
-    from evaluation.profiling import cpu_model
+    from dspark.evaluation.profiling import cpu_model
 
     cpu = cpu_model()
     try:
@@ -122,9 +122,9 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     import torch
 
     from modeling_dspark.pairing import load_models
-    from evaluation.eval_sets import timed_generate
-    from evaluation.serving import sign_test_p
-    from generation import collect_stats, dspark_options
+    from dspark.evaluation.eval_sets import timed_generate
+    from dspark.evaluation.serving import sign_test_p
+    from dspark.generation import collect_stats, dspark_options
     from modeling_dspark.target import apply_chat_template
 
     target, tok, drafter = load_models(args.target, args.drafter, dtype_name)

@@ -2,7 +2,7 @@
 
 One process; for every prompt the four variants run back to back (their order rotated from prompt to prompt), so
 drift of a shared machine hits all alike. Greedy decoding. Prompts: math (GSM8K), code (HumanEval) and chat
-(MT-Bench first turns, then AlpacaEval, alternating), the project's held-out eval sets (training.prompts).
+(MT-Bench first turns, then AlpacaEval, alternating), the project's held-out eval sets (dspark.training.prompts).
 
 Per prompt and variant: new tokens, seconds, target forwards, τ (tokens per target forward after the prefill, i.e.
 per round), per-round draft / verify ms (DSpark variants), lookup rounds, and whether the output equals plain
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each eval set (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16, float32")
-    p.add_argument("--policy", default="scheduler", help="DSpark verify policy (generation.policies)")
+    p.add_argument("--policy", default="scheduler", help="DSpark verify policy (dspark.generation.policies)")
     p.add_argument("--pld-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens (default 10)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "proposers.json"))
@@ -51,7 +51,7 @@ def parse_args(argv=None):
 
 def load_domain_prompts(per_domain: int, offset: int) -> dict[str, list[dict]]:
     """``{domain: [{"id", "prompt", "source"}]}``, ``per_domain`` each; a domain with several sets alternates them."""
-    from training.prompts import load_eval_prompts
+    from dspark.training.prompts import load_eval_prompts
 
     out = {}
     for domain, sets in DOMAINS.items():
@@ -85,7 +85,7 @@ def measure_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict:
 
 def run_variant(variant, target, ids, drafter, gen, counter, args) -> dict:
     """One timed call of ``variant``: new ids, seconds, target forwards and rounds (none for plain and lookup)."""
-    from evaluation.eval_sets import timed_generate
+    from dspark.evaluation.eval_sets import timed_generate
 
     n0 = counter.n
     if variant == "prompt_lookup":
@@ -158,7 +158,7 @@ def bench_dtype(args, dtype_name: str, prompts: dict[str, list[dict]]) -> dict:
     import torch
 
     from modeling_dspark.pairing import load_models
-    from evaluation.eval_sets import ForwardCounter
+    from dspark.evaluation.eval_sets import ForwardCounter
     from modeling_dspark.target import apply_chat_template
 
     target, tok, drafter = load_models(args.target, args.drafter_dir, dtype_name)
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from benchmarks.bench_generate import result_header, usable_cores, write_result
-    from generation import dspark_options
+    from dspark.generation import dspark_options
     from modeling_dspark.target import DEFAULT_TARGET
 
     if "lookup" not in inspect.signature(dspark_options).parameters:

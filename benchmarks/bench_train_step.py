@@ -2,8 +2,8 @@
 
 * ``online, full vocab``   — the target runs on every batch; the drafter drafts over all V = 49,152 tokens;
 * ``online, draft vocab``  — the target runs on every batch; the drafter drafts over N = ``--draft-vocab-size``
-  tokens and the loss uses the exact reduced-vocabulary L1 (target logsumexp, `training/losses.py`);
-* ``cached, draft vocab``  — the target's outputs come from a feature cache (`training/feature_cache.py`),
+  tokens and the loss uses the exact reduced-vocabulary L1 (target logsumexp, `dspark/training/losses.py`);
+* ``cached, draft vocab``  — the target's outputs come from a feature cache (`dspark/training/feature_cache.py`),
   no target forward.
 
 Same batch for all three (``--batch-size`` sequences of the data, ``--anchors`` blocks each), collated inside
@@ -44,10 +44,10 @@ def main(argv=None) -> int:
     from transformers import TrainingArguments
 
     from modeling_dspark import DSparkConfig, DSparkDraftModel
-    from training.data import load_data
-    from training.feature_cache import CachedFeatureCollator, FeatureCache, build_feature_cache
+    from dspark.training.data import load_data
+    from dspark.training.feature_cache import CachedFeatureCollator, FeatureCache, build_feature_cache
     from modeling_dspark.target import load_target
-    from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset, select_draft_vocab
+    from dspark.training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset, select_draft_vocab
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
 
     from benchmarks.bench_generate import result_header, usable_cores, write_result
     from benchmarks.bench_proposers import load_domain_prompts
-    from evaluation.profiling import cpu_model
+    from dspark.evaluation.profiling import cpu_model
     from modeling_dspark.pairing import load_models
     from modeling_dspark.target import shipped_drafter_for
 

@@ -111,11 +111,11 @@ def dspark_side(args) -> int:
     import torch
 
     import modeling_dspark as md
-    from dspark_cli.main import main as cli_main
-    from generation.engine import DSparkEngine
-    from generation.stats import collect_stats
+    from dspark.cli.main import main as cli_main
+    from dspark.generation.engine import DSparkEngine
+    from dspark.generation.stats import collect_stats
     from modeling_dspark.target import apply_chat_template, default_target_path, load_target
-    from training.prompts import load_eval_prompts
+    from dspark.training.prompts import load_eval_prompts
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()

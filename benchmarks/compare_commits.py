@@ -10,7 +10,7 @@ Benchmarks:
 
 - ``generate``: ``benchmarks/bench_generate.py`` (plain and DSpark ``generate()`` in the same process); metrics per
   dtype: DSpark tokens/s, plain tokens/s, and their ratio (the speed-up measured inside one process).
-- ``serve``: ``python -m dspark_cli bench serve``; metrics per (R, policy): median total tokens/s, and each policy's
+- ``serve``: ``python -m dspark.cli bench serve``; metrics per (R, policy): median total tokens/s, and each policy's
   tokens/s over ``none`` (plain decoding) in the same process where ``none`` is among the policies.
 
 Arguments after ``--`` go to the benchmark unchanged, so both checkouts must accept them. Make a checkout of an old
@@ -56,8 +56,9 @@ def parse_args(argv=None):
         args.bench_args = args.bench_args[1:]
     for side in ("before", "after"):
         root = Path(getattr(args, side)).resolve()
-        if not (root / "dspark_cli").is_dir():
-            p.error(f"--{side} {root}: not a checkout of this repository (no dspark_cli/)")
+        if not (root / "dspark" / "cli").is_dir() and not (root / "dspark_cli").is_dir():
+            p.error(f"--{side} {root}: not a checkout of this repository (no dspark/cli/, nor dspark_cli/ of older "
+                    f"commits)")
         setattr(args, side, root)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -71,7 +72,8 @@ def run_once(root: Path, bench: str, bench_args: list[str]) -> dict:
         if bench == "generate":
             cmd = [sys.executable, str(root / "benchmarks" / "bench_generate.py"), *bench_args, "--out", str(out)]
         else:
-            cmd = [sys.executable, "-m", "dspark_cli", "bench", "serve", *bench_args, "--out", str(out)]
+            cli = "dspark.cli" if (root / "dspark" / "cli").is_dir() else "dspark_cli"  # older commits: dspark_cli
+            cmd = [sys.executable, "-m", cli, "bench", "serve", *bench_args, "--out", str(out)]
         env = dict(os.environ, PYTHONPATH=str(root))
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.is_file():

@@ -58,8 +58,8 @@ def _mutate(mutation: str, case: str) -> None:
     import torch
     import transformers.generation.utils as tgu
 
-    import generation.candidate_generator as cg
-    from generation.round import Chain
+    import dspark.generation.candidate_generator as cg
+    from dspark.generation.round import Chain
 
     if mutation == "residual_from_p":
         def speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, new_logits, **_):

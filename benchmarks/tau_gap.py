@@ -1,7 +1,7 @@
 """Benchmark: a drafter's greedy acceptance on sequences it was trained on against held-out ones of the same kind.
 
 Both sets are target-generated (``dspark data build``), so the drafter's greedy acceptance on them needs no
-generation: :class:`training.trainer.DSparkTrainer`'s evaluation drafts a block at random anchors of every
+generation: :class:`dspark.training.trainer.DSparkTrainer`'s evaluation drafts a block at random anchors of every
 sequence and counts the slots that match the target's own next tokens (survival a_k, τ = 1 + Σ a_k, block size
 γ, full-block verification). A τ much higher on the training sequences than on held-out ones means the drafter
 has memorised its data (more data helps); equal τ means data is not what binds (capacity or training does).
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     from modeling_dspark.pairing import InputError, check_made_for_target, target_for_drafter
     from modeling_dspark import DSparkDraftModel
     from modeling_dspark.target import load_target
-    from training.data import load_data, read_plans
-    from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset
+    from dspark.training.data import load_data, read_plans
+    from dspark.training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset
 
     class PerBatchTrainer(DSparkTrainer):
         """Also records each evaluation batch's τ (over its blocks with all γ labels), for paired comparisons."""

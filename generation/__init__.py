@@ -1,5 +1,5 @@
 """DSpark inference: the drafting round, the round's decisions, verify policies, Algorithm 1, `generate()`
-integration, the batched engine and statistics (SPS(B) tables are measured by :mod:`evaluation.profiling`).
+integration, the batched engine and statistics (SPS(B) tables are measured by :mod:`dspark.evaluation.profiling`).
 
 Never imports the model package (`modeling_dspark`: a drafter is known by the methods called on it), training or
 evaluation code.

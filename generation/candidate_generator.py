@@ -2,7 +2,7 @@
 
 Each round takes the target features that transformers' assisted loop returns (``output_hidden_states``), queues
 those of the newly committed positions for the drafter's context, and runs the round's decisions for one request
-(:func:`generation.round.propose`, the same function as the batched engine's). transformers then verifies the
+(:func:`dspark.generation.round.propose`, the same function as the batched engine's). transformers then verifies the
 candidates in one target forward and accepts or rejects them (greedy match, or rejection sampling with residual
 resampling), which keeps the output lossless.
 
@@ -56,7 +56,7 @@ def validate_request(drafter, target, generation_config, input_ids=None, block_s
         if input_ids.shape[0] != 1:
             raise ValueError(
                 f"DSpark through generate() supports batch size 1 (got {input_ids.shape[0]}), like all "
-                "transformers assisted decoding; use generation.engine.DSparkEngine for batched speculative decoding"
+                "transformers assisted decoding; for batches use dspark.generation.engine.DSparkEngine"
             )
         if input_ids.shape[1] == 0:
             raise ValueError("empty prompt: input_ids has no tokens")
@@ -69,7 +69,7 @@ def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps) -> Po
     """The verify policy of a `generate()` call, started with its prices: ``policy``, or the default (``scheduler``
     when the drafter has a confidence head, else ``full``). The scheduler's prices are an explicit SPS(B) ``sps``,
     or those learned by earlier calls with the same target and drafter in this process
-    (:func:`generation.costs.prices_for`)."""
+    (:func:`dspark.generation.costs.prices_for`)."""
     if policy is None:
         policy = default_policy(drafter)
     if not policy.priced:
@@ -80,8 +80,8 @@ def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps) -> Po
 class DSparkCandidateGenerator(CandidateGenerator):
     """Candidate generator for `target.generate(ids, assistant_model=drafter)` with a DSpark drafter.
 
-    State for one `generate()` call lives here (the request's :class:`~generation.round.RequestState`, the started
-    policy); the drafter holds only weights.
+    State for one `generate()` call lives here (the request's :class:`~dspark.generation.round.RequestState`, the
+    started policy); the drafter holds only weights.
 
     Args:
         drafter: a :class:`DSparkDraftModel` bound to ``target``.
@@ -90,8 +90,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         logits_processor: the call's processors (incl. temperature / top-k / top-p warpers when sampling); applied
             to the draft logits exactly as the target's logits are processed.
         input_ids: ``[1, P]`` prompt ids.
-        policy: a verify policy spec or :class:`~generation.policies.Policy`; None: ``scheduler`` (every round
-            priced on this machine, :mod:`generation.costs`) when the drafter has a confidence head, else ``full``.
+        policy: a verify policy spec or :class:`~dspark.generation.policies.Policy`; None: ``scheduler`` (every
+            round priced on this machine, :mod:`dspark.generation.costs`) with a confidence head, else ``full``.
         block_size: γ' ≤ γ slots per round (default ``drafter.config.block_size``).
         sps: an explicit SPS(B) (a mapping or callable, steps/s) for the verify prices of ``scheduler`` /
             ``lagged``; None: learned from the rounds.
@@ -145,7 +145,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
     @property
     def num_drafting_tokens(self) -> int:
         """The most tokens a round proposes (γ'; lookup chains are as long at most). transformers 5.25 reads it once
-        per call for ``cache.activate_past_recording`` (:mod:`generation.compat`)."""
+        per call for ``cache.activate_past_recording`` (:mod:`dspark.generation.compat`)."""
         return self.block_size
 
     def _take_features(self, input_ids: torch.LongTensor, model_outputs) -> None:

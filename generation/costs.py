@@ -102,7 +102,7 @@ class Prices:
 
     Args:
         sps: an explicit SPS(B) (steps/s; a mapping ``{B: steps/s}``, a callable, or an
-            :class:`~evaluation.profiling.SPSProfile`); None learns the verify line from the rounds.
+            :class:`~dspark.evaluation.profiling.SPSProfile`); None learns the verify line from the rounds.
     """
 
     def __init__(self, sps=None):

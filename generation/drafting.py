@@ -8,8 +8,8 @@ A round, read top to bottom (docs/method.md §2 and §4):
    (docs/method.md eqs. 2–4);
 3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) into the
    round's ``[R, γ']`` confidence table → the verify policy decides from c_1..c_k whether x_k is verified
-   (:meth:`generation.policies.PolicyRun.lengths`; x_k is not sampled yet, so the decision cannot anticipate it) →
-   correction B_k (eq. 5 or 6) → logits processors → argmax, or a sample from exactly the distribution returned as
+   (:meth:`dspark.generation.policies.PolicyRun.lengths`; x_k is not sampled yet, so the decision cannot anticipate it)
+   → correction B_k (eq. 5 or 6) → logits processors → argmax, or a sample from exactly the distribution returned as
    the candidate logits.
 
 Greedy without logits processors takes the argmax in the draft vocabulary and keeps no logits; with logits
@@ -93,8 +93,8 @@ def check_drafter(drafter, target, block_size: int | None = None, policy: str | 
     """Bind an unbound drafter to ``target`` (and move it to the target's device) and check that it serves this
     request; return the block size γ'.
 
-    The same checks for `generate()` (:func:`generation.candidate_generator.validate_request`) and
-    :class:`~generation.engine.DSparkEngine`.
+    The same checks for `generate()` (:func:`dspark.generation.candidate_generator.validate_request`) and
+    :class:`~dspark.generation.engine.DSparkEngine`.
 
     Raises:
         ValueError: a drafter bound to a different target instance (re-binding would change it for every other
@@ -203,9 +203,9 @@ def draft_round(
         anchors: per request the anchor x_0, its last committed token id.
         anchor_positions: per request the anchor's position (committed tokens − 1).
         budgets: per request the most draft tokens it may verify this round, as the policy's
-            :meth:`~generation.policies.PolicyRun.plan` returned them (0: it does not draft, its pending features
+            :meth:`~dspark.generation.policies.PolicyRun.plan` returned them (0: it does not draft, its pending features
             wait for its next drafting round).
-        policy: the run's verify policy, its round planned (:meth:`generation.policies.PolicyRun.plan`).
+        policy: the run's verify policy, its round planned (:meth:`dspark.generation.policies.PolicyRun.plan`).
         num_slots: γ' ≤ γ, slots of the block forward.
         sampler: R = 1 with logits processors or sampling (None: greedy argmax, no logits kept).
 

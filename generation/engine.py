@@ -3,22 +3,22 @@
 transformers' assisted decoding is batch size 1. This engine serves R concurrent requests with a DSpark drafter.
 One round (:meth:`DSparkEngine._round`) reads top to bottom:
 
-1. **propose**: the round's decisions, the same as `generate()`'s (:func:`generation.round.propose`): a request
+1. **propose**: the round's decisions, the same as `generate()`'s (:func:`dspark.generation.round.propose`): a request
    whose n-gram lookup matches verifies the lookup continuation; the others draft in one drafting round, which
    chooses their verify lengths ℓ_r by the policy (Algorithm 1 over all of them for ``scheduler``;
    docs/method.md §4);
 2. **verify**: ONE packed target forward over B = Σ_r (1 + ℓ_r) tokens
-   (:class:`~generation.packed_target.PackedTarget`);
+   (:class:`~dspark.generation.packed_target.PackedTarget`);
 3. **accept**: per request the longest prefix of its chain equal to the target's argmax, plus the target's own next
    token (:func:`accept_greedy`); rejected tokens are cropped from its K/V cache, and the features of the
    committed positions queued for its drafter;
-4. **record**: per-request and engine-wide statistics (:func:`generation.round.record`).
+4. **record**: per-request and engine-wide statistics (:func:`dspark.generation.round.record`).
 
 Waiting requests join at the next :meth:`DSparkEngine.step` (their prompts prefilled in one packed forward) while
 at most ``max_batch_size`` run; requests finish independently (EOS or ``max_new_tokens``).
 
 Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
-for token in float32; no logits processors). Not thread-safe (see :mod:`generation.packed_target`).
+for token in float32; no logits processors). Not thread-safe (see :mod:`dspark.generation.packed_target`).
 This engine is the reference for the scheduler on one machine; serving at scale belongs to vLLM / SGLang.
 """
 
@@ -88,8 +88,8 @@ class RequestOutput:
 
 @dataclass
 class EngineRound:
-    """One engine round (prefill-only steps are not rounds): the :class:`~generation.stats.RoundStats` of each request
-    verified in it, in the round's order, and the per-round views of them below.
+    """One engine round (prefill-only steps are not rounds): the :class:`~dspark.generation.stats.RoundStats` of each
+    request verified in it, in the round's order, and the per-round views of them below.
 
     Views: ``requests`` (R), ``batch_tokens`` (B = Σ_r (1 + ℓ_r), tokens in the verify forward), and per request
     ``lengths`` (ℓ_r, the chain verified beside the anchor), ``drafted``, ``accepted``, ``committed`` and ``sources``
@@ -211,7 +211,7 @@ class DSparkEngine:
 
     Usage::
 
-        engine = DSparkEngine(target, drafter)          # the default policy prices every round (generation.costs)
+        engine = DSparkEngine(target, drafter)          # by default every round is priced (dspark.generation.costs)
         a = engine.add_request(prompt_ids_a, max_new_tokens=64)
         engine.step()                                  # one round (new requests are prefilled first)
         outputs = engine.run()                         # until every request is finished; sorted by id
@@ -220,13 +220,13 @@ class DSparkEngine:
         target: the target causal LM (eval mode; float32 for exact greedy equality with ``generate()``).
         drafter: a :class:`~modeling_dspark.DSparkDraftModel` (bound to ``target`` here if it is not yet); may be
             None only with ``policy="none"``.
-        policy: a spec of :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`;
-            None: ``scheduler`` when the drafter has a confidence head, ``full`` with one without, ``none`` without
-            a drafter.
+        policy: a spec of :func:`dspark.generation.policies.parse_policy` or a
+            :class:`~dspark.generation.policies.Policy`; None: ``scheduler`` when the drafter has a confidence head,
+            ``full`` with one without, ``none`` without a drafter.
         block_size: γ' ≤ the drafter's γ slots per round (default γ).
         sps: an explicit SPS(B) for ``scheduler`` / ``lagged``: a mapping ``{B: steps/s}``, a callable, or a
-            :class:`evaluation.profiling.SPSProfile` (then the curve for the round's R and mean context is used);
-            default: verify prices learned from the rounds (:mod:`generation.costs`).
+            :class:`dspark.evaluation.profiling.SPSProfile` (then the curve for the round's R and mean context is used);
+            default: verify prices learned from the rounds (:mod:`dspark.generation.costs`).
         max_batch_size: at most this many requests run at once; more wait in a queue (FIFO).
         eos_token_id: int or list; default the target's ``generation_config.eos_token_id``.
         lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
@@ -236,7 +236,7 @@ class DSparkEngine:
     Raises:
         ValueError: a bad policy, a policy that needs a drafter / confidence head without one, block_size out of
             range, a drafter that does not match the target or is bound to another target instance
-            (:func:`~generation.drafting.check_drafter`, as `generate()`), a bad lookup.
+            (:func:`~dspark.generation.drafting.check_drafter`, as `generate()`), a bad lookup.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 transformers (5.24 and 5.25) picks a candidate generator in a fixed chain inside
 `GenerationMixin._get_candidate_generator`, which no model or config can extend; this is dspark's one seam into
-transformers' internals (the others it uses are interfaces: :mod:`generation.compat` lists them). Importing
+transformers' internals (the others it uses are interfaces: :mod:`dspark.generation.compat` lists them). Importing
 :mod:`modeling_dspark` wraps that method once, at class level (:func:`modeling_dspark.install_generate_hook`):
 when the assistant is a `DSparkDraftModel` the wrapper calls :func:`dspark_candidate_generator`, which returns a
 :class:`DSparkCandidateGenerator`; every other assistant (draft models, prompt lookup, …) keeps transformers'
@@ -36,11 +36,11 @@ _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options"
 
 class dspark_options(ScopedValue):
     """Set, for `generate()` calls made inside a ``with`` block (this thread / task only): the verify policy (a spec
-    of :func:`generation.policies.parse_policy` or a :class:`~generation.policies.Policy`; default: the scheduler
-    when the drafter has a confidence head, else ``full``: :func:`generation.policies.default_policy`), the block
-    size γ', an explicit SPS(B) table for ``scheduler`` / ``lagged`` (e.g. from ``dspark profile``; None: the rounds
-    price themselves, :mod:`generation.costs`) and whether the n-gram lookup proposer runs beside the drafter
-    (:mod:`generation.lookup`; ``policy="none"`` with ``lookup=True`` is lookup alone)::
+    of :func:`dspark.generation.policies.parse_policy` or a :class:`~dspark.generation.policies.Policy`; default: the
+    scheduler when the drafter has a confidence head, else ``full``: :func:`dspark.generation.policies.default_policy`),
+    the block size γ', an explicit SPS(B) table for ``scheduler`` / ``lagged`` (e.g. from ``dspark profile``; None: the
+    rounds price themselves, :mod:`dspark.generation.costs`) and whether the n-gram lookup proposer runs beside the
+    drafter (:mod:`dspark.generation.lookup`; ``policy="none"`` with ``lookup=True`` is lookup alone)::
 
         with dspark_options(policy="fixed:3", block_size=4):
             target.generate(ids, assistant_model=drafter)
@@ -135,13 +135,13 @@ def dspark_candidate_generator(target, drafter, generation_config, input_ids, lo
 
     An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``, after
     :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device
-    (:func:`~generation.drafting.check_drafter`). The block size γ' comes from ``num_assistant_tokens``
+    (:func:`~dspark.generation.drafting.check_drafter`). The block size γ' comes from ``num_assistant_tokens``
     or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
 
     The policy and its SPS(B) table are resolved by :class:`DSparkCandidateGenerator` (after its checks).
 
     Raises:
-        RuntimeError: the installed transformers is outside the supported range (:mod:`generation.compat`).
+        RuntimeError: the installed transformers is outside the supported range (:mod:`dspark.generation.compat`).
     """
     check_transformers()
     opts = _options.get()

@@ -1,5 +1,5 @@
-"""The per-request K/V cache: the target's in the packed verify forward (:mod:`generation.packed_target`) and the
-drafter's context cache (:class:`generation.drafting.DraftContext`)."""
+"""The per-request K/V cache: the target's in the packed verify forward (:mod:`dspark.generation.packed_target`) and the
+drafter's context cache (:class:`dspark.generation.drafting.DraftContext`)."""
 
 from __future__ import annotations
 

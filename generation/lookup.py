@@ -3,7 +3,7 @@
 Lookup proposes the text that followed the most recent earlier occurrence of the last n committed tokens (prompt
 and generated text alike), as transformers' ``PromptLookupCandidateGenerator`` and vLLM's n-gram proposer do; it
 wins where the answer copies the prompt or itself (code, restated questions), the drafter where it must predict new
-text. The round (:func:`generation.round.propose`) uses the rule of vLLM's hybrid proposer: a request whose last
+text. The round (:func:`dspark.generation.round.propose`) uses the rule of vLLM's hybrid proposer: a request whose last
 ``min_ngram``..``max_ngram`` tokens occurred before verifies the lookup continuation and skips the drafter; the
 others draft. The rule reads only the committed text.
 

@@ -14,15 +14,15 @@ One vocabulary, one parser (:func:`parse_policy`), used by `generate()`, the bat
 
 A :class:`Policy` is the parsed spec, checked once where the user hands it over (``dspark_options``, the engine,
 the CLI); :meth:`Policy.start` gives the :class:`PolicyRun` one run uses (a class per rule), with the run's
-:class:`~generation.costs.Prices`.
+:class:`~dspark.generation.costs.Prices`.
 
-A round asks the run (:mod:`generation.round`):
+A round asks the run (:mod:`dspark.generation.round`):
 
 1. :meth:`PolicyRun.plan`, before anything is drafted: ``fixed`` caps the budgets at N; ``scheduler`` and ``lagged``
    price the lookup chains (their tokens are known; survival p^j from the lookup's
-   :class:`~generation.costs.Record`) and then whether drafting pays at all: the best Θ with the drafter's expected
-   survivals and the drafting time against Θ without drafting (ℓ = 0 everywhere: plain steps, and the drafter does
-   not run);
+   :class:`~dspark.generation.costs.Record`) and then whether drafting pays at all: the best Θ with the drafter's
+   expected survivals and the drafting time against Θ without drafting (ℓ = 0 everywhere: plain steps, and the drafter
+   does not run);
 2. :meth:`PolicyRun.lengths`, in the drafting round before sampling slot k, on the ``[R, γ']`` confidence table with
    c_{r,1..k} known: ``scheduler`` runs Algorithm 1 with its early STOP over the known entries, pricing a verify of B
    tokens at the learned verify time plus the (now spent) drafting time, so whether x_{r,k} is verified never
@@ -110,7 +110,7 @@ class PolicyRun:
 
     Attributes:
         spec: the :class:`Policy`.
-        prices: the run's :class:`~generation.costs.Prices` (priced policies), else None.
+        prices: the run's :class:`~dspark.generation.costs.Prices` (priced policies), else None.
     """
 
     def __init__(self, spec: Policy, prices: Prices | None = None):
@@ -130,7 +130,7 @@ class PolicyRun:
         """Step 1 of the module doc: the lookup chains' lengths and the drafting budgets of this round.
 
         Args:
-            states: per request its :class:`~generation.round.RequestState` (its acceptance records).
+            states: per request its :class:`~dspark.generation.round.RequestState` (its acceptance records).
             budgets: per request the most draft tokens it may verify (0: it cannot draft).
             lookups: per request the lookup's proposed tokens (empty: no match).
             context_len: mean committed tokens per request.
@@ -200,7 +200,7 @@ class _Scheduler(PolicyRun):
     def __init__(self, spec: Policy, prices: Prices | None = None):
         super().__init__(spec, prices)
         self._round = (1, 1.0, 0.0, None)  # base B, base τ*, drafting seconds, mean context length
-        self._probe = False  # this round verifies one draft token per request, unpriced (generation.costs)
+        self._probe = False  # this round verifies one draft token per request, unpriced (dspark.generation.costs)
 
     def _seconds(self, requests: int, context_len: float | None, extra: float = 0.0):
         return lambda b: self.prices.verify_s(b, requests, context_len) + extra
@@ -210,7 +210,7 @@ class _Scheduler(PolicyRun):
         self._round, self._probe = (num, float(num), 0.0, context_len), False
         if not self.prices.known:
             return super().plan(states, budgets, lookups, context_len)
-        if self.prices.wants_plain_step:  # measure t(R) now and then (generation.costs.PLAIN_EVERY)
+        if self.prices.wants_plain_step:  # measure t(R) now and then (dspark.generation.costs.PLAIN_EVERY)
             return [0] * num, [0] * num
         seconds = self._seconds(num, context_len)
         rows = [s.lookup_record.survival(len(t)) if t else [] for s, t in zip(states, lookups)]
@@ -218,7 +218,7 @@ class _Scheduler(PolicyRun):
         budgets = [0 if n else b for n, b in zip(plain.lengths, budgets)]
         draft_s = self.prices.draft_s(sum(b > 0 for b in budgets)) or 0.0  # unknown: free, so it is timed
         self._round = (plain.batch_tokens, plain.expected_tokens, draft_s, context_len)
-        if self.prices.wants_probe and any(budgets):  # measure drafting and a verify again (generation.costs)
+        if self.prices.wants_probe and any(budgets):  # measure drafting and a verify again (dspark.generation.costs)
             self._probe = True
             return plain.lengths, [min(1, b) for b in budgets]
         rows = [s.draft_record.survival(b) for s, b in zip(states, budgets)]
@@ -245,7 +245,7 @@ class _Scheduler(PolicyRun):
 class _Lagged(_Scheduler):
     """``lagged:LAG``: the verify budget K from the confidences of LAG rounds earlier (a full Θ(B) search without
     early stop over the priced round), filled by the current round's a_{r,j} ranking
-    (:func:`generation.scheduler.fill`). K never depends on the round it is spent on."""
+    (:func:`dspark.generation.scheduler.fill`). K never depends on the round it is spent on."""
 
     def __init__(self, spec: Policy, prices: Prices | None = None):
         super().__init__(spec, prices)

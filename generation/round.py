@@ -1,22 +1,22 @@
 """One speculative round for R ≥ 1 requests: the single sequence of decisions that `generate()` (R = 1,
-:class:`~generation.candidate_generator.DSparkCandidateGenerator`) and the batched engine (R ≥ 1,
-:class:`~generation.engine.DSparkEngine`) both run, so the two paths agree by construction.
+:class:`~dspark.generation.candidate_generator.DSparkCandidateGenerator`) and the batched engine (R ≥ 1,
+:class:`~dspark.generation.engine.DSparkEngine`) both run, so the two paths agree by construction.
 
 A round, read top to bottom (:func:`propose`, then the caller's verify, then :func:`record`):
 
 1. **budget**: the most tokens each request may verify (γ', and the room left before its length limit); the
    drafter's budget is 0 where the policy does not draft;
-2. **lookup**: each request's n-gram lookup (:class:`~generation.lookup.NGramLookup`) matches the end of its
+2. **lookup**: each request's n-gram lookup (:class:`~dspark.generation.lookup.NGramLookup`) matches the end of its
    committed text;
-3. **plan** (:meth:`~generation.policies.PolicyRun.plan`): how much of each lookup chain to verify, and whether the
-   drafter runs, for which requests; a request that verifies a lookup chain skips the drafter this round (the rule
+3. **plan** (:meth:`~dspark.generation.policies.PolicyRun.plan`): how much of each lookup chain to verify, and whether
+   the drafter runs, for which requests; a request that verifies a lookup chain skips the drafter this round (the rule
    of vLLM's hybrid proposer); the features it committed meanwhile wait for its next drafting round;
-4. **draft**: one drafting round for the drafting requests (:func:`~generation.drafting.draft_round`), which also
+4. **draft**: one drafting round for the drafting requests (:func:`~dspark.generation.drafting.draft_round`), which also
    chooses their verify lengths ℓ_r by the policy (Algorithm 1 over all of them for ``scheduler``);
 5. **verify** (the caller): one target forward over every request's anchor and chain; greedy or rejection-sampling
    acceptance;
-6. **record**: each request's :class:`~generation.stats.RoundStats`, its proposers' acceptance records and the
-   run's prices (:mod:`generation.costs`).
+6. **record**: each request's :class:`~dspark.generation.stats.RoundStats`, its proposers' acceptance records and the
+   run's prices (:mod:`dspark.generation.costs`).
 
 Every decision reads only the committed text, earlier rounds and the confidences known before a token is sampled,
 so none can change the output (greedy: token for token; sampling: the same distribution).
@@ -64,7 +64,7 @@ class Chain:
         tokens: the chain x_1..x_ℓ (token ids).
         source: ``"draft"``, ``"lookup"``, or ``""`` (an empty chain: one plain decoding step).
         logits: ``[ℓ, V]`` float32 processed logits a draft chain was drawn from when the round had a
-            :class:`~generation.drafting.Sampler`; else None (greedy drafts; a lookup chain is a point mass).
+            :class:`~dspark.generation.drafting.Sampler`; else None (greedy drafts; a lookup chain is a point mass).
         drafted: the drafter's tokens this round (empty when it did not run for this request).
         confidences: calibrated c_k of the slots the drafter reached.
         ingested: target positions the drafter ingested into this request's context this round.
@@ -93,12 +93,12 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
 
     Args:
         drafter: the :class:`~modeling_dspark.DSparkDraftModel` (None only when no state has a drafter context).
-        policy: the run's policy (:meth:`generation.policies.Policy.start`).
+        policy: the run's policy (:meth:`dspark.generation.policies.Policy.start`).
         states: per request its :class:`RequestState`.
         committed: per request its committed token ids (``[1, L]`` tensor or list, L ≥ 1; the last is the anchor).
         rooms: per request the most tokens it may verify beside the anchor (≥ 0).
         num_slots: γ', the drafter's slots per round.
-        sampler: R = 1 with sampling or logits processors (:class:`~generation.drafting.Sampler`).
+        sampler: R = 1 with sampling or logits processors (:class:`~dspark.generation.drafting.Sampler`).
 
     Returns:
         R :class:`Chain` s, each at most ``rooms[r]`` tokens long.
@@ -134,12 +134,12 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
 
 def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], accepted: list[int],
            committed: list[int], t_verify_ms: float, num_slots: int) -> None:
-    """Step 6 of the module doc: append each request's :class:`~generation.stats.RoundStats`, update its acceptance
-    records and the run's prices (verify time by batch tokens; drafting time, steady where every drafting request
-    caught up on at most one round, ≤ γ' + 1 positions).
+    """Step 6 of the module doc: append each request's :class:`~dspark.generation.stats.RoundStats`, update its
+    acceptance records and the run's prices (verify time by batch tokens; drafting time, steady where every drafting
+    request caught up on at most one round, ≤ γ' + 1 positions).
 
     Args:
-        policy: the run's policy (its :class:`~generation.costs.Prices`, if priced).
+        policy: the run's policy (its :class:`~dspark.generation.costs.Prices`, if priced).
         accepted: per request the chain tokens the target accepted.
         committed: per request the tokens appended (accepted + the target's own, cut by EOS / length).
         t_verify_ms: the verify forward and acceptance time (ms).

@@ -12,7 +12,7 @@ objective is the system throughput Θ = τ* · SPS(B) (expected committed tokens
   never depends on c_{r,k+1} or later, which may depend on the sampled value of x_{r,k}.
 * :func:`budget_from_confidences` + :func:`fill_budget` — the production variant: the verify budget K comes from a
   full search of the Θ(B) curve over the confidences of ``lag`` rounds earlier, and the K slots are filled by the
-  current round's ranking (the state is kept by the ``lagged`` :class:`generation.policies.PolicyRun`).
+  current round's ranking (the state is kept by the ``lagged`` :class:`dspark.generation.policies.PolicyRun`).
 
 Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j first, then smaller r. Since a_{r,j} is
 non-increasing in j, every prefix of this order is prefix-closed per request (a valid ℓ vector) and, for its size,
@@ -291,7 +291,7 @@ def budget_from_confidences(confidences: ConfidencesLike, sps: SPSLike) -> int:
 
     Only safe (lossless) when ``confidences`` are from an EARLIER round than
     the draft tokens the budget will be spent on (see
-    :meth:`generation.policies.PolicyRun.end_round`); applied to the current round it
+    :meth:`dspark.generation.policies.PolicyRun.end_round`); applied to the current round it
     anticipates and biases the output distribution (docs/method.md §4 counterexample).
 
     Args:

@@ -1,5 +1,5 @@
-"""A context variable set inside a ``with`` block: the base of :class:`generation.integration.dspark_options` and
-:class:`generation.stats.collect_stats`."""
+"""A context variable set inside a ``with`` block: the base of :class:`dspark.generation.integration.dspark_options` and
+:class:`dspark.generation.stats.collect_stats`."""
 
 from __future__ import annotations
 

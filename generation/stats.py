@@ -24,7 +24,7 @@ class RoundStats:
         t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms.
         ingested: target positions the drafter ingested into its context this round (0 when it did not run).
         source: the chain verified: ``"draft"`` (the drafter's block), ``"lookup"`` (the n-gram lookup's
-            continuation, :mod:`generation.lookup`; the drafter did not run, ``drafted = 0``) or ``""`` (nothing:
+            continuation, :mod:`dspark.generation.lookup`; the drafter did not run, ``drafted = 0``) or ``""`` (nothing:
             one plain decoding step).
     """
 

@@ -17,7 +17,7 @@ package, so neither imports the other in a circle.
 from transformers import AutoConfig, AutoModel
 from transformers.generation.utils import GenerationMixin
 
-from generation.integration import dspark_candidate_generator
+from dspark.generation.integration import dspark_candidate_generator
 
 from .configuration_dspark import DSparkConfig, default_target_layer_ids
 from .modeling_dspark import DSparkDraftModel, DSparkOutput
@@ -30,7 +30,7 @@ def install_generate_hook() -> None:
     """Route `generate(..., assistant_model=<DSparkDraftModel>)` to DSpark's candidate generator (idempotent).
 
     Replaces `GenerationMixin._get_candidate_generator` by a wrapper that, when the assistant is a
-    `DSparkDraftModel`, returns :func:`generation.integration.dspark_candidate_generator`'s generator (which
+    `DSparkDraftModel`, returns :func:`dspark.generation.integration.dspark_candidate_generator`'s generator (which
     validates the request and binds an unbound drafter to the target), and otherwise calls transformers' own
     method with the same arguments. Installing twice keeps a single wrapper.
     """

@@ -124,7 +124,7 @@ class DSparkConfig(PretrainedConfig):
             confidence logit; default all 1.0 (uncalibrated).
         sts_biases (`list[float]`): per-position logit offsets b_k added after the temperature,
             c_k = σ(logit_k / T_k + b_k) (`dspark calibrate --bias`, an extension of STS:
-            `training.calibration.fit_sts_bias`); default all 0.0 (the paper's STS).
+            `dspark.training.calibration.fit_sts_bias`); default all 0.0 (the paper's STS).
         ce_weight, tv_weight, conf_weight (`float`): loss weights of eq. 14 (0.1, 0.9, 1.0).
         loss_decay (`float`, optional): decay of the position weights w_k = exp(−(k−1)/decay); `None` = γ.
         initializer_range (`float`): std of the normal init of new weights.

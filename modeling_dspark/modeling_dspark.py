@@ -194,7 +194,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         n_out = config.draft_vocab_size or config.vocab_size
         if config.draft_vocab_size:
-            # the N token ids the drafter drafts over (set from training-data frequencies; saved with the weights)
+            # the N token ids it drafts over (set from token frequencies in the training data; saved with the weights)
             self.register_buffer("draft_vocab_ids", torch.arange(n_out), persistent=True)
         else:
             self.draft_vocab_ids = None
@@ -532,7 +532,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         ``draft_token_ids(logits.argmax(-1))`` equals ``expand_draft_logits(logits).argmax(-1)`` without building a
         ``[..., V]`` tensor; exact ties break alike when ``draft_vocab_ids`` is sorted, as
-        :func:`training.trainer.select_draft_vocab` makes it (otherwise a tie may pick another draft token;
+        :func:`dspark.training.trainer.select_draft_vocab` makes it (otherwise a tie may pick another draft token;
         verification, hence the output, is unaffected).
         """
         if self.draft_vocab_ids is None:

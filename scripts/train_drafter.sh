@@ -10,7 +10,7 @@
 # out the pylib source, whose prompt pool alone takes ~35 s to build.
 # Every step resumes where it stopped (data shards, training checkpoints), so rerun the same command after a kill.
 # OUT receives data/ (not for committing), run/ (the drafter, calibrated), calibration/, eval/ and export/.
-# DSPARK: the command that runs dspark, e.g. DSPARK="python -m dspark_cli" (default: `dspark` if it is on PATH, else
+# DSPARK: the command that runs dspark, e.g. DSPARK="python -m dspark.cli" (default: `dspark` if it is on PATH, else
 # this repository's .venv/bin/dspark, which scripts/setup.sh installs).
 set -euo pipefail
 
@@ -27,7 +27,7 @@ elif [ -x "$REPO/.venv/bin/dspark" ]; then
 else
   echo "scripts/train_drafter.sh: no dspark: it is not on PATH and $REPO/.venv/bin/dspark does not exist." >&2
   echo "Run scripts/setup.sh (it installs dspark into .venv), activate an environment that has dspark, or set" >&2
-  echo "DSPARK to the command that runs it, e.g. DSPARK=\"python -m dspark_cli\"." >&2
+  echo "DSPARK to the command that runs it, e.g. DSPARK=\"python -m dspark.cli\"." >&2
   exit 127
 fi
 case "$SCALE" in

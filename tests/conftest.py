@@ -136,7 +136,7 @@ def _no_native_bf16(monkeypatch, request):
     """Every test sees a CPU without native bf16 matrix instructions, whatever the processor, and ``--dtype auto``
     resolves to float32 (the token-exact dtype) at once, with no timing run, so outputs and messages do not depend on
     the machine. Tests of the auto dtype itself are marked ``real_auto_dtype`` and set the flags they need."""
-    import evaluation.dtype as dtype_mod
+    import dspark.evaluation.dtype as dtype_mod
     import modeling_dspark.target as target_mod
 
     monkeypatch.setattr(target_mod, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset())
@@ -186,7 +186,7 @@ class ScriptedProposer:
         self.reference, self.mode, self.vocab_size = reference[0], mode, vocab_size
 
     def __call__(self, drafter, contexts, anchors, anchor_positions, budgets, policy, **kwargs):
-        from generation.drafting import DraftResult
+        from dspark.generation.drafting import DraftResult
 
         n = policy.lengths(torch.zeros(1, 0, dtype=torch.float64), budgets)[0]
         contexts[0].pending = []
@@ -218,8 +218,8 @@ def scripted(monkeypatch):
     """Install a scripted proposer: `scripted(reference_ids, "oracle"|"adversarial", vocab)`."""
 
     def install(reference, mode, vocab_size):
-        import generation.candidate_generator as cg
-        import generation.round as rnd
+        import dspark.generation.candidate_generator as cg
+        import dspark.generation.round as rnd
 
         proposer = ScriptedProposer(reference, mode, vocab_size)
         monkeypatch.setattr(rnd, "draft_round", proposer)

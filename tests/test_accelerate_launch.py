@@ -20,11 +20,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "scripts" / "accelerate_cpu2.yaml"
 
-# Runs `python -m dspark_cli.train_cmd` as is (runpy); after training every rank writes its world size, distributed
+# Runs `python -m dspark.cli.train_cmd` as is (runpy); after training every rank writes its world size, distributed
 # type, backend and a hash of its drafter weights, so the test can see both ranks.
 DRIVER = r'''
 import hashlib, json, os, runpy, torch
-from training import trainer as training
+from dspark.training import trainer as training
 
 _train = training.DSparkTrainer.train
 
@@ -44,7 +44,7 @@ def train(self, *a, **k):
     return result
 
 training.DSparkTrainer.train = train
-runpy.run_module("dspark_cli.train_cmd", run_name="__main__", alter_sys=True)
+runpy.run_module("dspark.cli.train_cmd", run_name="__main__", alter_sys=True)
 '''
 
 

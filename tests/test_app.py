@@ -24,8 +24,8 @@ from .conftest import require
 require(importlib.util.find_spec("gradio") is not None, "the app needs gradio: pip install -e '.[app]'")
 
 import app  # noqa: E402
-from generation.stats import GenerationStats, RoundStats  # noqa: E402
-from app_render import (  # noqa: E402
+from dspark.generation.stats import GenerationStats, RoundStats  # noqa: E402
+from dspark.app_render import (  # noqa: E402
     empty_position_counts,
     first_difference,
     position_chart_html,
@@ -152,7 +152,7 @@ def test_marks_render_in_an_installed_font():
     """Every status mark has a glyph in some installed font (an empty box in the browser otherwise)."""
     import shutil
 
-    from app_render import KINDS
+    from dspark.app_render import KINDS
 
     require(shutil.which("fc-list") is not None, "no fontconfig (fc-list) to ask")
     marks = {sym for sym, _ in KINDS.values()} | set("↵⇥␣⚠×")
@@ -247,7 +247,7 @@ def test_validate_request_accepts_page_values():
 
 @pytest.mark.real_auto_dtype
 def test_auto_dtype_follows_the_timing(monkeypatch, tmp_path):
-    from evaluation import dtype as choice
+    from dspark.evaluation import dtype as choice
 
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path))
     monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))

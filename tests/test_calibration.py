@@ -1,4 +1,4 @@
-"""Tests for training.calibration (docs/method.md §3, Sequential Temperature Scaling)."""
+"""Tests for dspark.training.calibration (docs/method.md §3, Sequential Temperature Scaling)."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.calibration import (
+from dspark.training.calibration import (
     apply_sts,
     auroc,
     calibration_report,
@@ -215,7 +215,7 @@ def test_plot_reliability(tmp_path, saved_figures):
     calibration_report computes; the PNG decodes at the figure's size (3 panels of 3.2 in at 120 dpi)."""
     import matplotlib.pyplot as plt
 
-    from dspark_cli.calibrate_cmd import plot_reliability
+    from dspark.cli.calibrate_cmd import plot_reliability
 
     logits, acc = _synthetic(3000, 5, seed=7)
     temps = fit_sts(logits, acc)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_cli.main import main
+from dspark.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED = {"token_ids", "text", "rounds", "tau", "tokens_per_s"}
@@ -121,7 +121,7 @@ def test_block_size_above_drafter(capsys):
 
 def test_python_m_entry_point_error_exit_code():
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "dspark_cli", "generate", "--prompt", ""],
+    proc = subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--prompt", ""],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert proc.returncode == 2
     assert "empty prompt" in proc.stderr and proc.stdout == ""
@@ -141,7 +141,7 @@ def _subparsers(parser, prefix=()):
 
 
 def _commands():
-    from dspark_cli.main import build_parser
+    from dspark.cli.main import build_parser
 
     return list(_subparsers(build_parser()))
 
@@ -186,7 +186,7 @@ def test_shared_flags_are_spelled_the_same_everywhere():
 
 
 def test_old_spellings_still_parse():
-    from dspark_cli.main import build_parser
+    from dspark.cli.main import build_parser
 
     p = build_parser()
     a = p.parse_args(["train", "--data", "d", "--output-dir", "o", "--bf16", "--cpu"])
@@ -216,7 +216,7 @@ def test_version(capsys):
 
 
 def test_bench_serve_does_not_default_to_the_current_directory():
-    from dspark_cli.main import build_parser
+    from dspark.cli.main import build_parser
 
     a = build_parser().parse_args(["bench", "serve"])
     assert a.out is None and Path(a.out_dir).parts[0] == "runs"
@@ -224,7 +224,7 @@ def test_bench_serve_does_not_default_to_the_current_directory():
 
 def test_inference_commands_default_to_auto_dtype():
     """Every command that runs the target for inference picks the machine's fast dtype; training stays in float32."""
-    from dspark_cli.main import build_parser
+    from dspark.cli.main import build_parser
 
     p = build_parser()
     for argv in (["generate", "--prompt", "x"], ["eval"], ["bench", "serve"], ["calibrate", "--drafter", "d"],
@@ -263,8 +263,8 @@ def test_fast_dtype_reads_the_cpu_flags(flags, expected, tmp_path, monkeypatch):
 @pytest.mark.real_auto_dtype
 def test_auto_dtype_is_announced(monkeypatch, capsys, tmp_path):
     import modeling_dspark.target as target_mod
-    from dspark_cli.common import CLIError, resolve_dtype
-    from evaluation import dtype as choice
+    from dspark.cli.common import CLIError, resolve_dtype
+    from dspark.evaluation import dtype as choice
 
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path))
     monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
@@ -335,7 +335,7 @@ def test_a_drafter_without_valid_config_or_weights_is_refused_before_the_target_
 
 
 def test_stats_line_says_what_it_measured():
-    from dspark_cli.generate_cmd import _stats_line
+    from dspark.cli.generate_cmd import _stats_line
 
     rec = {"num_new_tokens": 1, "seconds": 0.5, "tokens_per_s": 2.0, "drafter": "d", "rounds": 0, "tau": 0.0,
            "skipped_draft_rounds": 0, "lookup_rounds": 0, "plain_rounds": 0, "t_draft_ms": 0.0, "t_verify_ms": 0.0,

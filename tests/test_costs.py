@@ -1,15 +1,15 @@
-"""The round's prices and acceptance records (`generation.costs`) and the scheduler's plan (`PolicyRun.plan`): fast, no
-models, except the last test (a tiny random target)."""
+"""The round's prices and acceptance records (`dspark.generation.costs`) and the scheduler's plan (`PolicyRun.plan`):
+fast, no models, except the last test (a tiny random target)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from generation import costs
-from generation.costs import Prices, Record
-from generation.policies import parse_policy
-from generation.round import Chain, RequestState, record
+from dspark.generation import costs
+from dspark.generation.costs import Prices, Record
+from dspark.generation.policies import parse_policy
+from dspark.generation.round import Chain, RequestState, record
 
 from .conftest import make_drafter, tiny_target
 
@@ -150,7 +150,7 @@ def test_in_round_lengths_price_the_spent_drafting_time():
 def test_default_generate_is_lossless_whatever_the_prices():
     """The default policy in generate() with prices that make it switch between plain steps and drafting keeps the
     greedy output identical, and a run's prices carry over to the next call with the same target and drafter."""
-    from generation import collect_stats, dspark_options
+    from dspark.generation import collect_stats, dspark_options
 
     torch.manual_seed(0)
     target = tiny_target(vocab_size=32)

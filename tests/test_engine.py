@@ -1,6 +1,6 @@
-"""Batched speculative decoding (`generation.engine.DSparkEngine`): every row's greedy output equals that prompt's
-plain `target.generate()` output (float32), whatever the policy, batch composition, acceptance pattern, finishing
-order or join time."""
+"""Batched speculative decoding (`dspark.generation.engine.DSparkEngine`): every row's greedy output equals that
+prompt's plain `target.generate()` output (float32), whatever the policy, batch composition, acceptance pattern,
+finishing order or join time."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import generation.round as rnd
-from generation.drafting import DraftResult, draft_round
-from generation.engine import DSparkEngine, generate_batch
-from generation.packed_target import PackedTarget
-from generation.policies import parse_policy
+import dspark.generation.round as rnd
+from dspark.generation.drafting import DraftResult, draft_round
+from dspark.generation.engine import DSparkEngine, generate_batch
+from dspark.generation.packed_target import PackedTarget
+from dspark.generation.policies import parse_policy
 
 from .conftest import make_drafter
 
@@ -286,7 +286,7 @@ def test_batched_drafting_matches_generate(tiny, head, draft_vocab):
     """In a batch of 4 (one joining late), each request drafts the same tokens with the same calibrated confidences
     as the batch-size-1 candidate generator in generate(): the batched drafter forward reads exactly the request's
     own context."""
-    from generation import collect_stats, dspark_options
+    from dspark.generation import collect_stats, dspark_options
 
     target, _, prompts, max_new, _ = tiny
     drafter = make_drafter(target, block_size=6, sequential_head=head, seed=3, draft_vocab_size=draft_vocab)
@@ -333,8 +333,8 @@ def test_bench_serve_smoke(tmp_path, monkeypatch, capsys, saved_figures):
 
     import matplotlib.pyplot as plt
 
-    from dspark_cli.main import main
-    from evaluation import serving
+    from dspark.cli.main import main
+    from dspark.evaluation import serving
 
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
     out = tmp_path / "serve.json"

@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 
-from dspark_cli.common import CLIError
-from dspark_cli.main import main
-from generation.stats import RoundStats
+from dspark.cli.common import CLIError
+from dspark.cli.main import main
+from dspark.generation.stats import RoundStats
 from modeling_dspark import DSparkDraftModel
-from evaluation import acceptance
-from training import calibration, heldout
-from training import prompts as P
+from dspark.evaluation import acceptance
+from dspark.training import calibration, heldout
+from dspark.training import prompts as P
 
 from .conftest import make_drafter
 
@@ -210,7 +210,7 @@ def test_eval_writes_json_md_png(drafter_dir, tmp_path, capsys, saved_figures):
 
 
 def test_eval_speedups_from_enough_prompts_are_not_marked():
-    from evaluation.eval_sets import markdown
+    from dspark.evaluation.eval_sets import markdown
 
     row = {"n_prompts": 8, "greedy": {"tau": 2.0, "speedup": 1.3, "n_identical": 8, "n_prompts": 8,
                                       "per_position": {"conditional_accept_rate": [0.5]}},
@@ -275,7 +275,7 @@ def test_calibrate_report_and_write(drafter_dir, smollm, tmp_path, capsys, saved
     rep_b = json.loads((tmp_path / "b" / "calibration.json").read_text())
     assert rep_b["method"].startswith("STS + logit offset") and len(rep_b["biases"]) == BLOCK
     # the written pair is the maximum-likelihood fit of the stored pairs
-    from training.calibration import fit_sts_bias
+    from dspark.training.calibration import fit_sts_bias
 
     with np.load(out / "pairs.npz") as z:
         want_t, want_b = fit_sts_bias(z["logits"], z["accepted"], valid=z["valid"])
@@ -316,7 +316,7 @@ def test_calibrate_usage_errors(tmp_path, capsys):
 def test_eval_default_drafter_follows_the_target():
     """The shipped drafter for the default target, named or not; a random one for any other target."""
     from modeling_dspark.target import shipped_drafter_for
-    from dspark_cli.common import drafter_or_shipped
+    from dspark.cli.common import drafter_or_shipped
 
     shipped = str(shipped_drafter_for())
     assert drafter_or_shipped(None, None) == drafter_or_shipped(None, "SmolLM2-135M-Instruct") == (shipped, shipped)
@@ -327,7 +327,7 @@ def test_a_drafter_brings_its_target(tmp_path):
     """Without --target, a drafter trained for a packaged target, or for a model directory here named by absolute
     path, runs with it; an explicit --target wins, and a drafter for a directory missing here, named relatively or
     without a config.json, or a random one, keeps the default target."""
-    from dspark_cli.common import target_for_drafter
+    from dspark.cli.common import target_for_drafter
 
     here = tmp_path / "target"
     here.mkdir()
@@ -360,9 +360,9 @@ def test_a_drafter_brings_its_target(tmp_path):
 def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path, capsys):
     """--target NAME picks that target's shipped drafter; dspark train and dspark adapt refuse data or a drafter made
     with another packaged target before anything loads, naming the --target to pass."""
-    from dspark_cli.common import shipped_drafter_for
+    from dspark.cli.common import shipped_drafter_for
     from modeling_dspark.target import shipped_drafter_for as shipped_dir
-    from dspark_cli.main import main
+    from dspark.cli.main import main
     from modeling_dspark.target import cache_dir
 
     qwen = "Qwen2.5-Coder-0.5B-Instruct"

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 import modeling_dspark as md
-from generation import collect_stats, dspark_options
+from dspark.generation import collect_stats, dspark_options
 
 VOCAB = 48
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -154,7 +154,7 @@ def test_anchor_slot_convention():
 
 
 def test_layer_id_minus_one_reads_embeddings():
-    from generation.features import context_features, hidden_state_indices
+    from dspark.generation.features import context_features, hidden_state_indices
 
     target = _target("llama3")
     assert hidden_state_indices([-1, 0, 2]) == [0, 1, 3]
@@ -190,7 +190,7 @@ def test_training_with_other_conventions(one_thread, tmp_path):
     from transformers import TrainingArguments
 
     from modeling_dspark.common import gather_slots
-    from training.trainer import DSparkCollator, DSparkTrainer, init_from_target, prepare_dataset
+    from dspark.training.trainer import DSparkCollator, DSparkTrainer, init_from_target, prepare_dataset
 
     target = _target("gemma3")
     drafter = _drafter(target, mask_token_id=VOCAB - 1, anchor_predicts=False, own_embeddings=True,

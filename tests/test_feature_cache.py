@@ -1,4 +1,4 @@
-"""The target feature cache (training.feature_cache) on a tiny random Llama target (CPU, seconds)."""
+"""The target feature cache (dspark.training.feature_cache) on a tiny random Llama target (CPU, seconds)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from training.feature_cache import (
+from dspark.training.feature_cache import (
     CachedFeatureCollator,
     FeatureCache,
     FeatureCacheError,
     build_feature_cache,
 )
-from training.trainer import DSparkCollator
+from dspark.training.trainer import DSparkCollator
 
 from tests.test_training import GAMMA, make_args, make_data, make_drafter, make_target
 
@@ -38,7 +38,7 @@ def cache_dir(tmp_path_factory, target, data):
 
 
 def _trainer(tmp_path, target, drafter, data, collator):
-    from training.trainer import DSparkTrainer
+    from dspark.training.trainer import DSparkTrainer
 
     return DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data,
                          data_collator=collator)
@@ -183,7 +183,7 @@ def test_a_cache_of_another_target_is_refused(tmp_path, target, data, cache_dir)
 def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread, capsys):
     """`dspark train` on a saved tiny target with two data directories and --feature-cache: the cache covers both,
     the run saves a drafter + manifest, and --resume continues to the new max-steps from the checkpoint."""
-    from dspark_cli import train_cmd
+    from dspark.cli import train_cmd
     from tests.test_training import saved_tiny_target
 
     tdir = saved_tiny_target(tmp_path, {"a": [f"what is {a} plus {b}?" for a in range(3) for b in range(3)],
@@ -211,7 +211,7 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread, 
     drafter = md.DSparkDraftModel.from_pretrained(out)
     assert drafter.config.draft_vocab_size == 24 and drafter.draft_vocab_ids.numel() == 24
     # one plain save_to_disk directory (no manifest), online target: trains and writes its manifest
-    from training.data import load_data
+    from dspark.training.data import load_data
 
     load_data(tmp_path / "a").save_to_disk(str(tmp_path / "plain"))
     plain = ["--data", str(tmp_path / "plain")] + common[common.index("--output-dir"):common.index("--feature-cache")]
@@ -222,7 +222,7 @@ def test_train_cli_two_data_dirs_feature_cache_and_resume(tmp_path, one_thread, 
     # --mask-token-id: mask slots read E[3], no learned mask embedding (what the export formats need)
     drafter = md.DSparkDraftModel.from_pretrained(tmp_path / "run2")
     assert drafter.config.mask_token_id == 3 and drafter.mask_embedding is None
-    from dspark_cli.main import main as cli_main
+    from dspark.cli.main import main as cli_main
 
     # the drafter names its target by the absolute --target path: the export names it portably instead
     assert cli_main(["export", str(tmp_path / "run2"), str(tmp_path / "spec"), "--format", "speculators",

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 import modeling_dspark as md
-from dspark_cli.main import main as cli_main
+from dspark.cli.main import main as cli_main
 from modeling_dspark import export, formats
 from tests.test_peers import MASK, VOCAB, check_rounds, dspark_rounds, prompt, scale_weights, tiny_target
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generation import dspark_options
+from dspark.generation import dspark_options
 
 pytestmark = pytest.mark.core  # also run at the highest supported versions (scripts/test_versions.sh)
 

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GPT2Config
 from transformers.generation.utils import GenerationMixin
 
 import modeling_dspark as md
-from generation import collect_stats, dspark_options
+from dspark.generation import collect_stats, dspark_options
 
 pytestmark = pytest.mark.core  # also run at both ends of the supported versions (scripts/test_versions.sh)
 
@@ -254,7 +254,7 @@ def test_generate_refuses_an_unsupported_transformers(tiny, monkeypatch):
     the installed and the supported versions; the installed release is inside the range."""
     import transformers
 
-    from generation.compat import check_transformers, supported_transformers
+    from dspark.generation.compat import check_transformers, supported_transformers
 
     check_transformers()
     target, drafter_dir = tiny
@@ -299,7 +299,7 @@ def test_relative_paths_resolve_as_paths(tiny, tmp_path, monkeypatch):
 def test_shipped_drafters_load_by_name_from_any_directory(tmp_path, monkeypatch):
     """Each packaged target's shipped drafter loads by its name from outside the repository, from the package's own
     files, and is the one the CLI picks by default."""
-    from dspark_cli.common import shipped_drafter_for as cli_default
+    from dspark.cli.common import shipped_drafter_for as cli_default
     from modeling_dspark.hub import SHIPPED_DRAFTERS_DIR
     from modeling_dspark.target import PACKAGED_TARGETS, shipped_drafter_for
 
@@ -380,7 +380,7 @@ def test_unsupported_target_family_is_named_before_compute(tiny, gpt2):
 
 # ---------------------------------------------------------------------------------------------- dspark generate
 def test_cli_target_without_drafter_is_an_error(tmp_path, capsys):
-    from dspark_cli.main import main
+    from dspark.cli.main import main
 
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "config.json").write_text('{"model_type": "llama"}')  # a model directory, not the default
@@ -390,7 +390,7 @@ def test_cli_target_without_drafter_is_an_error(tmp_path, capsys):
 
 
 def test_cli_relative_drafter_outside_the_repository(tmp_path, monkeypatch, capsys):
-    from dspark_cli.main import main
+    from dspark.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["generate", "--prompt", "hi", "--drafter", "drafters/smollm2-135m-dspark"]) == 2
@@ -402,7 +402,7 @@ def test_cli_relative_drafter_outside_the_repository(tmp_path, monkeypatch, caps
 
 def test_cli_unsupported_target_family(tmp_path, capsys):
     """--target of an unsupported family: plain generation when asked (--no-draft), a clear error with a drafter."""
-    from dspark_cli.main import main
+    from dspark.cli.main import main
     from transformers import AutoTokenizer
 
     from modeling_dspark.target import default_target_path
@@ -461,7 +461,7 @@ def test_options_in_a_with_block_do_not_warn_and_nest(tiny, recwarn):
 
 def test_one_generate_checks_and_binds_once(tiny, monkeypatch):
     """generate() checks the request (and binds an unbound drafter) once, in the candidate generator."""
-    import generation.candidate_generator as cg
+    import dspark.generation.candidate_generator as cg
 
     target, drafter_dir = tiny
     drafter = AutoModel.from_pretrained(drafter_dir)

@@ -1,40 +1,45 @@
 """Every package imports only downward, read from the import statements with ``ast`` (nothing is imported).
 
-Layers, lowest first: ``generation`` (decoding, which knows a drafter only by the methods it calls),
-``modeling_dspark`` (the model, whose package installs the ``generate()`` hook that returns ``generation``'s
-candidate generator: transformers' models sit above ``transformers.generation`` the same way), ``training``,
-``evaluation``; ``dspark_cli`` and the page (``app.py``, ``app_render.py``) may import any of them. A module may
-import its own package and any lower layer, at module level or inside a function alike: a lazy import upward is
-still a dependency upward.
+Layers, lowest first: ``dspark.generation`` (decoding, which knows a drafter only by the methods it calls; its source
+is the top-level folder generation/), ``modeling_dspark`` (the model, whose package installs the ``generate()`` hook
+that returns ``dspark.generation``'s candidate generator: transformers' models sit above ``transformers.generation``
+the same way), ``dspark.training``, ``dspark.evaluation``; ``dspark.cli`` and the page (``app.py``,
+``dspark.app_render``) may import any of them. A module may import its own package and any lower layer, at module
+level or inside a function alike: a lazy import upward is still a dependency upward. The namespace package
+``dspark`` itself imports none of them.
 
-Inside ``generation`` the batched engine and the drafting round sit below the ``generate()`` adapter
-(``candidate_generator``, ``integration``), and only the engine uses its packed
-target (``packed_target``).
+Inside ``dspark.generation`` the batched engine and the drafting round sit below the ``generate()`` adapter
+(``candidate_generator``, ``integration``), and only the engine uses its packed target (``packed_target``).
 
+Module names are the installed ones: each package's folder comes from pyproject.toml (``package-dir``).
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-LAYER = {"generation": 0, "modeling_dspark": 1, "training": 2, "evaluation": 3, "dspark_cli": 4, "app": 4,
-         "app_render": 4}
-"""Layer of each top-level package or module; a higher layer may import a lower one."""
+LAYER = {"dspark.generation": 0, "modeling_dspark": 1, "dspark.training": 2, "dspark.evaluation": 3, "dspark.cli": 4,
+         "dspark.app_render": 4, "app": 4}
+"""Layer of each package or module (``dspark``'s subpackages, the other top-level names); a higher layer may import
+a lower one."""
 TOP = max(LAYER.values())
+ROOT = "dspark"
+"""The namespace package: it holds the layers above and imports none of them."""
 
-GENERATE_ADAPTER = {"generation.candidate_generator", "generation.integration"}
-"""The ``generate()`` adapter: modules of ``generation`` that nothing else in ``generation`` may import, but each
-other."""
-ENGINE_ONLY = {"generation.packed_target": {"generation.engine"}}
-"""Modules of ``generation`` and the only modules of ``generation`` that may import them (the engine's packed
-target: the engine; :mod:`evaluation.profiling`, a layer above, times its batched verify)."""
+GENERATE_ADAPTER = {"dspark.generation.candidate_generator", "dspark.generation.integration"}
+"""The ``generate()`` adapter: modules of ``dspark.generation`` that nothing else in ``dspark.generation`` may import,
+but each other."""
+ENGINE_ONLY = {"dspark.generation.packed_target": {"dspark.generation.engine"}}
+"""Modules of ``dspark.generation`` and the only modules of ``dspark.generation`` that may import them (the engine's
+packed target: the engine; :mod:`dspark.evaluation.profiling`, a layer above, times its batched verify)."""
 
-APART = {("evaluation", "training.calibration")}
+APART = {("dspark.evaluation", "dspark.training.calibration")}
 """(package, module) pairs that may not meet although the layers allow it: measuring does not depend on fitting."""
 
 
@@ -49,22 +54,34 @@ class Import(NamedTuple):
         return f"{self.importer}:{self.line} imports {what}"
 
 
-def _sources() -> list[Path]:
-    files = [p for pkg in LAYER if (REPO / pkg).is_dir() for p in sorted((REPO / pkg).rglob("*.py"))]
-    return files + [REPO / f"{m}.py" for m in LAYER if (REPO / f"{m}.py").is_file()]
+def package_dirs() -> dict[str, Path]:
+    """The folder of each installed package, as pyproject.toml's setuptools table maps it."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        tool = tomllib.load(f)["tool"]["setuptools"]
+    mapped = tool.get("package-dir", {})
+    return {pkg: REPO / mapped.get(pkg, pkg.replace(".", "/")) for pkg in tool["packages"]}
 
 
-def _module_name(path: Path) -> tuple[str, bool]:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    is_package = parts[-1] == "__init__"
-    return ".".join(parts[:-1] if is_package else parts), is_package
+def module_files() -> dict[str, tuple[Path, bool]]:
+    """``{dotted module name: (file, is a package's __init__)}`` for the namespace root and every layer."""
+    dirs = package_dirs()
+    found = {ROOT: (dirs[ROOT] / "__init__.py", True)}
+    for name in LAYER:
+        if name in dirs:  # a package: every module under its folder
+            for path in sorted(dirs[name].rglob("*.py")):
+                parts = path.relative_to(dirs[name]).with_suffix("").parts
+                is_package = parts[-1] == "__init__"
+                found[".".join((name, *(parts[:-1] if is_package else parts)))] = (path, is_package)
+        else:  # a module: in its parent package's folder (dspark.app_render), or at the root (app.py)
+            parent, _, leaf = name.rpartition(".")
+            found[name] = ((dirs[parent] if parent else REPO) / f"{leaf}.py", False)
+    return found
 
 
 def imports() -> list[Import]:
     """Every import statement of the library, the CLI and the page, at any depth (function bodies included)."""
     found = []
-    for path in _sources():
-        importer, is_package = _module_name(path)
+    for importer, (path, is_package) in module_files().items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Import):
                 found += [Import(importer, alias.name, None, node.lineno) for alias in node.names]
@@ -80,9 +97,8 @@ def imports() -> list[Import]:
 def private_target_reads() -> list[str]:
     """``x._target`` reads outside ``modeling_dspark`` (the drafter's private binding to its target)."""
     found = []
-    for path in _sources():
-        importer, _ = _module_name(path)
-        if importer.split(".")[0] == "modeling_dspark":
+    for importer, (path, _) in module_files().items():
+        if _package(importer) == "modeling_dspark":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Attribute) and node.attr == "_target":
@@ -91,23 +107,33 @@ def private_target_reads() -> list[str]:
 
 
 def _package(module: str) -> str:
-    return module.split(".")[0]
+    """The layer a dotted module belongs to: ``dspark.<sub>`` inside the namespace, else its top-level name."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == ROOT and len(parts) > 1 else parts[0]
+
+
+def _imported(imp: Import) -> str:
+    """The module ``imp`` reaches: a from-import of the namespace ``dspark`` reaches the subpackage it names."""
+    return f"{ROOT}.{imp.name}" if imp.module == ROOT and imp.name else imp.module
 
 
 def violation(imp: Import) -> str | None:
     """Why ``imp`` breaks the layering, or None."""
-    src, dst = _package(imp.importer), _package(imp.module)
-    if dst not in LAYER or src == "tests":
+    src, dst = _package(imp.importer), _package(_imported(imp))
+    if src == ROOT and dst in LAYER | {ROOT: 0}:
+        return f"the namespace package {ROOT} may not import {_imported(imp)}"
+    if dst not in LAYER or src not in LAYER:
         return None
     if src != dst and LAYER[src] < TOP and LAYER[dst] >= LAYER[src]:
         return f"{src} (layer {LAYER[src]}) may not import {dst} (layer {LAYER[dst]})"
-    named = {imp.module} | ({f"{imp.module}.{imp.name}"} if imp.name else set())  # `from training import calibration`
+    # `from dspark.training import calibration`, or the namespace's from-import of `training`
+    named = {imp.module, _imported(imp)} | ({f"{imp.module}.{imp.name}"} if imp.name else set())
     if any(src == p and any(n == m or n.startswith(m + ".") for n in named) for p, m in APART):
         return f"{src} may not import {imp.module}"
-    if src == dst == "generation":
-        # a from-import of the package itself names a submodule: `from generation import integration`
-        targets = {imp.module} | ({f"{imp.module}.{imp.name}"} if imp.module == "generation" else set())
-        if targets & GENERATE_ADAPTER and imp.importer not in GENERATE_ADAPTER | {"generation"}:
+    if src == dst == "dspark.generation":
+        # a from-import of the package itself names a submodule: `from dspark.generation import integration`
+        targets = {imp.module} | ({f"{imp.module}.{imp.name}"} if imp.module == "dspark.generation" else set())
+        if targets & GENERATE_ADAPTER and imp.importer not in GENERATE_ADAPTER | {"dspark.generation"}:
             return "only the generate() adapter and the package's __init__ may import the adapter"
         for module, users in ENGINE_ONLY.items():
             if module in targets and imp.importer not in users:
@@ -115,11 +141,22 @@ def violation(imp: Import) -> str | None:
     return None
 
 
+def test_every_installed_module_has_a_layer():
+    """Every module of the installed packages is read here: a new subpackage or module needs its layer."""
+    read = {path for path, _ in module_files().values()}
+    installed = {p for folder in package_dirs().values() for p in folder.rglob("*.py")}
+    assert installed - read == set(), "modules in no layer (add them to LAYER)"
+
+
 def test_the_parser_sees_the_packages():
     found = imports()
-    assert {_package(i.importer) for i in found} >= set(LAYER) - {"app_render"}
+    assert {_package(i.importer) for i in found} >= set(LAYER) - {"dspark.app_render"}
     # a relative import resolves to its absolute module
-    assert any(i.importer == "generation.integration" and i.module == "generation.policies" for i in found)
+    assert any(i.importer == "dspark.generation.integration" and i.module == "dspark.generation.policies"
+               for i in found)
+    # nothing imports the old top-level names
+    old = {"generation", "training", "evaluation", "dspark_cli", "app_render"}
+    assert not [str(i) for i in found if i.module.split(".")[0] in old]
 
 
 def test_every_package_imports_only_downward():
@@ -132,27 +169,35 @@ def test_no_private_target_reads_outside_the_model():
 
 
 def test_options_do_not_take_their_base_from_the_statistics():
-    assert not [imp for imp in imports() if imp.module == "generation.stats" and imp.name == "ScopedValue"]
+    assert not [imp for imp in imports() if imp.module == "dspark.generation.stats" and imp.name == "ScopedValue"]
 
 
 @pytest.mark.parametrize("imp, allowed", [
-    (Import("generation.round", "modeling_dspark.target", "x", 1), False),
-    (Import("generation.integration", "modeling_dspark", "DSparkDraftModel", 1), False),
-    (Import("modeling_dspark", "generation.integration", "x", 1), True),
-    (Import("modeling_dspark.target", "evaluation.profiling", "x", 1), False),
-    (Import("generation.costs", "evaluation.profiling", "x", 1), False),
-    (Import("generation.engine", "training.data", "x", 1), False),
-    (Import("training.trainer", "evaluation.acceptance", "x", 1), False),
-    (Import("evaluation.eval_sets", "training.prompts", "x", 1), True),
-    (Import("evaluation.eval_sets", "training.calibration", "x", 1), False),
-    (Import("evaluation.eval_sets", "training", "calibration", 1), False),
-    (Import("dspark_cli.main", "evaluation.serving", "x", 1), True),
-    (Import("app", "dspark_cli.common", "x", 1), True),
-    (Import("generation.engine", "generation.integration", "x", 1), False),
-    (Import("generation.engine", "generation", "integration", 1), False),
-    (Import("generation.integration", "generation.candidate_generator", "x", 1), True),
-    (Import("generation.round", "generation.packed_target", "x", 1), False),
-    (Import("generation.engine", "generation.packed_target", "x", 1), True),
+    (Import("dspark.generation.round", "modeling_dspark.target", "x", 1), False),
+    (Import("dspark.generation.integration", "modeling_dspark", "DSparkDraftModel", 1), False),
+    (Import("modeling_dspark", "dspark.generation.integration", "x", 1), True),
+    (Import("modeling_dspark.target", "dspark.evaluation.profiling", "x", 1), False),
+    (Import("modeling_dspark.target", "dspark", "evaluation", 1), False),
+    (Import("dspark.generation.costs", "dspark.evaluation.profiling", "x", 1), False),
+    (Import("dspark.generation.engine", "dspark.training.data", "x", 1), False),
+    (Import("dspark.generation.engine", "dspark", "training", 1), False),
+    (Import("dspark.training.trainer", "dspark.evaluation.acceptance", "x", 1), False),
+    (Import("dspark.evaluation.eval_sets", "dspark.training.prompts", "x", 1), True),
+    (Import("dspark.evaluation.eval_sets", "dspark.training.calibration", "x", 1), False),
+    (Import("dspark.evaluation.eval_sets", "dspark.training", "calibration", 1), False),
+    (Import("dspark.cli.main", "dspark.evaluation.serving", "x", 1), True),
+    (Import("dspark.cli.main", "dspark", "evaluation", 1), True),
+    (Import("app", "dspark.cli.common", "x", 1), True),
+    (Import("app", "dspark.app_render", "x", 1), True),
+    (Import("dspark.app_render", "dspark.generation.stats", "x", 1), True),
+    (Import("dspark", "dspark.generation", "x", 1), False),
+    (Import("dspark", "modeling_dspark", "x", 1), False),
+    (Import("dspark", "importlib.metadata", "version", 1), True),
+    (Import("dspark.generation.engine", "dspark.generation.integration", "x", 1), False),
+    (Import("dspark.generation.engine", "dspark.generation", "integration", 1), False),
+    (Import("dspark.generation.integration", "dspark.generation.candidate_generator", "x", 1), True),
+    (Import("dspark.generation.round", "dspark.generation.packed_target", "x", 1), False),
+    (Import("dspark.generation.engine", "dspark.generation.packed_target", "x", 1), True),
 ])
 def test_the_rules(imp, allowed):
     assert (violation(imp) is None) == allowed

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from generation.lookup import NGramLookup
+from dspark.generation.lookup import NGramLookup
 
 
 def _lookup(tokens, max_ngram=3, num_tokens=10):
@@ -111,11 +111,11 @@ def test_bad_matcher_arguments(kw):
 
 # ------------------------------------------------------------------------------------------------ the round's rule
 def test_a_lookup_match_skips_the_drafter_and_is_verified():
-    """`generation.round.propose`: a request whose lookup matches verifies the continuation (capped by its room)
+    """`dspark.generation.round.propose`: a request whose lookup matches verifies the continuation (capped by its room)
     and does not draft; one without a match drafts; with the lookup off every request drafts."""
-    from generation.drafting import DraftResult
-    from generation.policies import parse_policy
-    from generation.round import RequestState, propose, record
+    from dspark.generation.drafting import DraftResult
+    from dspark.generation.policies import parse_policy
+    from dspark.generation.round import RequestState, propose, record
 
     calls = []
 
@@ -128,7 +128,7 @@ def test_a_lookup_match_skips_the_drafter_and_is_verified():
               RequestState(object(), None)]
     committed = [[1, 2, 3, 4, 5, 1, 2], [1, 2, 3], [1, 2, 3, 4, 5, 1, 2]]
     policy = parse_policy("full").start()
-    import generation.round as rnd
+    import dspark.generation.round as rnd
 
     original, rnd.draft_round = rnd.draft_round, fake_draft_round
     try:

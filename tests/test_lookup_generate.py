@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
-from generation import collect_stats, dspark_options
-from generation.lookup import LookupProposal, NGramLookup
+from dspark.generation import collect_stats, dspark_options
+from dspark.generation.lookup import LookupProposal, NGramLookup
 from modeling_dspark.target import apply_chat_template
 
 from . import test_lossless_sampling as tls

@@ -1,4 +1,4 @@
-"""Tests for training.losses (docs/method.md eqs. 8, 11–14)."""
+"""Tests for dspark.training.losses (docs/method.md eqs. 8, 11–14)."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training import losses
-from training.losses import confidence_labels, dspark_loss, position_weights
+from dspark.training import losses
+from dspark.training.losses import confidence_labels, dspark_loss, position_weights
 
 
 def _probs_to_logits(p):
@@ -236,7 +236,7 @@ def test_shape_errors():
 def test_ce_mask_restricts_only_the_ce_term():
     import torch
 
-    from training.losses import dspark_loss, position_weights
+    from dspark.training.losses import dspark_loss, position_weights
 
     torch.manual_seed(0)
     d, t = torch.randn(3, 2, 5), torch.randn(3, 2, 5)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from generation import collect_stats, dspark_options
+from dspark.generation import collect_stats, dspark_options
 
 pytestmark = pytest.mark.core  # also run at both ends of the supported versions (scripts/test_versions.sh)
 
@@ -182,10 +182,10 @@ def test_greedy_drafting_equals_the_processed_logits_path(head, draft_vocab):
     confidences and ℓ of the path over processed [1, V] logits (a Sampler without processors), for every head,
     with and without a draft vocabulary, for every policy and budget (random weights, non-zero corrections, uneven
     STS temperatures); and a batch of R = 3 requests drafts what each drafts alone."""
-    from generation.round import RequestState
-    from generation.drafting import DraftContext, Sampler, draft_round
-    from generation.kv import RequestKV
-    from generation.policies import parse_policy
+    from dspark.generation.round import RequestState
+    from dspark.generation.drafting import DraftContext, Sampler, draft_round
+    from dspark.generation.kv import RequestKV
+    from dspark.generation.policies import parse_policy
 
     from .conftest import make_drafter, tiny_target
 

@@ -28,7 +28,7 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import modeling_dspark as md
-from generation import collect_stats, dspark_options
+from dspark.generation import collect_stats, dspark_options
 
 from .conftest import tiny_target
 

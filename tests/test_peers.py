@@ -19,8 +19,8 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import modeling_dspark as md
-from generation.integration import dspark_options
-from generation.stats import collect_stats
+from dspark.generation.integration import dspark_options
+from dspark.generation.stats import collect_stats
 from modeling_dspark import export, formats
 
 pytestmark = pytest.mark.usefixtures("one_thread")

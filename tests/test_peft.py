@@ -1,4 +1,4 @@
-"""LoRA adaptation of a DSpark drafter (training.peft_adapt, `dspark adapt`) on a tiny random Llama target."""
+"""LoRA adaptation of a DSpark drafter (dspark.training.peft_adapt, `dspark adapt`) on a tiny random Llama target."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .conftest import require
 require(importlib.util.find_spec("peft") is not None, "peft is not installed: pip install -e '.[train]'")
 
 import modeling_dspark as md  # noqa: E402
-from training.peft_adapt import (  # noqa: E402
+from dspark.training.peft_adapt import (  # noqa: E402
     add_lora,
     base_drafter,
     greedy_tau,
@@ -25,7 +25,7 @@ from training.peft_adapt import (  # noqa: E402
     save_adapter,
     trainable_parameter_summary,
 )
-from training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset  # noqa: E402
+from dspark.training.trainer import DSparkCollator, DSparkTrainer, prepare_dataset  # noqa: E402
 from tests.test_training import GAMMA, make_args, make_data, make_drafter, make_target, saved_tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # restored after this module
@@ -241,7 +241,7 @@ def test_adapt_cli_end_to_end(tmp_path):
     """`dspark adapt` on a saved tiny target + tokenizer, a built domain data set and a saved base drafter."""
     import argparse
 
-    from dspark_cli import adapt_cmd
+    from dspark.cli import adapt_cmd
 
     prompts = [f"what is {a} plus {b}?" for a in range(3) for b in range(3)]
     tdir = saved_tiny_target(tmp_path, {"data": prompts})
@@ -312,7 +312,7 @@ def cli_inputs(target, tmp_path, no_target_load):
     (["--resume", "/nonexistent"], "--resume /nonexistent: checkpoint directory not found"),
 ])
 def test_adapt_refuses_bad_input_before_loading(extra, message, cli_inputs, capsys):
-    from dspark_cli.main import main
+    from dspark.cli.main import main
 
     assert main(cli_inputs + extra) == 2
     err = capsys.readouterr().err
@@ -320,7 +320,7 @@ def test_adapt_refuses_bad_input_before_loading(extra, message, cli_inputs, caps
 
 
 def test_adapt_into_a_non_empty_out_dir_needs_resume(cli_inputs, tmp_path, capsys):
-    from dspark_cli.main import main
+    from dspark.cli.main import main
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "adapter_config.json").write_text("{}")

@@ -1,6 +1,6 @@
-"""SPS(B) profiling (`evaluation.profiling`, `dspark profile`): table structure, storage, loader interpolation and
-errors, the generate() default, plots; `--dtype auto` (`evaluation.dtype`). Uses a tiny random target where the model does not
-matter."""
+"""SPS(B) profiling (`dspark.evaluation.profiling`, `dspark profile`): table structure, storage, loader interpolation
+and errors, the generate() default, plots; `--dtype auto` (`dspark.evaluation.dtype`). Uses a tiny random target where
+the model does not matter."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from evaluation import dtype as choice
-from evaluation import profiling
-from evaluation.profiling import SPSCurve, load_sps, monotone_sps
-from generation.scheduler import prefix_schedule
+from dspark.evaluation import dtype as choice
+from dspark.evaluation import profiling
+from dspark.evaluation.profiling import SPSCurve, load_sps, monotone_sps
+from dspark.generation.scheduler import prefix_schedule
 
 from .conftest import make_drafter, tiny_target
 
@@ -210,8 +210,8 @@ def test_timing_problem_spread_and_order():
 
 def test_scheduler_generate_greedy_identical_with_profiled_curve(tiny, measured):
     """The R = 1 scheduler in generate(), driven by a measured curve, keeps greedy output identical."""
-    from generation import dspark_options
-    from generation.stats import collect_stats
+    from dspark.generation import dspark_options
+    from dspark.generation.stats import collect_stats
 
     drafter = make_drafter(tiny, block_size=4)
     curve = SPSCurve({b: 100.0 / (1 + 0.3 * b) for b in range(1, 6)})
@@ -230,7 +230,7 @@ def test_plot(measured, tmp_path, saved_figures):
 
     profiling.save_profile(measured)
     prof = profiling.load_profile("llama-h32-l4-v32", "float32", 1)
-    from dspark_cli.profile_cmd import plot_profile
+    from dspark.cli.profile_cmd import plot_profile
 
     png = plot_profile(prof, tmp_path / "p.png")
     (fig,) = saved_figures
@@ -249,7 +249,7 @@ def test_profile_cli(tmp_path, capsys, saved_figures):
     """`dspark profile` on the default target with a tiny measurement, then `--show`."""
     import matplotlib.pyplot as plt
 
-    from dspark_cli.main import main
+    from dspark.cli.main import main
 
     out = tmp_path / "sps.json"
     rc = main(["profile", "--contexts", "4", "--tokens", "1", "2", "--repeats", "1", "--warmup", "0",
@@ -275,8 +275,8 @@ def test_generate_default_policy_prices_rounds(tiny):
     """generate(assistant_model=drafter) with no policy runs the scheduler: with an explicit table where nothing is
     worth verifying it verifies nothing, and with policy full every slot. Greedy output identical either way. The
     lookup proposer is off: its chains are priced by their own record."""
-    from generation import dspark_options
-    from generation.stats import collect_stats
+    from dspark.generation import dspark_options
+    from dspark.generation.stats import collect_stats
 
     drafter = make_drafter(tiny, block_size=4)
     ids = torch.tensor([[3, 5, 7, 1]])

@@ -16,8 +16,8 @@ import re
 
 import pytest
 
-from training import code_stubs
-from training import prompts as P
+from dspark.training import code_stubs
+from dspark.training import prompts as P
 
 _MISSING = P.check_data_files()
 needs_data = pytest.mark.requires(
@@ -401,7 +401,7 @@ def test_pyfunc_source_is_stdlib_function_stubs():
 @needs_data
 def test_pylib_source_is_library_function_stubs():
     recs = list(P.iter_train_prompts("pylib", seed=0))
-    assert len(recs) > 2000  # 3,046 with the versions named in training.code_stubs
+    assert len(recs) > 2000  # 3,046 with the versions named in dspark.training.code_stubs
     by_id = {r["id"]: r["prompt"] for r in recs}
     assert len(by_id) == len(recs) == len({P.normalize_prompt(r["prompt"]) for r in recs})
     assert {i.split(".")[0] for i in by_id} == {f"pylib-{p}" for p in code_stubs.PYLIB_PACKAGES}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import modeling_dspark as md
-from dspark_cli.common import target_for_drafter
-from generation import collect_stats, dspark_options
+from dspark.cli.common import target_for_drafter
+from dspark.generation import collect_stats, dspark_options
 from modeling_dspark import export, formats
 from modeling_dspark.target import apply_chat_template, load_target, shipped_drafter_for
 

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from generation.policies import parse_policy
-from generation.round import RequestState
-from generation.scheduler import (
+from dspark.generation.policies import parse_policy
+from dspark.generation.round import RequestState
+from dspark.generation.scheduler import (
     budget_from_confidences,
     fill_budget,
     prefix_schedule,

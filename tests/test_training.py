@@ -1,4 +1,4 @@
-"""Tests for training.trainer and training.data on a tiny random Llama target (CPU, < 60 s)."""
+"""Tests for dspark.training.trainer and dspark.training.data on a tiny random Llama target (CPU, < 60 s)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 import modeling_dspark as md
 from modeling_dspark.common import block_attention_mask
-from training.data import build_dataset, load_data
-from training.trainer import (
+from dspark.training.data import build_dataset, load_data
+from dspark.training.trainer import (
     DSparkCollator,
     DSparkTrainer,
     anchor_range,
@@ -253,7 +253,7 @@ def test_manifest_keeps_the_source_drafters_history(tmp_path):
     manifest records its whole history: each continuation over the first drafter's 10,500 steps."""
     from pathlib import Path
 
-    from dspark_cli.train_cmd import _source_manifest
+    from dspark.cli.train_cmd import _source_manifest
 
     assert _source_manifest(None) is None and _source_manifest(str(tmp_path)) is None
     (tmp_path / "training_manifest.json").write_text(json.dumps({"global_step": 7}))
@@ -296,7 +296,7 @@ def test_init_from_target_in_half_precision(family, dtype):
 def saved_tiny_target(root, data_sets: dict[str, list[str]] | None = None):
     """A tiny target + char tokenizer saved to ``root/target`` (a local checkpoint for the CLIs), and for each
     ``name -> prompts`` a data set built by ``build_dataset`` in ``root/name``. Returns the target directory."""
-    from training.data import build_dataset
+    from dspark.training.data import build_dataset
 
     tok = char_tokenizer()
     tgt = make_target(seed=1)
@@ -395,8 +395,8 @@ def test_data_build_exclude_leaves_out_earlier_builds_prompts(tmp_path):
 
 def test_collect_prompts_exclude_on_a_real_source_keeps_the_requested_count():
     """The ``sources`` path of ``--exclude-data``: excluded ids are skipped and the fetch margin still yields n."""
-    from training import prompts as P
-    from training.data import _collect_prompts
+    from dspark.training import prompts as P
+    from dspark.training.data import _collect_prompts
 
     first = [r["id"] for r in P.iter_train_prompts("code", 0, 6)]
     recs, counts = _collect_prompts({"code": 5}, None, 0, {}, None, frozenset(first[:3]))
@@ -406,7 +406,7 @@ def test_collect_prompts_exclude_on_a_real_source_keeps_the_requested_count():
 
 
 def test_select_draft_vocab_counts_response_tokens_only():
-    from training.trainer import select_draft_vocab
+    from dspark.training.trainer import select_draft_vocab
 
     rows = [{"input_ids": [1, 2, 3, 3, 3, 5, 5], "prompt_len": 2}, {"input_ids": [9, 9, 7, 7], "prompt_len": 1}]
     # response tokens: 3×3, 5×2, 7×2, 9×1 (the prompt tokens 1, 2, 9 are not counted); EOS 0 always kept
@@ -416,7 +416,7 @@ def test_select_draft_vocab_counts_response_tokens_only():
 
 # --------------------------------------------------------------------------- `dspark train` / `data build` input checks
 def run_cli(argv, capsys) -> tuple[int, str]:
-    from dspark_cli.main import main
+    from dspark.cli.main import main
 
     capsys.readouterr()  # only this command's output
     rc = main([str(a) for a in argv])
@@ -519,7 +519,7 @@ def test_data_build_refuses_bad_options_before_loading(extra, message, tmp_path,
 
 
 def test_data_build_names_missing_source_data_before_loading(tmp_path, no_target_load, capsys, monkeypatch):
-    from training import code_stubs, heldout, prompts
+    from dspark.training import code_stubs, heldout, prompts
 
     monkeypatch.setattr(code_stubs, "PYLIB_PACKAGES", ("numpy", "not_a_package"))
     rc, err = run_cli(["data", "build", "--out-dir", tmp_path / "out", "--sources", "pylib,sharegpt"], capsys)

@@ -32,9 +32,9 @@ import torch
 from safetensors.torch import load_file
 
 import modeling_dspark as md
-from dspark_cli.main import main as cli_main
-from generation.integration import dspark_options
-from generation.stats import collect_stats
+from dspark.cli.main import main as cli_main
+from dspark.generation.integration import dspark_options
+from dspark.generation.stats import collect_stats
 from modeling_dspark import export
 from modeling_dspark.target import apply_chat_template, default_target_path
 from tests.test_peers import scale_weights

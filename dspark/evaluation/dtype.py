@@ -1,0 +1,141 @@
+"""``--dtype auto``: the faster dtype for the job, measured on this processor (the CLI and the demo page use it).
+
+float32 is the token-exact dtype: in bfloat16 a batched verify rounds differently from a one-token step, so at a
+near-tie the output can part from plain decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.evaluation.profiling import _read, _write, default_profile_path, device_model, dtype_name, synchronize
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DTYPE_PROMPT", "DTYPE_MARGIN", "auto_dtype"]
+
+DTYPE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain how it works."
+"""The prompt :func:`auto_dtype` times ``generate()`` on (chat template applied)."""
+DTYPE_MARGIN = 0.05
+"""bfloat16 is chosen only when it runs more than this fraction faster than float32 (the token-exact mode)."""
+
+
+def _dtype_key(target, drafter, threads: int, device) -> str:
+    """``TARGET|DRAFTER|THREADS|DEVICE`` naming one measured job in the profile file's ``"dtype"`` section."""
+    from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
+
+    t = str(target or DEFAULT_TARGET)
+    t = t if t in PACKAGED_TARGETS else str(Path(t).expanduser().resolve())
+    d = "plain" if drafter is None else (str(Path(drafter).resolve()) if Path(drafter).is_dir() else str(drafter))
+    return f"{t}|{d}|{threads}|{torch.device(device).type}"
+
+
+@torch.inference_mode()
+def _time_generate(target, drafter, dtypes, max_new_tokens: int, repeats: int, device) -> dict[str, float]:
+    """Tokens/s of greedy ``generate()`` on :data:`DTYPE_PROMPT` in each of ``dtypes``: one warm-up call each, then
+    ``repeats`` interleaved timed calls, the fastest kept (the least disturbed by other load)."""
+    import copy
+
+    from modeling_dspark import DSparkDraftModel
+    from modeling_dspark.target import apply_chat_template, load_target
+
+    base, tok = load_target(target, dtype=torch.float32, device=str(device))
+    ids = torch.tensor([apply_chat_template(tok, DTYPE_PROMPT)], device=base.device)
+    models = {}
+    for dt in dtypes:
+        t = base if dt == torch.float32 else copy.deepcopy(base).to(dt)
+        d = None if drafter is None else DSparkDraftModel.from_pretrained(drafter, target=t, dtype=dt)
+        models[dtype_name(dt)] = (t, d)
+    kw = {"do_sample": False, "attention_mask": torch.ones_like(ids), "pad_token_id": tok.eos_token_id}
+    best: dict[str, float] = {}
+    for rep in range(1 + repeats):
+        for name, (t, d) in models.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            out = t.generate(ids, assistant_model=d, max_new_tokens=max_new_tokens if rep else 4, **kw)
+            synchronize(device)
+            if rep:
+                rate = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+                best[name] = max(best.get(name, 0.0), rate)
+    return best
+
+
+def auto_dtype(
+    target: str | os.PathLike | None = None,
+    drafter: str | os.PathLike | None = None,
+    *,
+    device="cpu",
+    threads: int | None = None,
+    path: str | os.PathLike | None = None,
+    max_new_tokens: int = 32,
+    repeats: int = 2,
+) -> tuple[torch.dtype, str]:
+    """The faster dtype for ``generate()`` of ``target`` (with ``drafter``, or plain decoding) here, and why.
+
+    bfloat16 on CUDA. On a CPU it depends on the processor and the job, with or without native bf16 matrix
+    instructions: a one-token step is bound by reading the weights, which bf16 halves, while a B-token verify is
+    bound by the products, which a CPU without native bf16 emulates (a 9-token bf16 verify measured 6.7 one-token
+    steps on an AVX2-only CPU, 3.1 in fp32). So both dtypes run the job itself — greedy ``generate()`` of
+    :data:`DTYPE_PROMPT`, ``max_new_tokens`` tokens, with the drafter's default options — interleaved, ``repeats``
+    times each, the fastest run kept; bfloat16 wins only when more than :data:`DTYPE_MARGIN` faster (float32 is
+    the token-exact mode). The tokens/s are cached in the SPS profile file (:func:`default_profile_path`, section
+    ``"dtype"``, keyed by target, drafter, threads and device type, with the processor): measured once, a few
+    seconds for a small target; a cache entry from another processor is measured again, and a measurement taken
+    while other programs kept every core busy (load average >= cores) is used once and not cached.
+
+    Args:
+        target: a target directory, a packaged target's name, or None for the default target.
+        drafter: a drafter directory or Hub id, or None for plain decoding.
+        device: ``"cpu"`` or a CUDA device.
+        threads: torch CPU threads (default: the current setting), part of the cache key.
+        path: the profile file (default :func:`default_profile_path`).
+        max_new_tokens, repeats: the size of the measurement (each >= 1).
+
+    Returns:
+        ``(dtype, reason)``: ``torch.float32`` or ``torch.bfloat16``, and one line saying why.
+
+    Raises:
+        ValueError: ``max_new_tokens`` or ``repeats`` < 1; errors of loading the target or drafter as they are.
+    """
+    if max_new_tokens < 1 or repeats < 1:
+        raise ValueError(f"max_new_tokens and repeats must be >= 1; got {max_new_tokens}, {repeats}")
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16, "a GPU"
+    threads = int(threads or torch.get_num_threads())
+    path = Path(path) if path is not None else default_profile_path()
+    key, here = _dtype_key(target, drafter, threads, device), device_model(device)
+    data = _read(path)
+    entry = data.setdefault("dtype", {}).get(key)
+    cached = entry is not None and entry.get("cpu_model") == here
+    busy = ""
+    if not cached:
+        logger.warning("timing generate() in float32 and bfloat16 to pick the faster (%s; an explicit dtype skips "
+                       "this); kept in %s unless every core is busy",
+                       "plain decoding" if drafter is None else f"drafter {drafter}", path)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            rates = _time_generate(target, drafter, (torch.float32, torch.bfloat16), max_new_tokens, repeats, device)
+        finally:
+            torch.set_num_threads(old)
+        entry = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}, "cpu_model": here,
+                 "max_new_tokens": max_new_tokens, "repeats": repeats, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if load >= (os.cpu_count() or 1):  # other programs held every core: a measurement to use once, not keep
+            busy = f"; the CPU was busy (load average {load:.1f}), so this is not cached"
+        else:
+            data = _read(path)  # re-read: keep what another process wrote meanwhile
+            data.setdefault("dtype", {})[key] = entry
+            _write(path, data)
+    fp32, bf16 = entry["tokens_per_s"]["float32"], entry["tokens_per_s"]["bfloat16"]
+    dtype = torch.bfloat16 if bf16 > fp32 * (1 + DTYPE_MARGIN) else torch.float32
+    job = "plain generate()" if drafter is None else "generate() with this drafter"
+    why = (f"{'measured' if not cached else 'measured before'} on this CPU for {job}: bfloat16 {bf16:.1f} tok/s, "
+           f"float32 {fp32:.1f}" + ("; float32 is the token-exact dtype" if dtype == torch.bfloat16 else
+                                    f"; bfloat16 is not more than {DTYPE_MARGIN:.0%} faster") + busy)
+    return dtype, why

@@ -1,0 +1,468 @@
+"""Training a DSpark drafter with 🤗 ``Trainer`` (docs/method.md §5).
+
+* :class:`DSparkCollator` pads target-generated sequences and samples several random anchors per sequence (in the
+  response part only, never at the last token), deterministically for ``(seed, epoch, example)``.
+* :class:`DSparkTrainer` holds the frozen target *outside* the trained model (so it is neither optimised nor
+  saved), computes the target's context features and block logits online under ``no_grad`` with the same
+  :func:`dspark.generation.features.context_features` used at inference (or reads them from a
+  :class:`~dspark.training.feature_cache.FeatureCache` when the batch carries them), runs the drafter on all anchors of
+  a batch at once with :func:`modeling_dspark.common.block_attention_mask`, adds the teacher-forced sequential
+  correction and the confidence logits, and optimises :func:`dspark.training.losses.dspark_loss` (eqs. 11–14). ce / tv /
+  conf / loss are logged separately. Checkpoints hold only the drafter (``model.safetensors`` + ``config.json``).
+* :func:`init_from_target` copies target decoder layers into the draft layers where shapes match.
+* :func:`init_from_drafter` starts a new drafter from a trained one (e.g. to give it Qwen3-style layers and a mask
+  token id, which export needs, without training from scratch).
+
+Alignment (docs/method.md §2): a block whose anchor x_0 is at position p has slots at positions p..p+γ−1; slot i predicts the
+token at position p+i+1, so its label is ``input_ids[p+i+1]``, its target distribution is the target's logit at
+position p+i, and its teacher-forced previous token is ``input_ids[p+i]``. Slots with p+i+1 ≥ length are masked out of
+the loss.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback
+
+from modeling_dspark.common import block_attention_mask, block_positions, gather_slots, softcap
+from .losses import dspark_loss, position_weights
+from dspark.generation.features import context_features, hidden_state_indices
+from modeling_dspark.target import decoder_of
+
+__all__ = ["DSparkCollator", "DSparkTrainer", "init_from_target", "init_from_drafter", "default_init_layer_ids",
+           "prepare_dataset"]
+
+
+# --------------------------------------------------------------------------- data collation
+def anchor_range(prompt_len: int, length: int) -> tuple[int, int]:
+    """Half-open range ``[lo, hi)`` of legal anchor positions: response tokens with at least one token after them.
+
+    ``lo = max(prompt_len, 1)`` (the anchor is a committed *response* token; at inference the first anchor is the
+    target's first generated token, with the prompt as context), ``hi = length − 1`` (anchor < length − 1, so slot 0
+    always has a label). Empty when the response has fewer than 2 tokens.
+    """
+    return max(int(prompt_len), 1), int(length) - 1
+
+
+@dataclass
+class DSparkCollator:
+    """Pad sequences (right padding) and sample ``anchors_per_seq`` random anchors per sequence.
+
+    Each feature is a dict with ``input_ids`` (prompt + response), ``prompt_len`` and optionally ``idx`` (a stable
+    example index; otherwise a CRC of the tokens is used). Anchors are drawn without replacement from
+    :func:`anchor_range` by ``numpy.random.default_rng([seed, epoch, idx])``, so they depend only on the seed, the
+    epoch and the example — not on batch composition, worker count or resumption. Sequences with fewer legal
+    anchors than ``anchors_per_seq`` get the rest as invalid anchors (``anchor_valid`` False, masked out).
+
+    Returns a dict of tensors: ``input_ids [B, L]``, ``attention_mask [B, L]``, ``anchor_positions [B, n]`` (sorted),
+    ``anchor_valid [B, n]`` bool.
+    """
+
+    block_size: int
+    anchors_per_seq: int = 8
+    pad_token_id: int = 0
+    seed: int = 0
+    max_length: int | None = None
+    epoch: int = 0
+
+    def _rng(self, feature: dict, ids: Sequence[int]) -> np.random.Generator:
+        key = feature.get("idx")
+        if key is None:
+            key = zlib.crc32(np.asarray(ids, dtype=np.int64).tobytes())
+        return np.random.default_rng([int(self.seed), int(self.epoch), int(key)])
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        seqs = []
+        for f in features:
+            ids = f["input_ids"]
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            if self.max_length is not None:
+                ids = ids[: self.max_length]
+            seqs.append(ids)
+        bsz, n = len(seqs), int(self.anchors_per_seq)
+        anchors = torch.zeros((bsz, n), dtype=torch.long)
+        valid = torch.zeros((bsz, n), dtype=torch.bool)
+        for b, (f, ids) in enumerate(zip(features, seqs)):
+            lo, hi = anchor_range(int(f["prompt_len"]), len(ids))
+            count = hi - lo
+            if count <= 0:
+                seqs[b] = ids[:2]
+                continue
+            k = min(n, count)
+            pick = np.sort(self._rng(f, ids).choice(count, size=k, replace=False)) + lo
+            anchors[b, :k] = torch.from_numpy(pick)
+            valid[b, :k] = True
+            # tokens after the last block's last label are never used (causal target): drop them
+            seqs[b] = ids[: int(pick[-1]) + self.block_size + 1]
+        width = max(2, max(len(s) for s in seqs))
+        input_ids = torch.full((bsz, width), int(self.pad_token_id), dtype=torch.long)
+        attention_mask = torch.zeros((bsz, width), dtype=torch.long)
+        for b, ids in enumerate(seqs):
+            input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[b, : len(ids)] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "anchor_positions": anchors,
+                "anchor_valid": valid}
+
+
+def prepare_dataset(dataset, min_response_tokens: int = 2):
+    """Add a stable ``idx`` column (deterministic anchors) and a ``length`` column, drop rows with no legal anchor."""
+    if "idx" not in dataset.column_names:
+        dataset = dataset.add_column("idx", list(range(len(dataset))))
+    if "length" not in dataset.column_names:  # for TrainingArguments(group_by_length=True)
+        dataset = dataset.add_column("length", [len(x) for x in dataset["input_ids"]])
+    return dataset.filter(
+        lambda ids, pl: len(ids) - max(pl, 1) >= min_response_tokens, input_columns=["input_ids", "prompt_len"]
+    )
+
+
+class _EpochCallback(TrainerCallback):
+    def __init__(self, collator):
+        self.collator = collator
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.collator is not None and hasattr(self.collator, "epoch"):
+            self.collator.epoch = int(state.epoch or 0)
+
+
+# --------------------------------------------------------------------------- trainer
+class DSparkTrainer(Trainer):
+    """``transformers.Trainer`` for a :class:`~modeling_dspark.DSparkDraftModel` against a frozen target.
+
+    Args:
+        model: the drafter (its parameters are the only trainable ones).
+        target: the frozen target causal LM. It is put in eval mode, its parameters get ``requires_grad=False``,
+            it is moved to ``args.device`` and bound to the drafter (shared embedding / LM head); it is *not* a
+            submodule of ``model`` (not optimised, not saved).
+        *args, **kwargs: as for ``Trainer`` (``args``, ``train_dataset``, ``data_collator`` …).
+            ``args.remove_unused_columns`` is forced to False (the batch is not the drafter's forward signature), and
+            ``args.ddp_find_unused_parameters`` defaults to False (the heads run outside the DDP-wrapped forward).
+    """
+
+    def __init__(self, model=None, *args, target=None, **kwargs):
+        if target is None:
+            raise ValueError("DSparkTrainer needs the frozen target: DSparkTrainer(model=drafter, target=target, ...)")
+        training_args = kwargs.get("args") if "args" in kwargs else (args[0] if args else None)
+        if training_args is not None:
+            training_args.remove_unused_columns = False
+            # the sequential / confidence heads run outside the drafter's forward (on its outputs); with DDP's
+            # find_unused_parameters they would be marked ready twice. Every drafter parameter gets a gradient
+            # each step, so the static setting is correct.
+            if training_args.ddp_find_unused_parameters is None:
+                training_args.ddp_find_unused_parameters = False
+        target.eval()
+        target.requires_grad_(False)
+        model.bind_target(target)
+        super().__init__(model, *args, **kwargs)
+        self.target = target.to(self.args.device)
+        self._sums: dict[str, dict[str, tuple[float, int]]] = {"train": {}, "eval": {}}
+        self._last_log_time = time.perf_counter()
+        self._blocks_since_log = 0
+        self.add_callback(_EpochCallback(self.data_collator))
+
+    # ---------------------------------------------------------------- target side (no grad)
+    @torch.no_grad()
+    def _decoder_pass(self, input_ids, attention_mask, layer_ids):
+        """One frozen target forward: context features ``[B, L, m·H]`` and the final (normed) hidden ``[B, L, H]``."""
+        target = self.target
+        out = decoder_of(target)(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=hidden_state_indices(layer_ids),
+            use_cache=False,
+        )
+        return context_features(out.hidden_states, layer_ids), out.last_hidden_state
+
+    @torch.no_grad()
+    def target_outputs(self, input_ids, attention_mask, anchor_positions, layer_ids, block_size):
+        """Context features ``[B, L, m·H]`` and the target's full logits at the block slots ``[B, n, γ, V]``."""
+        feats, last = self._decoder_pass(input_ids, attention_mask, layer_ids)
+        logits = self.target.get_output_embeddings()(gather_slots(last, anchor_positions, block_size))
+        return feats, softcap(logits, self._logit_cap)
+
+    @property
+    def _logit_cap(self) -> float | None:
+        """The target's final-logit soft-capping c (Gemma), applied to its logits as its own forward does."""
+        return getattr(self.target.config.get_text_config(), "final_logit_softcapping", None)
+
+    @torch.no_grad()
+    def slot_targets(self, drafter, slot_hidden, slot_lse=None):
+        """The target's distribution at the block slots, in the drafter's vocabulary.
+
+        Args:
+            slot_hidden: ``[B, n, γ, H]`` the target's final normed hidden states at the slots.
+            slot_lse: optional ``[B, n, γ]`` logsumexp of the target's full-vocabulary logits there (from a
+                :class:`~dspark.training.feature_cache.FeatureCache`); computed here when None.
+
+        Returns:
+            ``(logits, lse)``: without a draft vocabulary the full ``[B, n, γ, V]`` logits and None; with one the
+            ``[B, n, γ, N]`` logits of the draft columns only and the full-vocabulary ``lse [B, n, γ]`` float32,
+            which :func:`~dspark.training.losses.dspark_loss` needs to add the target mass outside them (exact).
+        """
+        head, cap = self.target.get_output_embeddings(), self._logit_cap
+        if drafter.draft_vocab_ids is None:
+            return softcap(head(slot_hidden.to(head.weight.dtype)), cap), None
+        if slot_lse is None:
+            full = softcap(head(slot_hidden.to(head.weight.dtype)), cap)
+            lse = torch.logsumexp(full.float(), dim=-1)
+            return full[..., drafter.draft_vocab_ids.to(full.device)], lse
+        weight = drafter._draft_head_weight(head)
+        return softcap(torch.nn.functional.linear(slot_hidden.to(weight.dtype), weight), cap), slot_lse.float()
+
+    # ---------------------------------------------------------------- loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        drafter = self.accelerator.unwrap_model(model)
+        cfg = drafter.config
+        gamma = cfg.block_size
+        ids = inputs["input_ids"]
+        attn = inputs["attention_mask"]
+        anchors = inputs["anchor_positions"]
+        valid = inputs["anchor_valid"]
+        bsz, length = ids.shape
+        n = anchors.shape[1]
+        lengths = attn.sum(-1)
+
+        if "context_features" in inputs:  # from a FeatureCache (CachedFeatureCollator): no target forward
+            feats = inputs["context_features"]
+            t_logits, t_lse = self.slot_targets(drafter, inputs["slot_hidden"], inputs["slot_lse"])
+        else:
+            feats, last = self._decoder_pass(ids, attn, cfg.target_layer_ids)
+            t_logits, t_lse = self.slot_targets(drafter, gather_slots(last, anchors, gamma))
+        slot_pos = block_positions(anchors, gamma)  # [B, n, γ]: positions p..p+γ−1
+        prev = ids.gather(1, slot_pos.clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, gamma)  # x_0..x_{γ−1}
+        labels = ids.gather(1, (slot_pos + 1).clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, gamma)
+        loss_mask = (slot_pos + 1 < lengths[:, None, None]) & valid[..., None]
+        if "context_features" in inputs and t_lse is not None and not torch.isfinite(t_lse[loss_mask]).all():
+            raise ValueError("the feature cache has no target logsumexp at a block slot of this batch: its rows "
+                             "were built with other prompt lengths; rebuild the cache for this data")
+
+        ctx_pos = torch.arange(length, device=ids.device).expand(bsz, length)
+        mask = block_attention_mask(anchors, ctx_pos, drafter.block_slots(gamma), attn.bool())
+        out = model(
+            anchor_ids=ids.gather(1, anchors),
+            anchor_positions=anchors,
+            context_features=feats,
+            context_positions=ctx_pos,
+            attention_mask=mask,
+            num_slots=gamma,
+        )
+        hidden = out.hidden_states
+        draft = out.base_logits
+        corr = drafter.correction_logits(prev, hidden)
+        if corr is not None:
+            draft = draft + corr
+        conf = drafter.confidence_logits(prev, hidden)
+        ce_mask = None
+        target_labels = labels
+        if drafter.draft_vocab_ids is not None:
+            # reduced draft vocabulary: p_d = 0 outside it. The loss works on the N draft columns only; the target
+            # mass outside them enters the L1 term through t_lse (exact, eq. 12), CE skips labels outside the set
+            index = drafter.draft_vocab_index(labels.device)
+            target_labels = index[labels]
+            ce_mask = (target_labels >= 0).reshape(-1, gamma)
+            target_labels = target_labels.clamp(min=0)
+        vocab = draft.shape[-1]
+        terms = dspark_loss(
+            draft.reshape(-1, gamma, vocab),
+            t_logits.reshape(-1, gamma, vocab),
+            target_labels.reshape(-1, gamma),
+            None if conf is None else conf.reshape(-1, gamma),
+            position_weights(gamma, cfg.loss_decay, device=draft.device),
+            loss_mask.reshape(-1, gamma),
+            cfg.ce_weight,
+            cfg.tv_weight,
+            cfg.conf_weight,
+            ce_mask=ce_mask,
+            target_lse=None if t_lse is None else t_lse.reshape(-1, gamma),
+        )
+        with torch.no_grad():
+            top1 = (draft.argmax(-1) == target_labels) & loss_mask
+            if ce_mask is not None:
+                top1 &= ce_mask.reshape(top1.shape)
+            first = loss_mask[..., 0]
+            stats = {
+                "ce": terms["ce"].item(),
+                "tv": terms["tv"].item(),
+                "conf": terms["conf"].item(),
+                "acc_k1": (top1[..., 0].sum() / first.sum().clamp_min(1)).item(),
+            }
+            # greedy acceptance on the data (target-greedy responses): slot k is accepted when slots 1..k match.
+            # Over blocks with all γ labels, survival a_k = P(first k accepted) and τ = 1 + Σ_k a_k (the bonus token)
+            whole = loss_mask.all(-1)
+            if whole.any():
+                survival = top1.long().cumprod(-1)[whole].float().mean(0)
+                stats["tau"] = 1.0 + survival.sum().item()
+                if not model.training:
+                    stats.update({f"a{k + 1}": a for k, a in enumerate(survival.tolist())})
+        acc = self._sums["train" if model.training else "eval"]
+        for k, v in stats.items():  # (sum, batches) per key: τ and a_k are missing from batches without a whole block
+            total, n = acc.get(k, (0.0, 0))
+            acc[k] = (total + v, n + 1)
+        if model.training:
+            self._blocks_since_log += int(valid.sum())
+        return (terms["loss"], out) if return_outputs else terms["loss"]
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the mean ce / tv / conf / loss terms (and blocks/s) since the last log to ``logs``."""
+        is_eval = any(k.startswith("eval_") for k in logs)
+        mode = "eval" if is_eval else "train"
+        prefix = "eval_" if is_eval else ""
+        for k, (total, n) in self._sums[mode].items():
+            logs[prefix + k] = round(total / n, 5)
+        self._sums[mode] = {}
+        if not is_eval and "loss" in logs:
+            now = time.perf_counter()
+            logs["blocks_per_s"] = round(self._blocks_since_log / max(now - self._last_log_time, 1e-9), 2)
+            self._blocks_since_log = 0
+            self._last_log_time = now
+        super().log(logs, start_time)
+
+
+# --------------------------------------------------------------------------- initialisation
+def select_draft_vocab(dataset, size: int, always: Sequence[int] = ()) -> torch.LongTensor:
+    """The ``size`` most frequent token ids among the *response* tokens of ``dataset`` (plus ``always``, e.g. EOS).
+
+    Used to fill ``drafter.draft_vocab_ids`` for ``config.draft_vocab_size`` (a reduced draft vocabulary).
+    Returns a sorted ``[size]`` long tensor. Ties are broken by the smaller id (deterministic).
+    """
+    counts = torch.zeros(max(size, max(always, default=-1) + 1), dtype=torch.float64)
+    for row in dataset:
+        c = torch.bincount(torch.as_tensor(row["input_ids"][int(row["prompt_len"]):], dtype=torch.long)).double()
+        if c.numel() > counts.numel():
+            counts = torch.cat([counts, counts.new_zeros(c.numel() - counts.numel())])
+        counts[: c.numel()] += c
+    counts[list(always)] = float("inf")
+    order = torch.argsort(-counts, stable=True)[:size]  # stable: ties keep the smaller id first
+    return order.sort().values
+
+
+def default_init_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The last ``num_draft_layers`` decoder layers of the target."""
+    return list(range(num_target_layers - num_draft_layers, num_target_layers))
+
+
+@torch.no_grad()
+def rmsnorm_scale(norm: torch.nn.Module) -> torch.Tensor:
+    """The per-channel scale s of a target RMSNorm written as y = s ⊙ x / rms(x), float32 ``[d]``.
+
+    Most families store s as the weight; Gemma 1–3 store s − 1 (their norm multiplies by 1 + weight). Which one is
+    found by running the module on a probe input in its own dtype: the candidate closer to its output is taken,
+    if it is within a few roundings of that dtype (``4·finfo(dtype).eps`` relative), so a copied norm computes what
+    the target's does in fp32, bf16 and fp16 alike.
+
+    Raises:
+        ValueError: neither form reproduces the module (not an RMSNorm).
+    """
+    dtype = norm.weight.dtype
+    w = norm.weight.detach().float().cpu()
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    x = torch.randn(4, w.numel(), generator=torch.Generator().manual_seed(0)).to(dtype)
+    y = norm(x.to(norm.weight.device)).float().cpu()
+    x = x.float()
+    unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    rtol = max(1e-3, 4 * torch.finfo(dtype).eps)
+    errors = {i: ((unit * s - y).abs() / (y.abs() + 1e-5)).max().item() for i, s in enumerate((w, 1.0 + w))}
+    best = min(errors, key=errors.get)
+    if errors[best] > rtol:
+        raise ValueError(f"{type(norm).__name__} is not an RMSNorm with a per-channel scale")
+    return (w, 1.0 + w)[best]
+
+
+@torch.no_grad()
+def init_from_target(drafter, target, layer_ids: Sequence[int] | None = None, copy_final_norm: bool = True) -> list[str]:
+    """Copy target decoder layer ``layer_ids[i]`` into draft layer i wherever parameter names and shapes match.
+
+    The draft layers have the target's shape (norms, q/k/v/o projections, MLP), so normally every layer parameter
+    is copied (a norm as the scale it applies: :func:`rmsnorm_scale`); W_c, the mask embedding and the heads keep
+    their fresh init. With ``copy_final_norm`` the target's final RMSNorm initialises the drafter's (the shared LM
+    head expects a normed state). A drafter with ``own_embeddings`` gets copies of the target's embedding table and
+    LM head (the rows ``draft_vocab_ids`` of it: set those first).
+
+    Args:
+        layer_ids: target layers to copy, one per draft layer; default the last ``num_draft_layers`` layers.
+
+    Returns:
+        names of the drafter parameters that were overwritten.
+
+    Raises:
+        ValueError: wrong number of layer ids or an id out of range.
+    """
+    decoder = decoder_of(target)
+    t_layers = decoder.layers
+    if layer_ids is None:
+        layer_ids = default_init_layer_ids(len(t_layers), len(drafter.layers))
+    layer_ids = [int(i) for i in layer_ids]
+    if len(layer_ids) != len(drafter.layers) or any(not 0 <= i < len(t_layers) for i in layer_ids):
+        raise ValueError(
+            f"layer_ids={layer_ids}: need {len(drafter.layers)} ids in [0, {len(t_layers) - 1}]"
+        )
+    copied = []
+    for i, lid in enumerate(layer_ids):
+        src = dict(t_layers[lid].named_parameters())
+        modules = dict(t_layers[lid].named_modules())
+        for name, p in drafter.layers[i].named_parameters():
+            if name in src and src[name].shape == p.shape:
+                if name.endswith("norm.weight"):  # the scale the target's norm applies (Gemma stores it − 1)
+                    p.copy_(rmsnorm_scale(modules[name.rsplit(".", 1)[0]]).to(p.device, p.dtype))
+                else:
+                    p.copy_(src[name].to(p.dtype))
+                copied.append(f"layers.{i}.{name}")
+    if copy_final_norm and hasattr(decoder, "norm") and decoder.norm.weight.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(rmsnorm_scale(decoder.norm).to(drafter.norm.weight.device, drafter.norm.weight.dtype))
+        copied.append("norm.weight")
+    if drafter.embed_tokens is not None:  # own_embeddings: frozen copies of the target's table and head rows
+        drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        head = target.get_output_embeddings().weight
+        rows = drafter.draft_vocab_ids
+        drafter.lm_head.weight.copy_(head if rows is None else head[rows.to(head.device)])
+        copied += ["embed_tokens.weight", "lm_head.weight"]
+    return copied
+
+
+@torch.no_grad()
+def init_from_drafter(drafter, source) -> tuple[list[str], list[str], list[str]]:
+    """Copy every tensor of the trained drafter ``source`` into ``drafter`` where names and shapes match.
+
+    For continuing training with a changed layout: ``source`` with "target"-style layers and a learned mask
+    embedding can seed a drafter with Qwen3-style layers and a ``mask_token_id`` (the layout every serving format
+    needs). The new q/k RMSNorms keep their init (weight 1) and the mask embedding is dropped; everything else,
+    the draft vocabulary ``draft_vocab_ids`` included, is copied. The STS calibration (``sts_*``) is not: calibrate
+    the trained result again.
+
+    Returns:
+        ``(copied, kept_init, dropped)``: names copied, names of ``drafter`` left at their init, names of ``source``
+        with no place in ``drafter``.
+
+    Raises:
+        ValueError: the two drafters belong to different targets (hidden or vocabulary size, target layers) or a
+            tensor both have differs in shape (another block size, rank, draft vocabulary size or layer count).
+    """
+    a, b = drafter.config, source.config
+    for key in ("hidden_size", "vocab_size", "target_layer_ids", "target_num_hidden_layers"):
+        if getattr(a, key) != getattr(b, key):
+            raise ValueError(f"the source drafter has {key}={getattr(b, key)}, this drafter {getattr(a, key)}: "
+                             "it was trained for another target or with other target layers")
+    src = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+    dst = {**dict(drafter.named_parameters()), **dict(drafter.named_buffers())}
+    bad = [f"{n} {tuple(src[n].shape)} vs {tuple(t.shape)}" for n, t in dst.items()
+           if n in src and src[n].shape != t.shape]
+    if bad:
+        raise ValueError("tensor shapes differ (pass the source's --block-size, --markov-rank, --num-draft-layers and "
+                         "--draft-vocab-size): " + "; ".join(bad))
+    copied = []
+    for name, t in dst.items():
+        if name in src:
+            t.copy_(src[name].to(t.device, t.dtype))
+            copied.append(name)
+    return copied, sorted(set(dst) - set(src)), sorted(set(src) - set(dst))
