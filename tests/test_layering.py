@@ -8,6 +8,9 @@ the same way), ``dspark.training``, ``dspark.evaluation``; ``dspark.cli`` and th
 level or inside a function alike: a lazy import upward is still a dependency upward. The namespace package
 ``dspark`` itself imports none of them.
 
+No module takes part in an import cycle (the same imports, as a graph): a circle means two modules that should be one,
+or a piece of one that belongs elsewhere.
+
 Inside ``dspark.generation`` the batched engine and the drafting round sit below the ``generate()`` adapter
 (``candidate_generator``, ``integration``), and only the engine uses its packed target (``packed_target``).
 
@@ -201,3 +204,78 @@ def test_options_do_not_take_their_base_from_the_statistics():
 ])
 def test_the_rules(imp, allowed):
     assert (violation(imp) is None) == allowed
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the modules of the library it imports}`` over :func:`imports` (every depth, relative imports
+    resolved): ``import a.b`` reaches ``a.b``; ``from a import b`` reaches the module ``a.b`` where there is one, else
+    ``a`` (a package: its ``__init__``). Parent packages that an import runs first are not counted."""
+    known = set(module_files())
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for imp in imports():
+        sub = f"{imp.module}.{imp.name}" if imp.name else None
+        dst = sub if sub in known else imp.module
+        while dst and dst not in known:  # `import a.b.c` of a name inside a module: the module
+            dst = dst.rpartition(".")[0]
+        if dst and dst != imp.importer:
+            graph[imp.importer].add(dst)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_module_is_part_of_an_import_cycle():
+    """No module of the library (``dspark``, its source folder generation/, ``modeling_dspark``) nor of the page
+    reaches itself through its imports, at module level or inside a function alike."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set(), "c": {"d"}, "d": {"c", "a"}}) == [["c", "d"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+    graph = import_graph()
+    # a relative from-import of a submodule reaches the submodule, not the package
+    assert "dspark.training.code_stubs" in graph["dspark.training.prompts"]
+    assert "dspark.generation.policies" in graph["dspark.generation.integration"]

@@ -1,9 +1,10 @@
 """Exact and near-duplicate matching of training prompts against the evaluation sets.
 
 :func:`normalize_prompt` is the exact key (case, punctuation and whitespace folded); :func:`find_overlap` and
-:func:`filter_eval_overlap` also match near-duplicates by word-shingle Jaccard similarity at a threshold, and, for
+:func:`split_overlap` also match near-duplicates by word-shingle Jaccard similarity at a threshold, and, for
 code, by the names of the functions a prompt defines (:func:`defined_functions`). Prompts are strings or records
-with a ``"prompt"`` field (:data:`Prompt`).
+with a ``"prompt"`` field (:data:`Prompt`). The eval sets themselves are not known here:
+:func:`dspark.training.prompts.filter_eval_overlap` loads them and calls :func:`split_overlap`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import sys
 import unicodedata
 from functools import lru_cache
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Iterable, Mapping, Union
 
 Prompt = Union[str, Mapping[str, object]]
 """A prompt: its text, or a record with a ``"prompt"`` field."""
@@ -145,29 +146,13 @@ def find_overlap(
     return [p for p in train_prompts if match(p)]
 
 
-def filter_eval_overlap(
-    train: Iterable[Prompt],
-    eval_sets: Union[None, Sequence[str], Mapping[str, Iterable[Prompt]]] = None,
-    threshold: float | None = None,
+def split_overlap(
+    train: Iterable[Prompt], eval_groups: Mapping[str, Iterable[Prompt]], threshold: float | None = None
 ) -> tuple[list, int]:
-    """Drop training prompts that (normalized) equal any held-out eval prompt.
-
-    ``eval_sets``: ``None`` (all ``EVAL_SETS``), a list of eval-set names, or a
-    mapping name -> prompts.  ``threshold``: also drop near-duplicates (see
-    :func:`find_overlap`); use it for ``gsm_symbolic`` (templated from GSM8K
-    test questions: ~6% of generated prompts reach Jaccard >= 0.6 against the
-    100 GSM8K eval items) and for code (with it, a prompt that defines a
-    function named like one in a HumanEval prompt -- the ``humaneval`` set or
-    mapping key -- is dropped too).  Returns ``(kept, n_dropped)``.
-    """
-    from dspark.training.prompts import EVAL_SETS, load_eval_prompts
-
-    if eval_sets is None:
-        eval_sets = EVAL_SETS
-    if isinstance(eval_sets, Mapping):
-        groups = {name: list(g) for name, g in eval_sets.items()}
-    else:
-        groups = {n: load_eval_prompts(n) for n in eval_sets}
+    """``(kept, n_dropped)``: the items of ``train`` (in order) that match no prompt of ``eval_groups`` (name ->
+    prompts), and how many did. ``threshold``: also near-duplicates, as in :func:`find_overlap`; the group named
+    ``humaneval`` counts as HumanEval prompts for the function-name test even where its items are plain strings."""
+    groups = {name: list(g) for name, g in eval_groups.items()}
     match = _Matcher((p for g in groups.values() for p in g), threshold, code_prompts=groups.get("humaneval", ()))
     kept, dropped = [], 0
     for p in train:

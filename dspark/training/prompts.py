@@ -95,10 +95,10 @@ import re
 import sys
 import types
 from functools import lru_cache
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
-# the overlap checks are part of this module's interface (dspark.training.prompts.filter_eval_overlap, ...)
-from dspark.training.overlap import defined_functions, filter_eval_overlap, find_overlap, normalize_prompt  # noqa: F401
+# the overlap checks are part of this module's interface (dspark.training.prompts.find_overlap, ...)
+from dspark.training.overlap import Prompt, defined_functions, find_overlap, normalize_prompt, split_overlap
 
 __all__ = [
     "DATA_PACKAGES",
@@ -325,6 +325,28 @@ def load_eval_prompts(name: str, limit: int | None = None) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- train
+
+
+def filter_eval_overlap(
+    train: Iterable[Prompt],
+    eval_sets: None | Sequence[str] | Mapping[str, Iterable[Prompt]] = None,
+    threshold: float | None = None,
+) -> tuple[list, int]:
+    """Drop training prompts that (normalized) equal any held-out eval prompt.
+
+    ``eval_sets``: ``None`` (all ``EVAL_SETS``), a list of eval-set names, or a
+    mapping name -> prompts.  ``threshold``: also drop near-duplicates (see
+    :func:`find_overlap`); use it for ``gsm_symbolic`` (templated from GSM8K
+    test questions: ~6% of generated prompts reach Jaccard >= 0.6 against the
+    100 GSM8K eval items) and for code (with it, a prompt that defines a
+    function named like one in a HumanEval prompt -- the ``humaneval`` set or
+    mapping key -- is dropped too).  Returns ``(kept, n_dropped)``.
+    """
+    if eval_sets is None:
+        eval_sets = EVAL_SETS
+    if not isinstance(eval_sets, Mapping):
+        eval_sets = {n: load_eval_prompts(n) for n in eval_sets}
+    return split_overlap(train, eval_sets, threshold)
 
 
 def _iter_json_array_items(path: str, chunk_chars: int = 1 << 22) -> Iterator[object]:
