@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -50,7 +49,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=False, help="checkout A (the reference)")
     p.add_argument("--head", default=str(REPO_ROOT), help="checkout B (default: this one)")
-    p.add_argument("--drafter", default="drafters/smollm2-135m-dspark", help="drafter directory (relative to head)")
+    p.add_argument("--drafter", default="modeling_dspark/drafters/smollm2-135m-dspark",
+                   help="drafter directory (relative to head)")
     p.add_argument("--per-set", type=int, default=12, help="prompts per eval set (gsm8k, humaneval, mtbench)")
     p.add_argument("--offset", type=int, default=40, help="skip the first OFFSET prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -145,36 +145,30 @@ def git_rev(checkout: str) -> str:
 
 
 def load_prompts(per_set: int, offset: int) -> list[dict]:
-    sys.path.insert(0, str(REPO_ROOT))
     from dspark.training.prompts import load_eval_prompts
 
     return [r for s in SETS for r in load_eval_prompts(s, offset + per_set)[offset:]]
 
 
-def sign_test(wins: int, n: int) -> float:
-    """Two-sided sign test p-value: ``wins`` of ``n`` pairs favour one side (ties dropped before)."""
-    from scipy.stats import binomtest
-
-    return float(binomtest(wins, n, 0.5).pvalue) if n else 1.0
-
-
 def summarize(times: dict, units: list[dict], arms: list[str]) -> list[dict]:
     """Per arm: base vs head per unit (a prompt, or an engine batch; median seconds over repeats), the sign test and
     speed-ups over plain."""
+    from benchmarks.stats import geometric_mean, paired, paired_ratios
+
     rows = []
     plain = [statistics.median(times[("plain", i)]) for i in range(len(units))]
     for arm in arms:
         base = [statistics.median(times[("base-" + arm, i)]) for i in range(len(units))]
         head = [statistics.median(times[("head-" + arm, i)]) for i in range(len(units))]
-        ratios = [b / h for b, h in zip(base, head)]
-        wins, losses = sum(r > 1 for r in ratios), sum(r < 1 for r in ratios)
+        ratios = paired_ratios(head, base)
+        test = paired(base, head)  # won: head faster (base took longer)
         rows.append({
-            "arm": arm, "units": len(units), "head_faster": wins, "base_faster": losses,
-            "sign_p": sign_test(wins, wins + losses),
-            "geomean_base_over_head": math.exp(statistics.fmean(math.log(r) for r in ratios)),
+            "arm": arm, "units": len(units), "head_faster": test["won"], "base_faster": test["lost"],
+            "sign_p": test["p"],
+            "geomean_base_over_head": geometric_mean(ratios),
             "median_base_over_head": statistics.median(ratios),
-            "base_speedup_vs_plain": math.exp(statistics.fmean(math.log(p / b) for p, b in zip(plain, base))),
-            "head_speedup_vs_plain": math.exp(statistics.fmean(math.log(p / h) for p, h in zip(plain, head))),
+            "base_speedup_vs_plain": geometric_mean(paired_ratios(base, plain)),
+            "head_speedup_vs_plain": geometric_mean(paired_ratios(head, plain)),
             "per_unit": [{"id": pr["id"], "plain_s": p, "base_s": b, "head_s": h}
                            for pr, p, b, h in zip(units, plain, base, head)],
         })
@@ -189,6 +183,7 @@ def main(argv=None) -> int:
     if not args.base:
         print("--base is required", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(REPO_ROOT))  # the driver: this checkout's prompts and statistics (not in the workers)
     prompts = load_prompts(args.per_set, args.offset)
     op, size = ("engine", args.engine_batch) if args.engine_batch else ("generate", 1)
     units = [{"id": "+".join(p["id"] for p in prompts[i : i + size]),

@@ -31,6 +31,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.stats import paired, paired_ratios  # noqa: E402  (after the path: run as a script)
+from benchmarks.common import load_domain_prompts, result_header, usable_cores, write_result  # noqa: E402
+
 
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 """Environment variables that hold torch's kernels below what the processor offers (e.g. AVX2 only on an AVX-512
@@ -57,13 +60,6 @@ def parse_args(argv=None):
     if args.engine_tokens < 2 or args.engine_waves < 1:
         p.error("--engine-tokens must be >= 2 and --engine-waves >= 1")
     return args
-
-
-def sign_test(wins: int, n: int) -> float:
-    """Two-sided sign-test p-value of ``wins`` successes in ``n`` paired trials."""
-    from scipy.stats import binomtest
-
-    return float(binomtest(wins, n, 0.5).pvalue) if n else float("nan")
 
 
 def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
@@ -101,20 +97,20 @@ def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
     for d in prompts:
         recs = [r for r in records if r["domain"] == d]
         tok_d = sum(len_ for len_ in (r["new_tokens"] for r in recs))
-        wins = sum(r["plain_s"] > r["dspark_s"] for r in recs)
+        test = paired([r["plain_s"] for r in recs], [r["dspark_s"] for r in recs])  # won: DSpark faster
         domains[d] = {"prompts": len(recs), "plain_tok_s": tok_d / sum(r["plain_s"] for r in recs),
                       "dspark_tok_s": tok_d / sum(r["dspark_s"] for r in recs),
                       "ratio": sum(r["plain_s"] for r in recs) / sum(r["dspark_s"] for r in recs),
-                      "faster": wins, "sign_p": sign_test(wins, len(recs)),
+                      "faster": test["won"], "sign_p": test["p"],
                       "identical": sum(r["identical"] for r in recs),
                       "tau": sum(r["tau"] or 0 for r in recs) / len(recs),
                       "draft_rounds": sum(r["draft_rounds"] for r in recs),
                       "lookup_rounds": sum(r["lookup_rounds"] for r in recs),
                       "plain_rounds": sum(r["plain_rounds"] for r in recs),
                       "t_draft_ms": sum(r["t_draft_ms"] for r in recs) / len(recs)}
-    wins = sum(r["plain_s"] > r["dspark_s"] for r in records)
-    macro = {"ratio": sum(x["ratio"] for x in domains.values()) / len(domains), "faster": wins,
-             "prompts": len(records), "sign_p": sign_test(wins, len(records))}
+    test = paired([r["plain_s"] for r in records], [r["dspark_s"] for r in records])
+    macro = {"ratio": sum(x["ratio"] for x in domains.values()) / len(domains), "faster": test["won"],
+             "prompts": len(records), "sign_p": test["p"]}
     return {"domains": domains, "macro": macro, "per_prompt": records}
 
 
@@ -148,11 +144,10 @@ def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: 
         for rep in range(repeats):
             for name in (("plain", "dspark") if rep % 2 == 0 else ("dspark", "plain")):
                 rates[name].append(serve(engines[name], batch))
-        ratios = [d / p for d, p in zip(rates["dspark"], rates["plain"])]
-        wins = sum(x > 1 for x in ratios)
-        out[r] = {"plain_tok_s": rates["plain"], "dspark_tok_s": rates["dspark"], "ratios": ratios,
-                  "ratio": sum(rates["dspark"]) / sum(rates["plain"]), "faster": wins,
-                  "sign_p": sign_test(wins, len(ratios))}
+        test = paired(rates["dspark"], rates["plain"])
+        out[r] = {"plain_tok_s": rates["plain"], "dspark_tok_s": rates["dspark"],
+                  "ratios": paired_ratios(rates["plain"], rates["dspark"]),
+                  "ratio": sum(rates["dspark"]) / sum(rates["plain"]), "faster": test["won"], "sign_p": test["p"]}
         print(f"[bench] engine R={r}: plain {rates['plain']}, dspark {rates['dspark']} tok/s", file=sys.stderr,
               flush=True)
     return out
@@ -197,8 +192,6 @@ def main(argv=None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.bench_generate import result_header, usable_cores, write_result
-    from benchmarks.bench_proposers import load_domain_prompts
     from dspark.evaluation.profiling import cpu_model
     from modeling_dspark.pairing import load_models
     from modeling_dspark.target import shipped_drafter_for

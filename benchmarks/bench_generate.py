@@ -18,18 +18,18 @@ Writes JSON to ``--out`` (default ``benchmarks/results/generate.json``) and prin
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.stats import paired, paired_ratios  # noqa: E402  (after the path: run as a script)
+from benchmarks.common import result_header, usable_cores, write_result  # noqa: E402
 
 BUILTIN_PROMPTS = [
     "Explain in two sentences what speculative decoding is.",
@@ -45,7 +45,8 @@ BUILTIN_PROMPTS = [
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", default="random", help="drafter directory or 'random' (untrained, seed 0)")
+    p.add_argument("--drafter", default="random",
+                   help="drafter directory, shipped drafter name or 'random' (untrained, seed 0)")
     p.add_argument("--target", default=None, help="target directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts-file", default=None, help="JSON lines with a 'prompt' field (default: built-in)")
     p.add_argument("--num-prompts", type=int, default=4, help="use the first N prompts (default: 4)")
@@ -65,37 +66,6 @@ def parse_args(argv=None):
     p.add_argument("--skip-generate", action="store_true", help="only time the Markov head")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate.json"))
     return p.parse_args(argv)
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def machine_info(threads: int) -> dict:
-    import torch
-    import transformers
-
-    from dspark.evaluation.profiling import cpu_model
-
-    cpu = cpu_model()
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "usable_cores": usable_cores(),
-        "torch_threads": threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_average_at_start": load,
-    }
 
 
 def load_prompts(args) -> list[str]:
@@ -123,11 +93,10 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
 
     from modeling_dspark.pairing import load_models
     from dspark.evaluation.eval_sets import timed_generate
-    from dspark.evaluation.serving import sign_test_p
     from dspark.generation import collect_stats, dspark_options
     from modeling_dspark.target import apply_chat_template
 
-    target, tok, drafter = load_models(args.target, args.drafter, dtype_name)
+    target, tok, drafter = load_models(args.target, args.drafter_dir, dtype_name)
     param_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False,
            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
@@ -172,12 +141,15 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
         rounds = [rd for r in mine for rd in r[4].rounds]
         n_rounds = max(1, len(rounds))
         ds_tok, ds_s = sum(len(r[2]) for r in mine), sum(r[3] for r in mine)
-        paired = []
-        for rep in range(args.repeats):
-            p_s = sum(r[3] for r in plain if r[0] == rep) / max(1, sum(len(r[2]) for r in plain if r[0] == rep))
-            d_s = sum(r[3] for r in mine if r[0] == rep) / max(1, sum(len(r[2]) for r in mine if r[0] == rep))
-            paired.append(p_s / d_s)
-        faster = sum(x > 1 for x in paired)
+        def s_per_token_of_pass(recs, rep):
+            return sum(r[3] for r in recs if r[0] == rep) / max(1, sum(len(r[2]) for r in recs if r[0] == rep))
+
+        plain_spt = [s_per_token_of_pass(plain, rep) for rep in range(args.repeats)]
+        mine_spt = [s_per_token_of_pass(mine, rep) for rep in range(args.repeats)]
+        per_pass = paired_ratios(mine_spt, plain_spt)  # plain s/token over DSpark's: > 1 where DSpark was faster
+        # one-sided: the chance of this many faster passes or more if DSpark were no faster
+        test = paired(plain_spt, mine_spt, alternative="greater")
+        faster = test["won"]
         results.append({
             "dtype": dtype_name,
             "policy": args.policy,
@@ -195,9 +167,9 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
             "plain_bandwidth_GBps": param_bytes / s_per_token / 1e9,
             "dspark_tokens_per_s": ds_tok / ds_s,
             "speedup": (ds_tok / ds_s) / (plain_tok / plain_s),
-            "speedup_per_pass": paired,
+            "speedup_per_pass": per_pass,
             "faster_passes": faster,
-            "sign_p": sign_test_p(faster, len(paired)),
+            "sign_p": test["p"],
             "tau": sum(r.committed for r in rounds) / n_rounds,
             "rounds": len(rounds),
             "skipped_draft_rounds": sum(r.drafted == 0 for r in rounds),
@@ -288,45 +260,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def code_version(root: str | os.PathLike = REPO_ROOT) -> str | None:
-    """The commit of the checkout at ``root`` (``git describe --always --dirty --abbrev=40``: ``-dirty`` where its
-    tracked files differ from it); None outside a checkout or without git."""
-    try:
-        proc = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
-                              capture_output=True, text=True)
-    except OSError:
-        return None
-    return proc.stdout.strip() or None
-
-
-def result_header(benchmark: str, argv: list[str] | None, threads: int) -> dict:
-    """The keys every benchmark JSON starts with: its name, the UTC date, the code it ran (:func:`code_version`), the
-    command line (``argv``, else ``sys.argv``) and :func:`machine_info`."""
-    return {
-        "benchmark": benchmark,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "code": code_version(),
-        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        "machine": machine_info(threads),
-    }
-
-
-def write_result(result: dict, table: str, out: str | os.PathLike) -> Path:
-    """Record the load average at the end, store ``table`` as ``result["markdown"]``, write ``result`` as JSON to
-    ``out`` (parents created) and print the table; returns the path."""
-    try:
-        result["machine"]["load_average_at_end"] = os.getloadavg()
-    except OSError:
-        pass
-    result["markdown"] = table
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(table)
-    print(f"\nwritten to {path}", file=sys.stderr)
-    return path
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -345,12 +278,12 @@ def main(argv=None) -> int:
                   "quiet machine)", file=sys.stderr)
     except OSError:
         pass
-    if args.drafter != "random" and not Path(args.drafter).is_dir():
-        sys.exit(f"drafter directory not found: {args.drafter}")
-    from modeling_dspark.pairing import InputError, target_for_drafter
+    from modeling_dspark.pairing import InputError, drafter_dir, target_for_drafter
 
     try:
-        args.target = target_for_drafter(args.target, args.drafter)
+        # a directory, shipped name or Hub id, checked before the target loads; the JSON records it as given
+        args.drafter_dir = args.drafter if args.drafter == "random" else drafter_dir(args.drafter)
+        args.target = target_for_drafter(args.target, args.drafter_dir)
     except InputError as err:
         sys.exit(str(err))
 

@@ -29,7 +29,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-DOMAINS = {"math": ("gsm8k",), "code": ("humaneval",), "chat": ("mtbench", "alpaca")}
+from benchmarks.common import DOMAINS, load_domain_prompts, result_header, usable_cores, write_result  # noqa: E402
 VARIANTS = ("plain", "prompt_lookup", "dspark", "dspark+lookup")
 
 
@@ -47,18 +47,6 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "proposers.json"))
     return p.parse_args(argv)
-
-
-def load_domain_prompts(per_domain: int, offset: int) -> dict[str, list[dict]]:
-    """``{domain: [{"id", "prompt", "source"}]}``, ``per_domain`` each; a domain with several sets alternates them."""
-    from dspark.training.prompts import load_eval_prompts
-
-    out = {}
-    for domain, sets in DOMAINS.items():
-        pools = [load_eval_prompts(s, offset + per_domain)[offset:] for s in sets]
-        picked = [pools[i % len(pools)][i // len(pools)] for i in range(per_domain)]
-        out[domain] = picked
-    return out
 
 
 def measure_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict:
@@ -219,7 +207,6 @@ def main(argv=None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.bench_generate import result_header, usable_cores, write_result
     from dspark.generation import dspark_options
     from modeling_dspark.target import DEFAULT_TARGET
 

@@ -30,6 +30,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.stats import paired  # noqa: E402  (after the path: run as a script)
+from benchmarks.common import load_domain_prompts, result_header, usable_cores, write_result  # noqa: E402
+
 ARMS = ("plain", "dflash", "pld", "dspark")
 
 
@@ -78,7 +81,6 @@ def run_arm(arm: str, target, drafter, ids, gen: dict, pld_tokens: int) -> tuple
 def generate_arms(target, tok, drafter, prompts: dict, max_new: int, pld_tokens: int) -> dict:
     import torch
 
-    from benchmarks.bench_default import sign_test
     from modeling_dspark.target import apply_chat_template
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -111,8 +113,8 @@ def generate_arms(target, tok, drafter, prompts: dict, max_new: int, pld_tokens:
                       "tau": tokens / sum(r[f"{arm}_forwards"] for r in recs),
                       "identical": len(recs) if arm == "plain" else sum(r[f"{arm}_identical"] for r in recs)}
         for arm in ARMS[:-1]:  # dspark against each other arm, prompt by prompt
-            wins = sum(r["dspark_s"] < r[f"{arm}_s"] for r in recs)
-            x[f"dspark_vs_{arm}"] = {"faster": wins, "sign_p": sign_test(wins, len(recs))}
+            test = paired([r[f"{arm}_s"] for r in recs], [r["dspark_s"] for r in recs])  # won: dspark faster
+            x[f"dspark_vs_{arm}"] = {"faster": test["won"], "sign_p": test["p"]}
         domains[d] = x
     macro = {arm: sum(x[arm]["ratio"] for x in domains.values()) / len(domains) for arm in ARMS}
     return {"domains": domains, "macro_ratio": macro, "per_prompt": records}
@@ -157,8 +159,6 @@ def main(argv=None) -> int:
     import transformers
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.bench_generate import result_header, usable_cores, write_result
-    from benchmarks.bench_proposers import load_domain_prompts
     from dspark.evaluation.profiling import cpu_model
     from modeling_dspark.pairing import load_models
     from modeling_dspark.target import shipped_drafter_for

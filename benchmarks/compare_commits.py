@@ -38,7 +38,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.bench_generate import code_version  # noqa: E402  (after the path: run as a script)
+from benchmarks.stats import paired, paired_ratios  # noqa: E402  (after the path: run as a script)
+from benchmarks.common import code_version  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -100,25 +101,23 @@ def metrics(bench: str, result: dict) -> dict[str, float]:
     return found
 
 
-def paired(a: list[float], b: list[float]) -> dict:
-    from scipy.stats import binomtest
-
-    ratios = [y / x for x, y in zip(a, b)]
-    faster = sum(r > 1 for r in ratios)
-    ties = sum(r == 1 for r in ratios)
-    n = len(ratios) - ties
-    p = binomtest(faster, n, 0.5).pvalue if n else 1.0
+def before_after(a: list[float], b: list[float]) -> dict:
+    """One metric over the repetitions, before (``a``) and after (``b``): medians, the per-repetition ratios B / A,
+    in how many B was higher, and the two-sided sign test (:func:`benchmarks.stats.paired`: ties dropped)."""
+    ratios = paired_ratios(a, b)
+    test = paired(b, a)
     return {"before_median": statistics.median(a), "after_median": statistics.median(b),
             "ratio_of_medians": statistics.median(b) / statistics.median(a), "per_rep": ratios,
-            "after_faster": faster, "n": len(ratios), "sign_p_two_sided": p}
+            "after_faster": test["won"], "n": len(ratios), "sign_p_two_sided": test["p"]}
 
 
 def compare(bench: str, runs: dict[str, list[dict]]) -> tuple[dict, str]:
-    """Per metric found in every run of both sides: :func:`paired` over the repetitions; and a markdown table."""
+    """Per metric found in every run of both sides: :func:`before_after` over the repetitions; and a markdown
+    table."""
     before = [metrics(bench, r) for r in runs["before"]]
     after = [metrics(bench, r) for r in runs["after"]]
     names = [k for k in before[0] if all(k in m for m in before + after)]
-    table = {k: paired([m[k] for m in before], [m[k] for m in after]) for k in names}
+    table = {k: before_after([m[k] for m in before], [m[k] for m in after]) for k in names}
     lines = ["| metric | before (median) | after (median) | after / before | after faster in | sign p |",
              "|---|---:|---:|---:|---:|---:|"]
     for k, t in table.items():

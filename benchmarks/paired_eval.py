@@ -17,10 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
 
-SAME = ("sets", "limit", "block_size", "policy", "max_new_tokens", "dtype", "seed", "target")
-"""Config keys that must match for two reports to be paired."""
+from benchmarks.common import SAME, tau_pairs  # noqa: E402  (after the path: run as a script)
 
 
 def prompt_tau(mode: dict) -> list[float]:
@@ -38,16 +38,13 @@ def prompt_tau(mode: dict) -> list[float]:
 
 
 def compare(base: dict, new: dict, mode: str = "greedy") -> dict:
-    """``{set: paired, ..., "pooled": paired}`` (:func:`tau_gap.paired` over prompts) of ``new`` against ``base``.
+    """``{set: paired, ..., "pooled": paired}`` (:func:`benchmarks.common.tau_pairs` over prompts) of ``new`` against
+    ``base``.
 
     Raises:
         ValueError: the reports differ in a :data:`SAME` option, lack ``mode`` for a set, lack per-prompt counts,
             or hold different numbers of prompts for a set.
     """
-    from scipy.stats import binomtest
-
-    from tau_gap import paired
-
     diff = [k for k in SAME if base["config"].get(k) != new["config"].get(k)]
     if diff:
         raise ValueError("reports are not paired: they differ in " + ", ".join(
@@ -60,10 +57,10 @@ def compare(base: dict, new: dict, mode: str = "greedy") -> dict:
         a, b = prompt_tau(new["results"][name][mode]), prompt_tau(base["results"][name][mode])
         if len(a) != len(b):
             raise ValueError(f"set {name!r}: {len(b)} prompts in the base report, {len(a)} in the new one")
-        out[name] = paired(a, b, binomtest)
+        out[name] = tau_pairs(a, b)
         pooled_new += a
         pooled_base += b
-    out["pooled"] = paired(pooled_new, pooled_base, binomtest)
+    out["pooled"] = tau_pairs(pooled_new, pooled_base)
     return out
 
 

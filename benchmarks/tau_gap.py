@@ -31,6 +31,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.common import tau_pairs  # noqa: E402  (after the path: run as a script)
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -50,7 +52,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from scipy.stats import binomtest
     from transformers import TrainingArguments
 
     from modeling_dspark.pairing import InputError, check_made_for_target, target_for_drafter
@@ -117,11 +118,10 @@ def main(argv=None) -> int:
     for d, row in results["drafters"].items():
         for n in names:
             if d != first:
-                row[n]["vs_first"] = paired(row[n]["batch_tau"], results["drafters"][first][n]["batch_tau"], binomtest)
+                row[n]["vs_first"] = tau_pairs(row[n]["batch_tau"], results["drafters"][first][n]["batch_tau"])
         if d != first and len(names) > 1:  # every held-out set's batches together: one sign test
-            row["pooled_vs_first"] = paired([t for n in names for t in row[n]["batch_tau"]],
-                                            [t for n in names for t in results["drafters"][first][n]["batch_tau"]],
-                                            binomtest)
+            row["pooled_vs_first"] = tau_pairs([t for n in names for t in row[n]["batch_tau"]],
+                                               [t for n in names for t in results["drafters"][first][n]["batch_tau"]])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print("| drafter | " + " | ".join(f"τ {n}" for n in names) + " | " + " | ".join(f"a1..a3 {n}" for n in names) + " |")
@@ -141,16 +141,6 @@ def main(argv=None) -> int:
                 v = row["pooled_vs_first"]
                 print(f"| {Path(d).name} | pooled | {v['mean_delta']:+.3f} | {v['won']} / {v['lost']} | {v['p']:.3g} |")
     return 0
-
-
-def paired(tau, base, binomtest) -> dict:
-    """Mean Δτ over batches where both have a value, batches won and lost (ties dropped), two-sided sign test."""
-    pairs = [(a, b) for a, b in zip(tau, base) if a == a and b == b]
-    won = sum(a > b for a, b in pairs)
-    lost = sum(a < b for a, b in pairs)
-    p = binomtest(won, won + lost).pvalue if won + lost else 1.0
-    return {"mean_delta": sum(a - b for a, b in pairs) / max(len(pairs), 1), "won": won, "lost": lost,
-            "batches": len(pairs), "p": p}
 
 
 if __name__ == "__main__":

@@ -24,7 +24,10 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.common import SAME  # noqa: E402  (after the path: run as a script)
 
 
 def fit(points: list[tuple[int, float]], goal: float) -> dict:
@@ -76,11 +79,9 @@ def read_points(specs: list[str]) -> list[tuple[int, float]]:
 
     Raises:
         ValueError: a malformed argument, a report without ``summary.tau_greedy_macro``, or reports whose eval
-            options differ (:data:`paired_eval.SAME`).
+            options differ (:data:`benchmarks.common.SAME`).
         OSError: an unreadable report.
     """
-    from paired_eval import SAME
-
     points, configs = [], []
     for spec in specs:
         n, sep, path = spec.partition("=")
