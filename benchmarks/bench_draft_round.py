@@ -83,10 +83,14 @@ def main(argv=None) -> int:
             if i:
                 ctx.cache.length = prompt_len - 2
                 ctx.pending = [feats[:, -2:]]
-            policy.plan([RequestState(None, None)], [gamma], [[]], ids.shape[1])
+            plan = policy.plan([RequestState(None, None)], [gamma], [[]], ids.shape[1])
             t0 = time.perf_counter()
-            res = drafting.draft_round(drafter, [ctx], [int(ids[0, -1])], [ids.shape[1] - 1], [gamma], policy,
-                                       num_slots=gamma)
+            if isinstance(plan, tuple):  # a checkout from before RoundPlan: plan() gave (lookup lengths, budgets)
+                res = drafting.draft_round(drafter, [ctx], [int(ids[0, -1])], [ids.shape[1] - 1], plan[1], policy,
+                                           num_slots=gamma)
+            else:
+                res = drafting.draft_round(drafter, [ctx], [int(ids[0, -1])], [ids.shape[1] - 1], plan, policy,
+                                           block_size=gamma)
             if i > 10:
                 times.append(time.perf_counter() - t0)
         assert res.lengths == [gamma], res.lengths

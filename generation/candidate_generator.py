@@ -23,18 +23,19 @@ complete at a round's last committed token (the target's own token), where the c
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .costs import Prices, prices_for
+from .costs import Prices
 from .drafting import DraftContext, Sampler, check_drafter
 from .features import context_features, hidden_state_indices
 from .lookup import NGramLookup
 from .kv import RequestKV
-from .policies import Policy, PolicyRun, default_policy, parse_policy
+from .policies import Exploration, Policy, PolicyRun, default_policy, parse_policy
 from .round import Chain, RequestState, propose, record
 from .stats import register
 
@@ -65,16 +66,33 @@ def validate_request(drafter, target, generation_config, input_ids=None, block_s
     return check_drafter(drafter, target, block_size, policy)
 
 
-def _start_policy(drafter, target, policy: Policy | None, gamma: int, sps) -> PolicyRun:
+_learned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def learned_prices(target, drafter, block_size: int) -> tuple[Prices, Exploration]:
+    """The :class:`~dspark.generation.costs.Prices` and :class:`~dspark.generation.policies.Exploration` learned by the
+    `generate()` calls with this target, drafter and block size in this process, so each call starts from what the
+    earlier calls measured (never stored on disk). Keyed by the objects, their dtype and device, and torch's thread
+    count."""
+    per_target = _learned.setdefault(target, {})
+    key = (id(drafter), block_size, str(target.dtype), str(target.device), torch.get_num_threads())
+    if key not in per_target:
+        per_target[key] = (Prices(), Exploration())
+    return per_target[key]
+
+
+def _start_policy(drafter, target, policy: Policy | None, block_size: int, sps) -> PolicyRun:
     """The verify policy of a `generate()` call, started with its prices: ``policy``, or the default (``scheduler``
     when the drafter has a confidence head, else ``full``). The scheduler's prices are an explicit SPS(B) ``sps``,
-    or those learned by earlier calls with the same target and drafter in this process
-    (:func:`dspark.generation.costs.prices_for`)."""
+    or those learned by earlier calls with the same target and drafter in this process (:func:`learned_prices`)."""
     if policy is None:
         policy = default_policy(drafter)
     if not policy.priced:
         return policy.start()
-    return policy.start(prices=Prices(sps) if sps is not None else prices_for(target, drafter, gamma))
+    if sps is not None:
+        return policy.start(sps)
+    prices, exploration = learned_prices(target, drafter, block_size)
+    return policy.start(prices=prices, exploration=exploration)
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -121,13 +139,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
         lookup: bool = True,
     ):
         requested = None if policy is None else parse_policy(policy)
-        gamma = validate_request(drafter, target, generation_config, input_ids, block_size, requested)
+        block_size = validate_request(drafter, target, generation_config, input_ids, block_size, requested)
         stop_strings = getattr(generation_config, "stop_strings", None)
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate()")
-        self.policy = _start_policy(drafter, target, requested, gamma, sps)
+        self.policy = _start_policy(drafter, target, requested, block_size, sps)
         self.drafter = drafter
-        self.block_size = gamma
+        self.block_size = block_size
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.model_kwargs_overrides = {"output_hidden_states": hidden_state_indices(self.layer_ids)}
         self.max_length = generation_config.max_length
@@ -135,7 +153,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.stop = StopStringCriteria(tokenizer, stop_strings) if stop_strings else None
         self.state = RequestState(DraftContext(RequestKV(drafter.config.num_draft_layers)),
-                                  NGramLookup(num_tokens=gamma) if lookup else None)
+                                  NGramLookup(num_tokens=block_size) if lookup else None)
         self.stats = self.state.stats
         self.stats.policy = self.policy.name + (" (default)" if requested is None else "")
         register(self.stats)

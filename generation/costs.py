@@ -18,8 +18,8 @@ included, and nothing is stored: a new process starts from the priors.
   one round of committed positions (a round after skipped rounds ingests more, which is not the price of drafting
   every round: it may only lower it); a count not timed yet takes the nearest timed count's price. One price for
   every n would misprice the engine: on the Xeon with AMX a drafting round of 16 requests took twice one of a few.
-* the action not taken is measured again every :data:`PLAIN_EVERY` rounds: a plain step, or a probe that verifies
-  one drafted token per request whatever it costs (a decision fixed before the round: still lossless).
+* when to measure again the action not being taken (a plain step, a probe) is the scheduler's decision
+  (:class:`dspark.generation.policies.Exploration`), not an estimator's.
 * acceptance: per proposer, decayed counts of accepted and tried chain positions with a prior of
   :data:`PRIOR_STRENGTH` pseudo-trials at :data:`PRIOR_ACCEPT`; the counts decay every round, also when the proposer
   did not run, so a proposer priced out of the rounds drifts back to the prior and is tried again. A drafting round
@@ -33,36 +33,14 @@ already finished (non-anticipation).
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .scheduler import _SPSLookup
+from .tunables import (ACCEPT_DECAY, DRAFT_DECAY, MIN_VERIFY_S, PLAIN_DECAY, PRIOR_ACCEPT, PRIOR_SLOPE,  # noqa: F401
+                       PRIOR_STRENGTH, PRIOR_WEIGHT, VERIFY_DECAY)
 
-__all__ = ["Prices", "Record", "prices_for"]
-
-VERIFY_DECAY = 0.95
-"""Weight of a verify observation per later observation (the line follows ~20 recent rounds)."""
-PRIOR_SLOPE = 0.25
-"""The prior per-token verify cost, as a fraction of a one-token verify (through the first observed round)."""
-PLAIN_DECAY = 0.8
-"""Weight of the plain-step average per later plain step."""
-PLAIN_EVERY = 16
-"""Rounds after which the scheduler measures the action it has not been taking: a plain step (B = R) after this many
-rounds without one, and a probe (one drafted token per request, verified whatever its price) after this many rounds
-without a multi-token verify. Prices learned on a busy machine would otherwise stay as they were for the action the
-scheduler stopped taking."""
-PRIOR_WEIGHT = 4.0
-"""Weight of the prior slope, in units of the rounds' spread Σw(B − B̄)² (tokens²): two rounds 2 tokens apart
-outweigh it."""
-DRAFT_DECAY = 0.8
-"""Weight of the drafting-time average per later drafting round."""
-ACCEPT_DECAY = 0.9
-"""Per-round decay of a proposer's accepted and tried counts."""
-PRIOR_ACCEPT = 0.7
-"""The acceptance per position a proposer is expected to have before (or long after) its rounds are seen."""
-PRIOR_STRENGTH = 2.0
-"""Pseudo-trials of the prior."""
+__all__ = ["Prices", "Record"]
 
 
 @dataclass
@@ -112,8 +90,11 @@ class Prices:
         self._first: tuple[int, float] | None = None  # the first multi-token verify: (B, seconds)
         self.plain: dict[int, float] = {}  # R -> seconds of a plain step of R requests (B = R), running average
         self.draft: dict[int, float] = {}  # n drafting requests -> seconds of a drafting round, running average
-        self.since_plain = 0  # rounds since the last plain step
-        self.since_verify = 0  # rounds since the last verify of more than the anchors
+
+    @property
+    def verified_several(self) -> bool:
+        """Whether a verify of more than the anchors has been observed (the line has a point of its own)."""
+        return self._first is not None
 
     @property
     def known(self) -> bool:
@@ -133,8 +114,10 @@ class Prices:
         if batch_tokens == requests and plain is not None:
             return plain
         if self._first is None:  # no multi-token verify seen yet: the prior line through the plain step
-            if plain is None:
+            if not self.plain:
                 raise RuntimeError("no verify price yet: observe a round first")
+            if plain is None:  # no plain step of R requests yet: the nearest request count's (the larger on a tie)
+                plain = self.plain[min(self.plain, key=lambda n: (abs(n - requests), -n))]
             return plain * (1 + PRIOR_SLOPE * (batch_tokens - requests))
         n, sb, sbb, st, sbt = self._sums
         mean_b, mean_t = sb / n, st / n
@@ -142,7 +125,7 @@ class Prices:
         prior = PRIOR_SLOPE * t0 / (1 + PRIOR_SLOPE * (b0 - 1))
         sxx, sxy = sbb - n * mean_b**2, sbt - n * mean_b * mean_t  # weighted spread of B, co-spread with t
         slope = max(0.0, (sxy + PRIOR_WEIGHT * prior) / (sxx + PRIOR_WEIGHT))  # least squares shrunk to the prior
-        return max(1e-6, mean_t + slope * (batch_tokens - mean_b), plain or 0.0)
+        return max(MIN_VERIFY_S, mean_t + slope * (batch_tokens - mean_b), plain or 0.0)
 
     def _curve(self, requests: int, context_len: float | None) -> Callable[[int], float]:
         sps = self.sps
@@ -155,24 +138,11 @@ class Prices:
             self._curves[key] = sps.curve(requests=requests, context_len=context_len)
         return self._curves[key]
 
-    @property
-    def wants_plain_step(self) -> bool:
-        """Whether this round should be a plain step to measure t(R) (:data:`PLAIN_EVERY`; never with a table)."""
-        return self.since_plain >= PLAIN_EVERY
-
-    @property
-    def wants_probe(self) -> bool:
-        """Whether this round should verify one drafted token per request whatever its price, to measure the
-        drafting time and a multi-token verify again (:data:`PLAIN_EVERY` rounds without one; never with a table)."""
-        return self.since_verify >= PLAIN_EVERY and self._first is not None
-
     def observe_verify(self, batch_tokens: int, seconds: float, requests: int = 1) -> None:
         """Fold one round's verify time (forward and acceptance, seconds) for B tokens of R requests into the line;
-        with an explicit table there is nothing to learn (and so no plain step or probe is ever asked for)."""
+        with an explicit table there is nothing to learn."""
         if self.sps is not None:
             return
-        self.since_plain = 0 if batch_tokens == requests else self.since_plain + 1
-        self.since_verify = 0 if batch_tokens > requests else self.since_verify + 1
         if not (math.isfinite(seconds) and seconds > 0):
             return
         if batch_tokens == requests:
@@ -201,19 +171,3 @@ class Prices:
             self.draft[requests] = seconds
         elif steady:
             self.draft[requests] = DRAFT_DECAY * last + (1 - DRAFT_DECAY) * seconds
-
-
-_registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def prices_for(target, drafter, block_size: int) -> Prices:
-    """The learned :class:`Prices` of `generate()` calls with this target, drafter and block size in this process,
-    so each call starts from what the earlier calls measured (never stored on disk). Keyed by the objects, their
-    dtype and device, and torch's thread count."""
-    import torch
-
-    per_target = _registry.setdefault(target, {})
-    key = (id(drafter), block_size, str(target.dtype), str(target.device), torch.get_num_threads())
-    if key not in per_target:
-        per_target[key] = Prices()
-    return per_target[key]

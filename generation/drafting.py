@@ -7,10 +7,11 @@ A round, read top to bottom (docs/method.md §2 and §4):
 2. ONE drafter forward over [anchor, mask × (γ'−1)] for all drafting requests → h_k and the base logits U_k
    (docs/method.md eqs. 2–4);
 3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) into the
-   round's ``[R, γ']`` confidence table → the verify policy decides from c_1..c_k whether x_k is verified
-   (:meth:`dspark.generation.policies.PolicyRun.lengths`; x_k is not sampled yet, so the decision cannot anticipate it)
-   → correction B_k (eq. 5 or 6) → logits processors → argmax, or a sample from exactly the distribution returned as
-   the candidate logits.
+   round's ``[R, γ']`` confidence table → the one question asked of the verify policy: given c_1..c_k and the
+   round's :class:`~dspark.generation.policies.RoundPlan`, is x_k verified
+   (:meth:`~dspark.generation.policies.PolicyRun.lengths`; x_k is not sampled yet, so the answer cannot anticipate
+   it) → correction B_k (eq. 5 or 6) → logits processors → argmax, or a sample from exactly the distribution
+   returned as the candidate logits.
 
 Greedy without logits processors takes the argmax in the draft vocabulary and keeps no logits; with logits
 processors or sampling (R = 1, `generate()`) the full-vocabulary processed logits of every drafted token are kept,
@@ -20,17 +21,42 @@ so that transformers' verification (rejection sampling with residual resampling)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .kv import RequestKV
-from .policies import Policy, PolicyRun, parse_policy
+from .policies import Policy, PolicyRun, RoundPlan, parse_policy
+from .tunables import EAGER_LOGITS_ROWS
 
-__all__ = ["DraftContext", "DraftResult", "Sampler", "check_drafter", "draft_round"]
+__all__ = ["DraftContext", "DraftResult", "Drafter", "Sampler", "check_drafter", "draft_round"]
 
-EAGER_LOGITS_ROWS = 64
-"""Up to this many (request, slot) rows, the base logits U_k of every slot come from ONE LM-head product: with few
-rows the product is bound by reading the head's weights, so computing unneeded slots costs little."""
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What :mod:`dspark.generation` calls on a drafter: the whole interface between decoding and the model
+    (:class:`modeling_dspark.DSparkDraftModel` implements it, docs there; decoding imports no model class). ``config``
+    gives ``block_size`` (γ), ``target_layer_ids`` and ``num_draft_layers``; ``confidence_head`` is None without the
+    head of eq. 7; ``bound_target`` is the target whose embeddings and LM head are shared, or None."""
+
+    config: Any
+    confidence_head: Any
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def bound_target(self) -> Any: ...
+    def bind_target(self, target) -> Any: ...
+    def to(self, *args, **kwargs) -> Any: ...
+    def __call__(self, anchor_ids, anchor_positions, context_features=None, context_positions=None,
+                 attention_mask=None, cache=None, num_slots=None, return_logits=True) -> Any: ...  # eqs. 2–4
+    def block_slots(self, num_slots: int | None = None) -> int: ...
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # U_k over the draft vocabulary
+    def draft_token_ids(self, columns: torch.LongTensor) -> torch.LongTensor: ...
+    def expand_draft_logits(self, logits: torch.Tensor) -> torch.Tensor: ...
+    def correction_step(self, prev_token: torch.LongTensor, hidden: torch.Tensor, state=None) -> tuple: ...  # B_k
+    def confidence_logits(self, prev_tokens: torch.LongTensor, hidden: torch.Tensor) -> torch.Tensor | None: ...
+    def calibrated_confidence(self, logits: torch.Tensor, positions) -> torch.Tensor: ...  # c_k, eq. 10
 
 
 @dataclass
@@ -89,7 +115,7 @@ class DraftResult:
     ingested: list[int]
 
 
-def check_drafter(drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
+def check_drafter(drafter: Drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
     """Bind an unbound drafter to ``target`` (and move it to the target's device) and check that it serves this
     request; return the block size γ'.
 
@@ -111,13 +137,13 @@ def check_drafter(drafter, target, block_size: int | None = None, policy: str | 
             "this drafter is bound to another target instance; call drafter.bind_target(target) first (binding "
             "is shared by every user of the drafter, so it is not re-bound silently)"
         )
-    gamma = drafter.config.block_size if block_size is None else block_size
-    if not 1 <= gamma <= drafter.config.block_size:
-        raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {gamma}")
+    block_size = drafter.config.block_size if block_size is None else block_size
+    if not 1 <= block_size <= drafter.config.block_size:
+        raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {block_size}")
     policy = None if policy is None else parse_policy(policy)
     if policy is not None and policy.needs_confidence and drafter.confidence_head is None:
         raise ValueError(f"verify policy {policy.name!r} needs a drafter with a confidence head; this one has none")
-    return gamma
+    return block_size
 
 
 class _BatchedDraftContext:
@@ -153,7 +179,7 @@ class _BatchedDraftContext:
 
 
 def _block_forward(drafter, contexts: list[DraftContext], anchors: list[int], anchor_positions: list[int],
-                   num_slots: int) -> torch.Tensor:
+                   block_size: int) -> torch.Tensor:
     """Steps 1–2 of the module doc for A requests: ingest each one's pending features, run one block forward.
 
     Returns ``h [A, γ', H]`` (the drafter's dtype); the contexts' caches have grown by their pending positions.
@@ -170,12 +196,12 @@ def _block_forward(drafter, contexts: list[DraftContext], anchors: list[int], an
     mask = None
     l_max = max(batch_ctx.ends)
     if min(batch_ctx.ends) < l_max:  # right-padded contexts: hide the padding (True = attend)
-        rows = drafter.block_slots(num_slots)  # γ' (+1 where the anchor slot predicts nothing)
+        rows = drafter.block_slots(block_size)  # γ' (+1 where the anchor slot predicts nothing)
         mask = torch.ones(len(contexts), 1, rows, l_max + rows, dtype=torch.bool, device=device)
         for a, end in enumerate(batch_ctx.ends):
             mask[a, :, :, end:l_max] = False
     out = drafter(torch.tensor(anchors, device=device)[:, None], torch.tensor(anchor_positions, device=device)[:, None],
-                  ctx.to(device), ctx_pos, attention_mask=mask, cache=batch_ctx, num_slots=num_slots,
+                  ctx.to(device), ctx_pos, attention_mask=mask, cache=batch_ctx, num_slots=block_size,
                   return_logits=False)
     batch_ctx.commit()
     for c in contexts:
@@ -185,28 +211,27 @@ def _block_forward(drafter, contexts: list[DraftContext], anchors: list[int], an
 
 @torch.no_grad()
 def draft_round(
-    drafter,
+    drafter: Drafter,
     contexts: list[DraftContext],
     anchors: list[int],
     anchor_positions: list[int],
-    budgets: list[int],
+    plan: RoundPlan,
     policy: PolicyRun,
     *,
-    num_slots: int,
+    block_size: int,
     sampler: Sampler | None = None,
 ) -> DraftResult:
     """Draft for R requests and choose their verify lengths ℓ_r (module doc).
 
     Args:
-        drafter: a :class:`~modeling_dspark.DSparkDraftModel` bound to the target.
+        drafter: a :class:`Drafter` bound to the target (a :class:`~modeling_dspark.DSparkDraftModel`).
         contexts: per request its :class:`DraftContext` (R of them).
         anchors: per request the anchor x_0, its last committed token id.
         anchor_positions: per request the anchor's position (committed tokens − 1).
-        budgets: per request the most draft tokens it may verify this round, as the policy's
-            :meth:`~dspark.generation.policies.PolicyRun.plan` returned them (0: it does not draft, its pending features
-            wait for its next drafting round).
-        policy: the run's verify policy, its round planned (:meth:`dspark.generation.policies.PolicyRun.plan`).
-        num_slots: γ' ≤ γ, slots of the block forward.
+        plan: the round's :class:`~dspark.generation.policies.RoundPlan`; its ``budgets`` are per request the most
+            draft tokens it may verify (0: it does not draft, its pending features wait for its next drafting round).
+        policy: the run's verify policy, which made ``plan``.
+        block_size: γ' ≤ γ, the drafts of the block forward.
         sampler: R = 1 with logits processors or sampling (None: greedy argmax, no logits kept).
 
     Returns:
@@ -214,30 +239,30 @@ def draft_round(
     """
     num = len(contexts)
     assert sampler is None or num == 1, "a Sampler drafts for one request"
+    budgets = plan.budgets
     tokens: list[list[int]] = [[] for _ in range(num)]
     conf = torch.zeros(num, max(budgets, default=0), dtype=torch.float64)  # c_{r,k}, known for k < known[r]
     known = [0] * num
     kept: list[list[torch.Tensor]] = [[] for _ in range(num)]
     ingested = [0] * num
-    active = [i for i in range(num) if budgets[i] > 0] if policy.drafts else []
-    if active and not any(policy.lengths(torch.ones_like(conf), budgets)):
-        active = []  # not even drafts certain to be accepted (every c_k = 1) would be verified: skip the drafter
+    active = [i for i in range(num) if budgets[i] > 0]
     if active:
         ingested = [contexts[i].num_pending if i in active else 0 for i in range(num)]
         h = _block_forward(drafter, [contexts[i] for i in active], [anchors[i] for i in active],
-                           [anchor_positions[i] for i in active], num_slots)  # [A, γ', H]
-        _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, known, kept)
-    lengths = policy.lengths(conf, budgets, known)
+                           [anchor_positions[i] for i in active], block_size)  # [A, γ', H]
+        _sequential(drafter, h, active, anchors, plan, policy, sampler, tokens, conf, known, kept)
+    lengths = policy.lengths(plan, conf, known)
     lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
     logits = [torch.cat(k, dim=0) if k else None for k in kept]
     return DraftResult(tokens, lengths, [row[:n] for row, n in zip(conf.tolist(), known)], logits, ingested)
 
 
-def _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, conf, known, kept) -> None:
+def _sequential(drafter, h, active, anchors, plan, policy, sampler, tokens, conf, known, kept) -> None:
     """Step 3 of the module doc, batched over the requests still drafting at slot k (fills tokens, the confidence
     table ``conf`` and its ``known`` counts, kept)."""
     d, device = drafter, drafter.device
     row_of = {i: a for a, i in enumerate(active)}
+    budgets = plan.budgets
     prev = torch.tensor([anchors[i] for i in active], device=device)
     max_slots = max(budgets[i] for i in active)
     base = None
@@ -254,7 +279,7 @@ def _sequential(drafter, h, active, anchors, budgets, policy, sampler, tokens, c
             conf[alive, k] = d.calibrated_confidence(cl, k).to("cpu", torch.float64)
             for i in alive:
                 known[i] = k + 1
-        lengths = policy.lengths(conf, budgets, known)
+        lengths = policy.lengths(plan, conf, known)
         admit = [n for n, i in enumerate(alive) if lengths[i] > k]
         if not admit:
             break

@@ -1,18 +1,12 @@
 """Batched speculative decoding with continuous batching: :class:`DSparkEngine` (greedy).
 
 transformers' assisted decoding is batch size 1. This engine serves R concurrent requests with a DSpark drafter.
-One round (:meth:`DSparkEngine._round`) reads top to bottom:
-
-1. **propose**: the round's decisions, the same as `generate()`'s (:func:`dspark.generation.round.propose`): a request
-   whose n-gram lookup matches verifies the lookup continuation; the others draft in one drafting round, which
-   chooses their verify lengths ℓ_r by the policy (Algorithm 1 over all of them for ``scheduler``;
-   docs/method.md §4);
-2. **verify**: ONE packed target forward over B = Σ_r (1 + ℓ_r) tokens
-   (:class:`~dspark.generation.packed_target.PackedTarget`);
-3. **accept**: per request the longest prefix of its chain equal to the target's argmax, plus the target's own next
-   token (:func:`accept_greedy`); rejected tokens are cropped from its K/V cache, and the features of the
-   committed positions queued for its drafter;
-4. **record**: per-request and engine-wide statistics (:func:`dspark.generation.round.record`).
+One round (:meth:`DSparkEngine._round`) runs the steps of :mod:`dspark.generation.round` (the same decisions as
+`generate()`'s): :func:`~dspark.generation.round.propose`, then ONE packed target forward over B = Σ_r (1 + ℓ_r)
+tokens (:class:`~dspark.generation.packed_target.PackedTarget`), then per request the longest prefix of its chain
+equal to the target's argmax plus the target's own next token (:func:`accept_greedy`; rejected tokens are cropped
+from its K/V cache, the features of the committed positions queued for its drafter), then
+:func:`~dspark.generation.round.record`.
 
 Waiting requests join at the next :meth:`DSparkEngine.step` (their prompts prefilled in one packed forward) while
 at most ``max_batch_size`` run; requests finish independently (EOS or ``max_new_tokens``).
@@ -258,10 +252,10 @@ class DSparkEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if policy.drafts and drafter is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter (use policy='none' without one)")
-        gamma = check_drafter(drafter, target, block_size, policy) if policy.drafts else 0
+        block_size = check_drafter(drafter, target, block_size, policy) if policy.drafts else 0
         self.target = target
         self.drafter = drafter if policy.drafts else None
-        self.block_size = gamma
+        self.block_size = block_size
         self.max_batch_size = int(max_batch_size)
         self.packed = PackedTarget(target)
         self.policy = policy.start(sps=sps)
@@ -274,7 +268,7 @@ class DSparkEngine:
         else:
             self.eos = frozenset(int(e) for e in eos_token_id)
         self.layer_ids = list(drafter.config.target_layer_ids) if self.drafter is not None else []
-        self.lookup_tokens = (gamma or LOOKUP_TOKENS) if lookup else 0
+        self.lookup_tokens = (block_size or LOOKUP_TOKENS) if lookup else 0
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._finished: dict[int, RequestOutput] = {}

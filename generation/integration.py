@@ -77,7 +77,7 @@ def _transformers_default(name: str):
     return GenerationConfig._get_default_generation_params().get(name)
 
 
-def _assistant_options(generation_config, block_size: int | None, gamma: int) -> int | None:
+def _assistant_options(generation_config, block_size: int | None, max_block_size: int) -> int | None:
     """The block size γ' asked for by ``num_assistant_tokens`` and/or ``dspark_options(block_size=...)`` (None = the
     drafter's γ), after refusing the transformers assisted-decoding options DSpark cannot honour.
 
@@ -87,7 +87,7 @@ def _assistant_options(generation_config, block_size: int | None, gamma: int) ->
     means "the drafter's γ" (use ``dspark_options(block_size=20)`` for a block of exactly 20).
 
     Raises:
-        ValueError: ``num_assistant_tokens`` outside [1, ``gamma``] (the drafter's block size γ),
+        ValueError: ``num_assistant_tokens`` outside [1, ``max_block_size``] (the drafter's block size γ),
             ``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``use_mtp`` or ``speculation_type`` (each
             selects another drafting method), a ``num_assistant_tokens_schedule`` other than "constant" or an
             ``assistant_confidence_threshold`` other than the default (DSpark's verify policy decides how many drafts
@@ -118,10 +118,10 @@ def _assistant_options(generation_config, block_size: int | None, gamma: int) ->
     n = getattr(generation_config, "num_assistant_tokens", None)
     if n is None or n == _transformers_default("num_assistant_tokens"):
         return block_size
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= gamma:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_block_size:
         raise ValueError(f"num_assistant_tokens={n!r} out of range: it sets the DSpark block size, an int in "
-                         f"[1, {gamma}] for this drafter (20, transformers' default, cannot be told from unset and "
-                         "means the drafter's block size; dspark_options(block_size=...) sets any size)")
+                         f"[1, {max_block_size}] for this drafter (20, transformers' default, cannot be told from "
+                         "unset and means the drafter's block size; dspark_options(block_size=...) sets any size)")
     if block_size is not None and block_size != n:
         raise ValueError(f"num_assistant_tokens={n} and dspark_options(block_size={block_size}) disagree; give one")
     return n

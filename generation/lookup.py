@@ -25,13 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NUM_TOKENS", "MIN_NGRAM", "LookupProposal", "NGramLookup"]
+from .tunables import MAX_NGRAM, MIN_NGRAM, NUM_TOKENS
 
-NUM_TOKENS = 10
-"""K, the most tokens the lookup proposes per round where no drafter sets it to γ'."""
-
-MIN_NGRAM = 2
-"""The shortest suffix n that counts as a match: a single repeated token is too common a coincidence to copy on."""
+__all__ = ["NUM_TOKENS", "MIN_NGRAM", "MAX_NGRAM", "LookupProposal", "NGramLookup"]
 
 
 def _as_int_list(ids) -> list[int]:
@@ -70,8 +66,8 @@ class LookupProposal:
 class NGramLookup:
     """n-gram lookup over the committed text (prompt and generated tokens).
 
-    :meth:`propose` matches the last n committed tokens, n from ``max_ngram`` down to ``min_ngram``, against their most recent
-    earlier occurrence and proposes the up to K tokens that followed it (fewer when the text ends first; the copy
+    :meth:`propose` matches the last n committed tokens, n from ``max_ngram`` down to ``min_ngram``, against their most
+    recent earlier occurrence and proposes the up to K tokens that followed it (fewer when the text ends first; the copy
     never runs past the committed text). The first n that matches wins, so a longer context is preferred.
 
     The committed text only grows: :meth:`update` takes the whole committed sequence each round (as transformers'
@@ -87,7 +83,7 @@ class NGramLookup:
         ValueError: ``min_ngram`` or ``num_tokens`` not a positive int, ``max_ngram`` < ``min_ngram``.
     """
 
-    def __init__(self, max_ngram: int = 3, num_tokens: int = NUM_TOKENS, min_ngram: int = MIN_NGRAM):
+    def __init__(self, max_ngram: int = MAX_NGRAM, num_tokens: int = NUM_TOKENS, min_ngram: int = MIN_NGRAM):
         for name, value, low in (("min_ngram", min_ngram, 1), ("max_ngram", max_ngram, min_ngram),
                                  ("num_tokens", num_tokens, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -16,19 +16,20 @@ A :class:`Policy` is the parsed spec, checked once where the user hands it over 
 the CLI); :meth:`Policy.start` gives the :class:`PolicyRun` one run uses (a class per rule), with the run's
 :class:`~dspark.generation.costs.Prices`.
 
-A round asks the run (:mod:`dspark.generation.round`):
+A round asks the run three things (:mod:`dspark.generation.round` tells the round's steps):
 
-1. :meth:`PolicyRun.plan`, before anything is drafted: ``fixed`` caps the budgets at N; ``scheduler`` and ``lagged``
-   price the lookup chains (their tokens are known; survival p^j from the lookup's
-   :class:`~dspark.generation.costs.Record`) and then whether drafting pays at all: the best Θ with the drafter's
-   expected survivals and the drafting time against Θ without drafting (ℓ = 0 everywhere: plain steps, and the drafter
-   does not run);
+1. :meth:`PolicyRun.plan`, before anything is drafted: the round's :class:`RoundPlan`, a frozen value (how much of
+   each lookup chain is verified, which requests draft and how many slots at most, and for a priced round the base
+   B and τ* and the drafting seconds that Algorithm 1 prices the drafts against). Every special case of a priced
+   round is decided there, in :meth:`_Scheduler.plan`, one line of reason each;
 2. :meth:`PolicyRun.lengths`, in the drafting round before sampling slot k, on the ``[R, γ']`` confidence table with
-   c_{r,1..k} known: ``scheduler`` runs Algorithm 1 with its early STOP over the known entries, pricing a verify of B
-   tokens at the learned verify time plus the (now spent) drafting time, so whether x_{r,k} is verified never
-   depends on x_{r,k} itself (non-anticipation, docs/method.md §4): the output stays lossless whatever the policy;
-3. :meth:`PolicyRun.end_round`, after drafting: ``lagged`` turns this round's confidences into the verify budget
-   of LAG rounds later.
+   c_{r,1..k} known: how many drafts of each request are verified. ``scheduler`` runs Algorithm 1 with its early
+   STOP over the known entries, pricing a verify of B tokens at the learned verify time plus the (now spent) drafting
+   time, so whether x_{r,k} is verified never depends on x_{r,k} itself (non-anticipation, docs/method.md §4): the
+   output stays lossless whatever the policy;
+3. :meth:`PolicyRun.end_round`, after the verify: ``lagged`` turns this round's confidences into the verify budget
+   of LAG rounds later, and a priced run counts the rounds since it last took a plain step or a multi-token verify
+   (its :class:`Exploration`).
 
 Θ(B) = τ*(B) / seconds(B), committed tokens per second (Algorithm 1's τ* · SPS(B) with seconds = 1 / SPS).
 """
@@ -42,8 +43,10 @@ import torch
 
 from .costs import Prices
 from .scheduler import fill, greedy_prefix
+from .tunables import DEFAULT_LAG, PLAIN_EVERY, PROBE_EVERY, PROBE_TOKENS
 
-__all__ = ["POLICY_NAMES", "Policy", "PolicyRun", "default_policy", "parse_policy"]
+__all__ = ["POLICY_NAMES", "Exploration", "Policy", "PolicyRun", "RoundPlan", "default_policy", "parse_policy"]
+
 
 POLICY_NAMES = ("none", "full", "fixed:N", "threshold:P", "scheduler", "lagged[:LAG]")
 """The policy vocabulary, as the CLI's help text shows it."""
@@ -65,7 +68,7 @@ class Policy:
     kind: str
     length: int = 0
     threshold: float = 0.0
-    lag: int = 2
+    lag: int = DEFAULT_LAG
 
     @property
     def name(self) -> str:
@@ -96,12 +99,69 @@ class Policy:
     def __str__(self) -> str:
         return self.name
 
-    def start(self, sps=None, *, prices: Prices | None = None) -> PolicyRun:
+    def start(self, sps=None, *, prices: Prices | None = None, exploration: Exploration | None = None) -> PolicyRun:
         """The :class:`PolicyRun` of one run (a `generate()` call, an engine) with its prices: ``prices``, or new ones
-        with an explicit SPS(B) ``sps`` (None: learned from the rounds); unpriced policies keep none."""
-        if self.priced and prices is None:
-            prices = Prices(sps)
-        return _RUNS[self.kind](self, prices if self.priced else None)
+        with an explicit SPS(B) ``sps`` (None: learned from the rounds), and its :class:`Exploration` (kept with the
+        prices when they are shared between runs); unpriced policies keep neither."""
+        if not self.priced:
+            return _RUNS[self.kind](self)
+        return _RUNS[self.kind](self, prices if prices is not None else Prices(sps), exploration or Exploration())
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What one round does, fixed before anything is drafted (:meth:`PolicyRun.plan`).
+
+    Attributes:
+        lookup_lengths: per request the lookup tokens it verifies (0: none; such a request does not draft).
+        budgets: per request the most draft tokens it may verify (0: it does not draft; its committed features wait
+            for its next drafting round).
+        base_tokens: B of the verify before any draft token is admitted (anchors and lookup chains).
+        base_expected: τ* before any draft token (one per anchor plus the lookup chains' expected survivals).
+        draft_s: the drafting seconds Algorithm 1 charges to the round (0 where unknown or unpriced).
+        context_len: mean committed tokens per request (prices may depend on it).
+        reason: why the round is what it is: ``"unpriced"`` (every budget verified whole), ``"priced"``,
+            ``"plain step"`` or ``"probe"`` (exploration, :class:`Exploration`).
+    """
+
+    lookup_lengths: tuple[int, ...]
+    budgets: tuple[int, ...]
+    base_tokens: int
+    base_expected: float
+    draft_s: float = 0.0
+    context_len: float | None = None
+    reason: str = "unpriced"
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the drafter runs this round (some request has a budget)."""
+        return any(self.budgets)
+
+    def without_drafting(self) -> RoundPlan:
+        """The same round with no request drafting."""
+        return RoundPlan(self.lookup_lengths, (0,) * len(self.budgets), self.base_tokens, self.base_expected, 0.0,
+                         self.context_len, self.reason)
+
+
+@dataclass
+class Exploration:
+    """When a priced run measures the action it has not been taking (decision state, kept beside the run's prices
+    so that runs sharing the prices share it): a plain step after :data:`PLAIN_EVERY` rounds without one, a probe
+    after :data:`PROBE_EVERY` rounds without a multi-token verify. Rounds priced by an explicit SPS(B) table teach
+    nothing and are not counted.
+
+    Attributes:
+        since_plain: rounds since the last plain step (B = R).
+        since_verify: rounds since the last verify of more than the anchors (B > R).
+    """
+
+    since_plain: int = 0
+    since_verify: int = 0
+
+    def observe(self, batch_tokens: int, requests: int) -> None:
+        """Count one verified round of B = ``batch_tokens`` tokens for R = ``requests`` requests."""
+        self.since_plain = 0 if batch_tokens == requests else self.since_plain + 1
+        self.since_verify = 0 if batch_tokens > requests else self.since_verify + 1
 
 
 class PolicyRun:
@@ -113,8 +173,10 @@ class PolicyRun:
         prices: the run's :class:`~dspark.generation.costs.Prices` (priced policies), else None.
     """
 
-    def __init__(self, spec: Policy, prices: Prices | None = None):
-        self.spec, self.prices = spec, prices
+    prices: Prices | None = None
+
+    def __init__(self, spec: Policy):
+        self.spec = spec
 
     @property
     def drafts(self) -> bool:
@@ -126,8 +188,8 @@ class PolicyRun:
         """:attr:`Policy.name` of the spec."""
         return self.spec.name
 
-    def plan(self, states, budgets: list[int], lookups: list[list[int]], context_len: float) -> tuple[list, list]:
-        """Step 1 of the module doc: the lookup chains' lengths and the drafting budgets of this round.
+    def plan(self, states, budgets: list[int], lookups: list[list[int]], context_len: float) -> RoundPlan:
+        """Step 1 of the module doc: the round's :class:`RoundPlan`.
 
         Args:
             states: per request its :class:`~dspark.generation.round.RequestState` (its acceptance records).
@@ -136,42 +198,43 @@ class PolicyRun:
             context_len: mean committed tokens per request.
 
         Returns:
-            ``(lookup_lengths, budgets)``: a request verifying a lookup chain (length > 0) does not draft. Here
-            (unpriced) every lookup match is verified whole and every other request drafts.
+            Here (unpriced): every lookup match verified whole; every other request drafts its budget.
         """
-        lookup_lengths = [len(t) for t in lookups]
-        return lookup_lengths, [0 if n else b for n, b in zip(lookup_lengths, budgets)]
+        lookup_lengths = tuple(len(t) for t in lookups)
+        return RoundPlan(lookup_lengths, tuple(0 if n else b for n, b in zip(lookup_lengths, budgets)),
+                         len(states) + sum(lookup_lengths), len(states) + sum(lookup_lengths),
+                         context_len=context_len)
 
-    def lengths(self, conf: torch.Tensor, budgets: list[int], known: list[int] | None = None) -> list[int]:
+    def lengths(self, plan: RoundPlan, conf: torch.Tensor, known: list[int] | None = None) -> list[int]:
         """ℓ_r for every request from the confidences known so far (step 2 of the module doc).
 
         Args:
+            plan: the round's plan.
             conf: ``[R, W]`` float64 calibrated c_{r,k} (the run's own values, not validated); entries past
                 ``known[r]`` are not drafted yet and are not read.
-            budgets: per request, the most draft tokens it may verify this round (0 = it does not draft).
             known: per request the confidences known (default: all W).
 
         Returns:
-            R ints, 0 ≤ ℓ_r ≤ budgets[r]: here every budget.
+            R ints, 0 ≤ ℓ_r ≤ plan.budgets[r]: here every budget.
         """
-        return list(budgets)
+        return list(plan.budgets)
 
-    def end_round(self, confidences: list[list[float]], budgets: list[int]) -> None:
-        """After the drafting round, with per request the confidences its slots reached (``lagged`` folds them into
-        a later round's budget)."""
+    def end_round(self, plan: RoundPlan, confidences: list[list[float]], batch_tokens: int) -> None:
+        """After the verify (step 3 of the module doc), with per request the confidences its slots reached and the
+        verify's B."""
 
 
-def _limits(conf: torch.Tensor, budgets: list[int], known: list[int] | None) -> list[int]:
+def _limits(plan: RoundPlan, conf: torch.Tensor, known: list[int] | None) -> list[int]:
     """Per request the entries of its row the policy may read: known and within its budget."""
     known = [conf.shape[1]] * conf.shape[0] if known is None else known
-    return [min(k, b) for k, b in zip(known, budgets)]
+    return [min(k, b) for k, b in zip(known, plan.budgets)]
 
 
 class _None(PolicyRun):
     """``none``: no drafter; every lookup match verified whole."""
 
-    def lengths(self, conf, budgets, known=None):
-        return [0] * len(budgets)
+    def lengths(self, plan, conf, known=None):
+        return [0] * len(plan.budgets)
 
 
 class _Fixed(PolicyRun):
@@ -180,95 +243,122 @@ class _Fixed(PolicyRun):
     def plan(self, states, budgets, lookups, context_len):
         return super().plan(states, [min(self.spec.length, b) for b in budgets], lookups, context_len)
 
-    def lengths(self, conf, budgets, known=None):
-        return [min(self.spec.length, b) for b in budgets]
-
 
 class _Threshold(PolicyRun):
     """``threshold:P``: the longest prefix with survival a_k = Π_{j≤k} c_j ≥ P (docs/method.md eq. 9)."""
 
-    def lengths(self, conf, budgets, known=None):
-        limits = _limits(conf, budgets, known)
+    def lengths(self, plan, conf, known=None):
         above = (conf.cumprod(dim=1) >= self.spec.threshold).sum(dim=1).tolist()  # a is non-increasing: a prefix
-        return [min(n, lim) for n, lim in zip(above, limits)]
+        return [min(n, lim) for n, lim in zip(above, _limits(plan, conf, known))]
 
 
 class _Scheduler(PolicyRun):
-    """``scheduler``: every round priced (module doc): the plan prices lookups and drafting; in the drafting round
-    Algorithm 1 with its early STOP over the known confidences."""
+    """``scheduler``: every round priced (:meth:`plan`); in the drafting round Algorithm 1 with its early STOP over
+    the known confidences.
 
-    def __init__(self, spec: Policy, prices: Prices | None = None):
-        super().__init__(spec, prices)
-        self._round = (1, 1.0, 0.0, None)  # base B, base τ*, drafting seconds, mean context length
-        self._probe = False  # this round verifies one draft token per request, unpriced (dspark.generation.costs)
+    Attributes:
+        prices: the run's :class:`~dspark.generation.costs.Prices` (estimators).
+        exploration: the run's :class:`Exploration` (when to measure what is not being done).
+    """
 
-    def _seconds(self, requests: int, context_len: float | None, extra: float = 0.0):
-        return lambda b: self.prices.verify_s(b, requests, context_len) + extra
+    def __init__(self, spec: Policy, prices: Prices, exploration: Exploration):
+        super().__init__(spec)
+        self.prices, self.exploration = prices, exploration
+
+    def _seconds(self, requests: int, context_len: float | None, draft_s: float = 0.0):
+        return lambda b: self.prices.verify_s(b, requests, context_len) + draft_s
 
     def plan(self, states, budgets, lookups, context_len):
+        """The priced round, its special cases in the order they apply (module doc of :mod:`dspark.generation.costs`
+        for the prices)."""
         num = len(states)
-        self._round, self._probe = (num, float(num), 0.0, context_len), False
+        unpriced = super().plan(states, budgets, lookups, context_len)
+        # nothing measured yet: verify every lookup match and every draft, so the first rounds are timed
         if not self.prices.known:
-            return super().plan(states, budgets, lookups, context_len)
-        if self.prices.wants_plain_step:  # measure t(R) now and then (dspark.generation.costs.PLAIN_EVERY)
-            return [0] * num, [0] * num
+            return unpriced
+        explore = self.prices.sps is None  # an explicit SPS(B) table is never re-measured
+        # a plain step now and then: t(R) measured again (PLAIN_EVERY)
+        if explore and self.exploration.since_plain >= PLAIN_EVERY:
+            return RoundPlan((0,) * num, (0,) * num, num, float(num), 0.0, context_len, "plain step")
+        # lookup chains first: their tokens are known, priced with the lookup's acceptance record
         seconds = self._seconds(num, context_len)
         rows = [s.lookup_record.survival(len(t)) if t else [] for s, t in zip(states, lookups)]
-        plain = greedy_prefix(*_table(rows), seconds, base_tokens=num, base_expected=num, stop=False)
-        budgets = [0 if n else b for n, b in zip(plain.lengths, budgets)]
-        draft_s = self.prices.draft_s(sum(b > 0 for b in budgets)) or 0.0  # unknown: free, so it is timed
-        self._round = (plain.batch_tokens, plain.expected_tokens, draft_s, context_len)
-        if self.prices.wants_probe and any(budgets):  # measure drafting and a verify again (dspark.generation.costs)
-            self._probe = True
-            return plain.lengths, [min(1, b) for b in budgets]
+        lookup = greedy_prefix(*_table(rows), seconds, base_tokens=num, base_expected=num, stop=False)
+        budgets = [0 if n else b for n, b in zip(lookup.lengths, budgets)]  # a request verifying a chain: no draft
+
+        def priced(reason: str, budgets, draft_s: float) -> RoundPlan:
+            return RoundPlan(tuple(lookup.lengths), tuple(budgets), lookup.batch_tokens, lookup.expected_tokens,
+                             draft_s, context_len, reason)
+
+        # the drafting time of every request that may draft (an untimed drafting round counts as free, so that it
+        # gets timed)
+        draft_s = self.prices.draft_s(sum(b > 0 for b in budgets)) or 0.0
+        # a probe now and then: one draft token per request verified whatever it costs (PROBE_EVERY)
+        if explore and self.exploration.since_verify >= PROBE_EVERY and self.prices.verified_several \
+                and any(budgets):
+            return priced("probe", [min(PROBE_TOKENS, b) for b in budgets], draft_s)
+        # drafting against no drafting: the best Θ with the drafter's expected survivals and that drafting time
         rows = [s.draft_record.survival(b) for s, b in zip(states, budgets)]
         drafting = greedy_prefix(*_table(rows), self._seconds(num, context_len, draft_s),
-                                 base_tokens=plain.batch_tokens, base_expected=plain.expected_tokens, stop=False)
-        if drafting.theta > plain.theta:  # the drafting price of the requests that do draft, for Algorithm 1
-            budgets = [b if n else 0 for n, b in zip(drafting.lengths, budgets)]
-            self._round = self._round[:2] + (self.prices.draft_s(sum(b > 0 for b in budgets)) or 0.0, context_len)
-        else:
-            budgets = [0] * num
-        return plain.lengths, budgets
+                                 base_tokens=lookup.batch_tokens, base_expected=lookup.expected_tokens, stop=False)
+        if drafting.theta <= lookup.theta:  # drafting does not pay: plain steps (and lookup chains) only
+            return priced("priced", [0] * num, 0.0)
+        # the requests that draft are those whose expected drafts pay; the drafting time is theirs
+        budgets = [b if n else 0 for n, b in zip(drafting.lengths, budgets)]
+        plan = priced("priced", budgets, self.prices.draft_s(sum(b > 0 for b in budgets)) or 0.0)
+        # not even drafts certain to be accepted (every c_k = 1) would be verified: the drafter does not run
+        if not any(self.lengths(plan, torch.ones(num, max(budgets), dtype=torch.float64))):
+            return plan.without_drafting()
+        return plan
 
-    def _best(self, conf, limits, stop: bool):
-        base_tokens, base_expected, draft_s, context = self._round
-        return greedy_prefix(conf.cumprod(dim=1), limits, self._seconds(conf.shape[0], context, draft_s),
-                             base_tokens=base_tokens, base_expected=base_expected, stop=stop)
+    def _best(self, plan: RoundPlan, conf, limits, stop: bool):
+        return greedy_prefix(conf.cumprod(dim=1), limits, self._seconds(conf.shape[0], plan.context_len, plan.draft_s),
+                             base_tokens=plan.base_tokens, base_expected=plan.base_expected, stop=stop)
 
-    def lengths(self, conf, budgets, known=None):
-        if self._probe or not self.prices.known:
-            return list(budgets)
-        return self._best(conf, _limits(conf, budgets, known), stop=True).lengths
+    def lengths(self, plan, conf, known=None):
+        if plan.reason != "priced":
+            return list(plan.budgets)
+        return self._best(plan, conf, _limits(plan, conf, known), stop=True).lengths
+
+    def end_round(self, plan, confidences, batch_tokens):
+        if self.prices.sps is None:
+            self.exploration.observe(batch_tokens, len(confidences))
 
 
 class _Lagged(_Scheduler):
     """``lagged:LAG``: the verify budget K from the confidences of LAG rounds earlier (a full Θ(B) search without
     early stop over the priced round), filled by the current round's a_{r,j} ranking
-    (:func:`dspark.generation.scheduler.fill`). K never depends on the round it is spent on."""
+    (:func:`dspark.generation.scheduler.fill`). K never depends on the round it is spent on; until LAG rounds have
+    ended, K = R (one draft token per request on average)."""
 
-    def __init__(self, spec: Policy, prices: Prices | None = None):
-        super().__init__(spec, prices)
+    def __init__(self, spec: Policy, prices: Prices, exploration: Exploration):
+        super().__init__(spec, prices, exploration)
         self._budgets: deque = deque()  # K of later rounds
         self._budget = 0  # this round's K
 
     def plan(self, states, budgets, lookups, context_len):
         self._budget = self._budgets.popleft() if len(self._budgets) >= self.spec.lag else len(states)
-        return super().plan(states, budgets, lookups, context_len)
+        plan = super().plan(states, budgets, lookups, context_len)
+        # K = 0 verifies no draft, whatever the round: the drafter does not run
+        if plan.drafts and not any(self.lengths(plan, torch.ones(len(states), max(plan.budgets),
+                                                                 dtype=torch.float64))):
+            return plan.without_drafting()
+        return plan
 
-    def lengths(self, conf, budgets, known=None):
-        limits = _limits(conf, budgets, known)
+    def lengths(self, plan, conf, known=None):
+        limits = _limits(plan, conf, known)
         width = max(limits, default=0) or 1  # entries not known yet count as c = 0 within the widest row
         a = conf[:, :width].masked_fill(torch.arange(width)[None, :] >= torch.tensor(limits)[:, None], 0.0)
         return fill(a.cumprod(dim=1), [width] * len(limits), self._budget)
 
-    def end_round(self, confidences, budgets):
-        if not self.prices.known or not any(budgets):
-            self._budgets.append(sum(budgets) if not self.prices.known else 0)
+    def end_round(self, plan, confidences, batch_tokens):
+        super().end_round(plan, confidences, batch_tokens)
+        if not self.prices.known or not plan.drafts:
+            self._budgets.append(sum(plan.budgets) if not self.prices.known else 0)
             return
         conf, known = _table(confidences)
-        best = self._best(conf, _limits(conf, budgets, known), stop=False)
-        self._budgets.append(best.batch_tokens - self._round[0])
+        best = self._best(plan, conf, _limits(plan, conf, known), stop=False)
+        self._budgets.append(best.batch_tokens - plan.base_tokens)
 
 
 _RUNS = {"none": _None, "full": PolicyRun, "fixed": _Fixed, "threshold": _Threshold, "scheduler": _Scheduler,
@@ -326,4 +416,4 @@ def parse_policy(spec: str | Policy | None) -> Policy:
         return Policy("threshold", threshold=p)
     if sep and not (arg.isdigit() and int(arg) >= 1):
         raise ValueError(f"verify policy 'lagged:LAG' needs an integer LAG >= 1 (rounds); got {spec!r}")
-    return Policy("lagged", lag=int(arg) if sep else 2)
+    return Policy("lagged", lag=int(arg) if sep else DEFAULT_LAG)

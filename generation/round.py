@@ -2,21 +2,25 @@
 :class:`~dspark.generation.candidate_generator.DSparkCandidateGenerator`) and the batched engine (R ≥ 1,
 :class:`~dspark.generation.engine.DSparkEngine`) both run, so the two paths agree by construction.
 
-A round, read top to bottom (:func:`propose`, then the caller's verify, then :func:`record`):
+A round, read top to bottom (:func:`propose`, then the caller's verify, then :func:`record`); the other modules'
+docs refer here for the order:
 
 1. **budget**: the most tokens each request may verify (γ', and the room left before its length limit); the
    drafter's budget is 0 where the policy does not draft;
 2. **lookup**: each request's n-gram lookup (:class:`~dspark.generation.lookup.NGramLookup`) matches the end of its
    committed text;
-3. **plan** (:meth:`~dspark.generation.policies.PolicyRun.plan`): how much of each lookup chain to verify, and whether
-   the drafter runs, for which requests; a request that verifies a lookup chain skips the drafter this round (the rule
-   of vLLM's hybrid proposer); the features it committed meanwhile wait for its next drafting round;
-4. **draft**: one drafting round for the drafting requests (:func:`~dspark.generation.drafting.draft_round`), which also
-   chooses their verify lengths ℓ_r by the policy (Algorithm 1 over all of them for ``scheduler``);
+3. **plan** (:meth:`~dspark.generation.policies.PolicyRun.plan`): the round's
+   :class:`~dspark.generation.policies.RoundPlan`, a frozen value: how much of each lookup chain to verify, which
+   requests draft and how much at most, and what a priced round prices the drafts against; a request that verifies a
+   lookup chain skips the drafter this round (the rule of vLLM's hybrid proposer) and the features it committed
+   meanwhile wait for its next drafting round;
+4. **draft**: one drafting round for the drafting requests (:func:`~dspark.generation.drafting.draft_round`), which
+   asks the policy, slot by slot, how many drafts of each request are verified given the confidences so far;
 5. **verify** (the caller): one target forward over every request's anchor and chain; greedy or rejection-sampling
    acceptance;
-6. **record**: each request's :class:`~dspark.generation.stats.RoundStats`, its proposers' acceptance records and the
-   run's prices (:mod:`dspark.generation.costs`).
+6. **record**: the policy's end of round (:meth:`~dspark.generation.policies.PolicyRun.end_round`), then each
+   request's :class:`~dspark.generation.stats.RoundStats`, its proposers' acceptance records and the run's prices
+   (:mod:`dspark.generation.costs`).
 
 Every decision reads only the committed text, earlier rounds and the confidences known before a token is sampled,
 so none can change the output (greedy: token for token; sampling: the same distribution).
@@ -32,7 +36,7 @@ import torch
 from .costs import Record
 from .drafting import DraftContext, DraftResult, Sampler, draft_round
 from .lookup import NGramLookup
-from .policies import PolicyRun
+from .policies import PolicyRun, RoundPlan
 from .stats import GenerationStats, RoundStats
 
 __all__ = ["RequestState", "Chain", "propose", "record"]
@@ -68,7 +72,10 @@ class Chain:
         drafted: the drafter's tokens this round (empty when it did not run for this request).
         confidences: calibrated c_k of the slots the drafter reached.
         ingested: target positions the drafter ingested into this request's context this round.
-        t_draft_ms: this request's share of the round's lookup and drafting time (ms).
+        t_draft_ms: this request's share of the round's lookup and drafting time (ms; the shares sum to the
+            round's time).
+        plan: the round's plan (:meth:`~dspark.generation.policies.PolicyRun.plan`), the same object for every
+            request of the round.
     """
 
     tokens: list[int]
@@ -78,6 +85,7 @@ class Chain:
     confidences: list[float] = field(default_factory=list)
     ingested: int = 0
     t_draft_ms: float = 0.0
+    plan: RoundPlan | None = None
 
     def cut(self, n: int) -> None:
         """Keep the first ``n`` tokens (e.g. before a token that would complete a stop string)."""
@@ -87,7 +95,7 @@ class Chain:
             self.source = ""
 
 
-def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: list, rooms: list[int], num_slots: int,
+def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: list, rooms: list[int], block_size: int,
             sampler: Sampler | None = None) -> list[Chain]:
     """Steps 1–4 of the module doc: each request's chain for this round.
 
@@ -97,7 +105,7 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
         states: per request its :class:`RequestState`.
         committed: per request its committed token ids (``[1, L]`` tensor or list, L ≥ 1; the last is the anchor).
         rooms: per request the most tokens it may verify beside the anchor (≥ 0).
-        num_slots: γ', the drafter's slots per round.
+        block_size: γ', the most draft tokens per request and round (≤ the drafter's γ).
         sampler: R = 1 with sampling or logits processors (:class:`~dspark.generation.drafting.Sampler`).
 
     Returns:
@@ -106,50 +114,54 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
     t0 = time.perf_counter()
     num = len(states)
     lengths = [ids.shape[-1] if isinstance(ids, torch.Tensor) else len(ids) for ids in committed]
-    budgets = [min(num_slots, room) if policy.drafts and s.draft is not None else 0 for s, room in zip(states, rooms)]
+    budgets = [min(block_size, room) if policy.drafts and s.draft is not None else 0 for s, room in zip(states, rooms)]
     lookups: list[list[int]] = []
     for s, ids, room in zip(states, committed, rooms):
         if s.lookup is not None:
             s.lookup.update(ids)
         lookups.append(s.lookup.propose(room).tokens if s.lookup is not None else [])
-    lookup_lengths, budgets = policy.plan(states, budgets, lookups, sum(lengths) / num - 1)
-    if any(budgets):
+    plan = policy.plan(states, budgets, lookups, sum(lengths) / num - 1)
+    if plan.drafts:
         anchors = [int(ids[..., -1]) if isinstance(ids, torch.Tensor) else int(ids[-1]) for ids in committed]
-        out = draft_round(drafter, [s.draft for s in states], anchors, [n - 1 for n in lengths], budgets, policy,
-                          num_slots=num_slots, sampler=sampler)
+        out = draft_round(drafter, [s.draft for s in states], anchors, [n - 1 for n in lengths], plan, policy,
+                          block_size=block_size, sampler=sampler)
     else:
         out = DraftResult([[] for _ in states], [0] * num, [[] for _ in states], [None] * num, [0] * num)
-    policy.end_round(out.confidences, budgets)
     t_draft_ms = (time.perf_counter() - t0) * 1e3 / num
     chains = []
     for i in range(num):
-        if lookup_lengths[i]:
-            chains.append(Chain(lookups[i][: lookup_lengths[i]], "lookup", t_draft_ms=t_draft_ms))
+        if plan.lookup_lengths[i]:
+            chains.append(Chain(lookups[i][: plan.lookup_lengths[i]], "lookup", t_draft_ms=t_draft_ms, plan=plan))
             continue
         n, logits = out.lengths[i], out.logits[i]
         chains.append(Chain(out.tokens[i][:n], "draft" if n else "", logits[:n] if logits is not None and n else None,
-                            out.tokens[i], out.confidences[i], out.ingested[i], t_draft_ms))
+                            out.tokens[i], out.confidences[i], out.ingested[i], t_draft_ms, plan))
     return chains
 
 
 def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], accepted: list[int],
-           committed: list[int], t_verify_ms: float, num_slots: int) -> None:
-    """Step 6 of the module doc: append each request's :class:`~dspark.generation.stats.RoundStats`, update its
-    acceptance records and the run's prices (verify time by batch tokens; drafting time, steady where every drafting
-    request caught up on at most one round, ≤ γ' + 1 positions).
+           committed: list[int], t_verify_ms: float, block_size: int) -> None:
+    """Step 6 of the module doc: the policy's end of round, then each request's
+    :class:`~dspark.generation.stats.RoundStats` and acceptance records, then the run's prices (verify time by batch
+    tokens; drafting time, steady where every drafting request caught up on at most one round, ≤ γ' + 1 positions).
 
     Args:
         policy: the run's policy (its :class:`~dspark.generation.costs.Prices`, if priced).
+        chains: the round's chains (:func:`propose`), each carrying the round's plan.
         accepted: per request the chain tokens the target accepted.
         committed: per request the tokens appended (accepted + the target's own, cut by EOS / length).
         t_verify_ms: the verify forward and acceptance time (ms).
-        num_slots: γ'.
+        block_size: γ'.
     """
+    batch_tokens = sum(1 + len(c.tokens) for c in chains)
+    policy.end_round(chains[0].plan, [c.confidences for c in chains], batch_tokens)
     for s, c, a, n in zip(states, chains, accepted, committed):
         ell = len(c.tokens)
+        drafter_ran = c.ingested > 0
         # a request the drafter ran for but whose policy verified none of its slots counts as a chain rejected at
         # its first position: the plan prices what running the drafter yields, not only what verified chains did
-        s.draft_record.update(ell if c.source == "draft" else (1 if c.source == "" and c.ingested else None), a)
+        refused = c.source == "" and drafter_ran
+        s.draft_record.update(ell if c.source == "draft" else (1 if refused else None), a)
         s.lookup_record.update(ell if c.source == "lookup" else None, a)
         s.stats.rounds.append(RoundStats(
             drafted=len(c.drafted), verified=ell, accepted=a, committed=n,
@@ -159,8 +171,9 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
         ))
     if policy.prices is None:
         return
-    policy.prices.observe_verify(sum(1 + len(c.tokens) for c in chains), t_verify_ms / 1e3, len(chains))
-    drafted = [c for c in chains if c.ingested]
-    if drafted:
-        policy.prices.observe_draft(drafted[0].t_draft_ms * len(chains) / 1e3, len(drafted),
-                                    steady=all(c.ingested <= num_slots + 1 for c in drafted))
+    policy.prices.observe_verify(batch_tokens, t_verify_ms / 1e3, len(chains))
+    drafting = [c for c in chains if c.ingested]
+    if drafting:
+        # a round that caught up on more than one skipped round's positions is not a steady round's price
+        steady = all(c.ingested <= block_size + 1 for c in drafting)
+        policy.prices.observe_draft(sum(c.t_draft_ms for c in chains) / 1e3, len(drafting), steady=steady)

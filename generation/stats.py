@@ -15,7 +15,8 @@ class RoundStats:
 
     Attributes:
         drafted: draft tokens sampled this round (slots the policy admitted).
-        verified: draft tokens sent to the target (= drafted: drafting stops where verification stops).
+        verified: proposed tokens sent to the target: the lookup chain's length in a lookup round, else the drafts
+            the policy admitted (= drafted: drafting stops where verification stops).
         accepted: draft tokens the target accepted (n in the paper).
         committed: tokens appended this round (accepted + the resampled/bonus token; may be cut by EOS/length).
         confidences: calibrated c_k of the verified positions (empty without a confidence head).

@@ -185,10 +185,10 @@ class ScriptedProposer:
     def __init__(self, reference: torch.LongTensor, mode: str, vocab_size: int):
         self.reference, self.mode, self.vocab_size = reference[0], mode, vocab_size
 
-    def __call__(self, drafter, contexts, anchors, anchor_positions, budgets, policy, **kwargs):
+    def __call__(self, drafter, contexts, anchors, anchor_positions, plan, policy, **kwargs):
         from dspark.generation.drafting import DraftResult
 
-        n = policy.lengths(torch.zeros(1, 0, dtype=torch.float64), budgets)[0]
+        n = policy.lengths(plan, torch.zeros(1, 0, dtype=torch.float64))[0]
         contexts[0].pending = []
         cur = anchor_positions[0] + 1
         ref = self.reference[cur : cur + n]

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.generation import costs
+from dspark.generation import costs, policies
+from dspark.generation.candidate_generator import learned_prices
 from dspark.generation.costs import Prices, Record
-from dspark.generation.policies import parse_policy
+from dspark.generation.policies import Exploration, parse_policy
 from dspark.generation.round import Chain, RequestState, record
 
 from .conftest import make_drafter, tiny_target
@@ -65,13 +66,24 @@ def test_a_drafting_round_that_verified_nothing_counts_against_the_drafter():
     policy = parse_policy("scheduler").start()
     ran, idle = RequestState(None, None), RequestState(None, None)
     chains = [Chain([], "", drafted=[], confidences=[0.1], ingested=1, t_draft_ms=5.0), Chain([], "", t_draft_ms=5.0)]
-    record(policy, [ran, idle], chains, accepted=[0, 0], committed=[1, 1], t_verify_ms=30.0, num_slots=8)
+    record(policy, [ran, idle], chains, accepted=[0, 0], committed=[1, 1], t_verify_ms=30.0, block_size=8)
     assert policy.prices.draft == {1: pytest.approx(0.010)}  # the round's 10 ms, priced for one drafting request
     expected = Record()
     expected.update(1, 0)
     assert ran.draft_record.p == pytest.approx(expected.p) and expected.p < costs.PRIOR_ACCEPT
     assert idle.draft_record.p == pytest.approx(costs.PRIOR_ACCEPT)
     assert ran.lookup_record.p == pytest.approx(costs.PRIOR_ACCEPT)
+
+
+def test_a_verify_of_another_request_count_is_priced_before_any_multi_token_verify():
+    """Plain steps of one request count seen, nothing else: a round of another count is priced on the nearest
+    count's plain step along the prior line (it used to raise, e.g. when the engine's batch grew)."""
+    p = Prices()
+    p.observe_verify(2, 0.05, requests=2)
+    assert p.verify_s(3, requests=3) == pytest.approx(0.05)
+    assert p.verify_s(5, requests=3) == pytest.approx(0.05 * (1 + 2 * costs.PRIOR_SLOPE))
+    with pytest.raises(RuntimeError, match="no verify price yet"):
+        Prices().verify_s(1)
 
 
 def test_draft_price_is_a_running_average_per_request_count():
@@ -89,8 +101,8 @@ def test_draft_price_is_a_running_average_per_request_count():
     assert p.draft_s(16) == 0.3
 
 
-def _plan(prices, lookups, budgets, draft_p=None, lookup_p=None):
-    policy = parse_policy("scheduler").start(prices=prices)
+def _plan(prices, lookups, budgets, draft_p=None, lookup_p=None, exploration=None):
+    policy = parse_policy("scheduler").start(prices=prices, exploration=exploration)
     states = [RequestState(None, None) for _ in budgets]
     for s in states:
         for _ in range(40):
@@ -98,7 +110,8 @@ def _plan(prices, lookups, budgets, draft_p=None, lookup_p=None):
                 s.draft_record.update(1, int(draft_p >= 0.5))
             if lookup_p is not None:
                 s.lookup_record.update(1, int(lookup_p >= 0.5))
-    return policy, policy.plan(states, budgets, lookups, 100)
+    plan = policy.plan(states, budgets, lookups, 100)
+    return policy, plan, (list(plan.lookup_lengths), list(plan.budgets))
 
 
 def _prices(slope, draft_s):
@@ -114,37 +127,38 @@ def _prices(slope, draft_s):
 def test_plan_drafts_only_where_it_pays():
     """Cheap verify and drafting with a good record: every request drafts; a dear verify, dear drafting or a bad
     record: nobody drafts (plain steps, the drafter does not run)."""
-    assert _plan(_prices(0.02, 0.05), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [8, 8])
-    assert _plan(_prices(1.0, 0.5), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
-    assert _plan(_prices(0.02, 20.0), [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
-    assert _plan(_prices(0.02, 0.2), [[], []], [8, 8], draft_p=0.0)[1] == ([0, 0], [0, 0])
+    assert _plan(_prices(0.02, 0.05), [[], []], [8, 8], draft_p=0.9)[2] == ([0, 0], [8, 8])
+    assert _plan(_prices(1.0, 0.5), [[], []], [8, 8], draft_p=0.9)[2] == ([0, 0], [0, 0])
+    assert _plan(_prices(0.02, 20.0), [[], []], [8, 8], draft_p=0.9)[2] == ([0, 0], [0, 0])
+    assert _plan(_prices(0.02, 0.2), [[], []], [8, 8], draft_p=0.0)[2] == ([0, 0], [0, 0])
     per_count = _prices(0.02, None)  # drafting is priced for the number of requests that would draft
     per_count.observe_draft(0.05, requests=1)
     per_count.observe_draft(20.0, requests=2)
-    assert _plan(per_count, [[]], [8], draft_p=0.9)[1] == ([0], [8])
-    assert _plan(per_count, [[], []], [8, 8], draft_p=0.9)[1] == ([0, 0], [0, 0])
+    assert _plan(per_count, [[]], [8], draft_p=0.9)[2] == ([0], [8])
+    assert _plan(per_count, [[], []], [8, 8], draft_p=0.9)[2] == ([0, 0], [0, 0])
     # unpriced (nothing timed yet): every lookup match verified whole, every other request drafts
-    assert _plan(Prices(), [[5, 6, 7], []], [8, 8])[1] == ([3, 0], [0, 8])
+    assert _plan(Prices(), [[5, 6, 7], []], [8, 8])[2] == ([3, 0], [0, 8])
 
 
 def test_plan_prices_lookup_chains():
     """A lookup chain is verified as far as its record pays; a request whose chain is not worth verifying drafts."""
-    good = _plan(_prices(0.05, 0.05), [[5, 6, 7, 8], []], [8, 8], draft_p=0.9, lookup_p=0.9)[1]
+    good = _plan(_prices(0.05, 0.05), [[5, 6, 7, 8], []], [8, 8], draft_p=0.9, lookup_p=0.9)[2]
     assert good[0][0] == 4 and good[1] == [0, 8]
-    bad = _plan(_prices(0.3, 0.05), [[5, 6, 7, 8], []], [8, 8], draft_p=0.9, lookup_p=0.0)[1]
+    bad = _plan(_prices(0.3, 0.05), [[5, 6, 7, 8], []], [8, 8], draft_p=0.9, lookup_p=0.0)[2]
     assert bad == ([0, 0], [8, 8])
 
 
 def test_in_round_lengths_price_the_spent_drafting_time():
     """In the drafting round, Algorithm 1 stops at the first slot that does not raise tokens per second; the drafting
     time already spent makes longer chains worth more."""
-    policy, _ = _plan(_prices(0.3, 0.0), [[]], [8], draft_p=0.9)
-    short = policy.lengths(torch.tensor([[0.9, 0.6, 0.6, 0.6]], dtype=torch.float64), [8])
-    policy, _ = _plan(_prices(0.3, 3.0), [[]], [8], draft_p=0.9)
-    long = policy.lengths(torch.tensor([[0.9, 0.6, 0.6, 0.6]], dtype=torch.float64), [8])
+    conf = torch.tensor([[0.9, 0.6, 0.6, 0.6]], dtype=torch.float64)
+    policy, plan, _ = _plan(_prices(0.3, 0.0), [[]], [8], draft_p=0.9)
+    short = policy.lengths(plan, conf)
+    policy, plan, _ = _plan(_prices(0.3, 3.0), [[]], [8], draft_p=0.9)
+    long = policy.lengths(plan, conf)
     assert short[0] < long[0] <= 4
     # unknown confidences (not drafted yet) count as 0: never verified
-    assert policy.lengths(torch.tensor([[0.9, 0.6, 0.6, 0.6]], dtype=torch.float64), [8], known=[1]) == [1]
+    assert policy.lengths(plan, conf, known=[1]) == [1]
 
 
 def test_default_generate_is_lossless_whatever_the_prices():
@@ -164,35 +178,48 @@ def test_default_generate_is_lossless_whatever_the_prices():
         assert torch.equal(out, ref)
         sources |= {r.source for r in runs[-1].rounds}
     assert "" in sources and ("draft" in sources or "lookup" in sources)
-    prices = costs.prices_for(target, drafter, 4)
+    prices, _ = learned_prices(target, drafter, 4)
     assert prices.known  # the call without a table learned these
 
 
 def test_a_plain_step_is_priced_apart_and_measured_now_and_then():
     """A plain step (B = R) has its own price: a multi-token verify may cost far more than the line through long
-    chains says at B = R; after PLAIN_EVERY rounds without one, the plan takes a plain step (nobody drafts)."""
-    p = Prices()
+    chains says at B = R; after PLAIN_EVERY rounds without one, the scheduler's plan takes a plain step (nobody
+    drafts, no lookup chain is verified)."""
+    p, explore = Prices(), Exploration()
     for _ in range(20):
-        p.observe_verify(1, 0.057)
-        for b in (5, 9):
-            p.observe_verify(b, 0.088)  # every multi-token verify: about 1.5 plain steps
+        for b in (1, 5, 9):
+            p.observe_verify(b, 0.057 if b == 1 else 0.088)  # every multi-token verify: about 1.5 plain steps
+            explore.observe(b, 1)
     assert p.verify_s(1) == pytest.approx(0.057) and p.verify_s(2) == pytest.approx(0.088, rel=0.05)
     assert p.verify_s(2, requests=2) >= 0.057  # no plain step of 2 requests seen: the line, never below R = 1's
-    assert not p.wants_plain_step
-    for _ in range(costs.PLAIN_EVERY):
+    assert _plan(p, [[5, 6]], [8], draft_p=0.99, lookup_p=0.99, exploration=explore)[1].reason != "plain step"
+    for _ in range(policies.PLAIN_EVERY):
         p.observe_verify(9, 0.088)
-    assert p.wants_plain_step
-    assert _plan(p, [[5, 6]], [8], draft_p=0.99, lookup_p=0.99)[1] == ([0], [0])
-    p.observe_verify(1, 0.057)
-    assert not p.wants_plain_step and not Prices({1: 10.0}).wants_plain_step  # never with a table
+        explore.observe(9, 1)
+    _, plan, decided = _plan(p, [[5, 6]], [8], draft_p=0.99, lookup_p=0.99, exploration=explore)
+    assert plan.reason == "plain step" and decided == ([0], [0])
+    explore.observe(1, 1)
+    assert _plan(p, [[5, 6]], [8], draft_p=0.99, lookup_p=0.99, exploration=explore)[1].reason != "plain step"
+
+
+def test_a_probe_verifies_one_draft_token_after_rounds_without_a_multi_token_verify():
+    """After PROBE_EVERY plain steps in a row the plan verifies PROBE_TOKENS drafted token per drafting request,
+    whatever the price says (a dear verify would otherwise never be measured again)."""
+    p, explore = _prices(1.0, 0.5), Exploration()  # a dear verify: priced rounds take plain steps
+    assert _plan(p, [[], []], [8, 8], draft_p=0.9, exploration=explore)[2] == ([0, 0], [0, 0])
+    for _ in range(policies.PROBE_EVERY):
+        explore.observe(2, 2)
+    _, plan, decided = _plan(p, [[], []], [8, 8], draft_p=0.9, exploration=explore)
+    assert plan.reason == "probe" and decided == ([0, 0], [policies.PROBE_TOKENS] * 2)
 
 
 def test_an_explicit_table_asks_for_no_plain_step_or_probe():
     """With an SPS(B) table the verify prices are given: rounds teach nothing, so none is forced."""
-    p = Prices({b: 10.0 for b in range(1, 20)})
-    for _ in range(2 * costs.PLAIN_EVERY):
-        p.observe_verify(9, 0.1)
-    p.observe_verify(1, 0.1)
-    for _ in range(2 * costs.PLAIN_EVERY):
-        p.observe_verify(1, 0.1)
-    assert not p.wants_plain_step and not p.wants_probe
+    policy = parse_policy("scheduler").start({b: 10.0 for b in range(1, 20)})
+    state = RequestState(None, None)
+    for b in [9] * (2 * policies.PLAIN_EVERY) + [1] * (2 * policies.PROBE_EVERY):
+        plan = policy.plan([state], [8], [[]], 100)
+        assert plan.reason == "priced"
+        policy.end_round(plan, [[]], b)
+    assert policy.exploration == Exploration()

@@ -4,6 +4,7 @@ finishing order or join time."""
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -94,11 +95,12 @@ class ScriptedEngine(DSparkEngine):
 
     def _round(self, reqs):
         """The engine's round with its drafting round replaced by :meth:`_draft` (contexts in request order)."""
-        with mock.patch.object(rnd, "draft_round", lambda d, c, a, p, budgets, policy, **kw: self._draft(
-                reqs, budgets, policy)):
+        with mock.patch.object(rnd, "draft_round", lambda d, c, a, p, plan, policy, **kw: self._draft(
+                reqs, plan, policy)):
             super()._round(reqs)
 
-    def _draft(self, reqs, budgets, policy):
+    def _draft(self, reqs, plan, policy):
+        budgets = plan.budgets
         tokens, conf = [], []
         for r, budget in zip(reqs, budgets):
             ref = self.references[r.id]
@@ -115,7 +117,7 @@ class ScriptedEngine(DSparkEngine):
         for r, budget in zip(reqs, budgets):
             if budget > 0:
                 r.draft.pending = []  # ingested, as the real drafter does
-        lengths = policy.lengths(torch.tensor(conf, dtype=torch.float64), budgets)
+        lengths = policy.lengths(plan, torch.tensor(conf, dtype=torch.float64))
         lengths = [min(ell, len(t)) for ell, t in zip(lengths, tokens)]
         for r, ell, toks in zip(reqs, lengths, tokens):
             good = self.pattern[(r.id + len(r.stats.rounds)) % len(self.pattern)]
@@ -418,11 +420,12 @@ class ForcedSkipEngine(DSparkEngine):
         self.skip, self.drafts = skip, {}
 
     def _round(self, reqs):
-        def forced(drafter, contexts, anchors, positions, budgets, policy, **kw):
+        def forced(drafter, contexts, anchors, positions, plan, policy, **kw):
             if self.skip and len(self.stats.rounds) % 2:
-                budgets = [0 if r.id == 1 else b for r, b in zip(reqs, budgets)]
-            out = draft_round(drafter, contexts, anchors, positions, budgets, policy, **kw)
-            for r, t, b in zip(reqs, out.tokens, budgets):
+                budgets = tuple(0 if r.id == 1 else b for r, b in zip(reqs, plan.budgets))
+                plan = dataclasses.replace(plan, budgets=budgets)
+            out = draft_round(drafter, contexts, anchors, positions, plan, policy, **kw)
+            for r, t, b in zip(reqs, out.tokens, plan.budgets):
                 if b > 0:
                     self.drafts[(r.id, len(r.output))] = list(t)
             return out

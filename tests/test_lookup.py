@@ -119,7 +119,8 @@ def test_a_lookup_match_skips_the_drafter_and_is_verified():
 
     calls = []
 
-    def fake_draft_round(drafter, contexts, anchors, positions, budgets, policy, **kw):
+    def fake_draft_round(drafter, contexts, anchors, positions, plan, policy, **kw):
+        budgets = plan.budgets
         calls.append((list(budgets), anchors, positions))
         return DraftResult([[9] * b for b in budgets], list(budgets), [[] for _ in budgets], [None] * len(budgets),
                            [1 if b else 0 for b in budgets])
@@ -132,7 +133,7 @@ def test_a_lookup_match_skips_the_drafter_and_is_verified():
 
     original, rnd.draft_round = rnd.draft_round, fake_draft_round
     try:
-        chains = propose("drafter", policy, states, committed, [2, 6, 6], num_slots=4)
+        chains = propose("drafter", policy, states, committed, [2, 6, 6], block_size=4)
     finally:
         rnd.draft_round = original
     assert calls == [([0, 4, 4], [2, 3, 2], [6, 2, 6])]

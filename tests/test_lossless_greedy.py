@@ -217,20 +217,20 @@ def test_greedy_drafting_equals_the_processed_logits_path(head, draft_vocab):
         for budget in (1, 3, 6):
             outs = []
             for sampler in (None, Sampler(False, None, ids)):
-                _, budgets = policy.plan([RequestState(None, None)], [budget], [[]], 4)
-                outs.append(draft_round(drafter, [context(0)], anchors[:1], positions[:1], budgets, policy,
-                                        num_slots=6, sampler=sampler))
+                plan = policy.plan([RequestState(None, None)], [budget], [[]], 4)
+                outs.append(draft_round(drafter, [context(0)], anchors[:1], positions[:1], plan, policy,
+                                        block_size=6, sampler=sampler))
             fast, slow = outs
             assert fast.tokens == slow.tokens and fast.lengths == slow.lengths, (spec, budget)
             assert fast.confidences[0] == pytest.approx(slow.confidences[0], abs=1e-6)
             assert fast.logits[0] is None and (slow.logits[0] is None) == (not slow.tokens[0])
             lengths.add(fast.lengths[0])
             if spec.kind in ("full", "fixed", "threshold"):  # per-request policies: batching changes nothing
-                _, budgets = policy.plan([RequestState(None, None)] * 3, [budget, 2, budget], [[]] * 3, 4)
-                batch = draft_round(drafter, [context(r) for r in range(3)], anchors, positions, budgets, policy,
-                                    num_slots=6)
-                for r, b in enumerate(budgets):
-                    alone = draft_round(drafter, [context(r)], anchors[r : r + 1], positions[r : r + 1], [b], policy,
-                                        num_slots=6)
+                plan = policy.plan([RequestState(None, None)] * 3, [budget, 2, budget], [[]] * 3, 4)
+                batch = draft_round(drafter, [context(r) for r in range(3)], anchors, positions, plan, policy,
+                                    block_size=6)
+                for r, b in enumerate(plan.budgets):
+                    alone = draft_round(drafter, [context(r)], anchors[r : r + 1], positions[r : r + 1],
+                                        policy.plan([RequestState(None, None)], [b], [[]], 4), policy, block_size=6)
                     assert batch.tokens[r] == alone.tokens[0] and batch.lengths[r] == alone.lengths[0], (spec, r)
     assert len(lengths) >= 3  # the policies really cut the drafts at different lengths

@@ -13,8 +13,8 @@ import torch
 from dspark.evaluation import dtype as choice
 from dspark.evaluation import profiling
 from dspark.evaluation.profiling import SPSCurve, load_sps, monotone_sps
-from dspark.generation.scheduler import prefix_schedule
 
+from .algorithm1 import prefix_schedule
 from .conftest import make_drafter, tiny_target
 
 

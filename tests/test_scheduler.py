@@ -5,6 +5,8 @@ Fast, CPU only, no models.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import math
 
@@ -13,7 +15,8 @@ import torch
 
 from dspark.generation.policies import parse_policy
 from dspark.generation.round import RequestState
-from dspark.generation.scheduler import (
+
+from .algorithm1 import (
     budget_from_confidences,
     fill_budget,
     prefix_schedule,
@@ -32,10 +35,11 @@ class LaggedScheduler:
         rows = [[float(c) for c in row] for row in (confidences.tolist() if hasattr(confidences, "tolist")
                                                     else confidences)]
         budgets = [len(row) for row in rows]
-        self.policy.plan([RequestState(None, None) for _ in rows], budgets, [[] for _ in rows], 0)
+        plan = self.policy.plan([RequestState(None, None) for _ in rows], budgets, [[] for _ in rows], 0)
+        plan = dataclasses.replace(plan, budgets=tuple(budgets))  # every request drafts its row, whatever the plan
         self.last_budget = self.policy._budget
-        lengths = self.policy.lengths(torch.tensor(rows, dtype=torch.float64), budgets)
-        self.policy.end_round(rows, budgets)
+        lengths = self.policy.lengths(plan, torch.tensor(rows, dtype=torch.float64))
+        self.policy.end_round(plan, rows, len(rows) + sum(lengths))
         return lengths
 
 

@@ -204,7 +204,7 @@ class SPSCurve:
 
     Between measured B the step time 1/SPS is interpolated linearly; a B outside ``[min_batch, max_batch]``
     raises a ValueError that names the range. Also usable as the ``sps`` of
-    :func:`dspark.generation.scheduler.prefix_schedule` and :meth:`dspark.generation.policies.Policy.start`.
+    :meth:`dspark.generation.policies.Policy.start` (the scheduler's verify prices).
     """
 
     def __init__(self, points: Mapping[int, float], description: str = ""):
