@@ -55,6 +55,7 @@ def parse_args(argv=None):
                    help="every engine request asks for exactly --engine-tokens (default: 24..72, see above)")
     p.add_argument("--repeats", type=int, default=3, help="engine repetitions (default: 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
+    p.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: cpu)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.engine_tokens < 2 or args.engine_waves < 1:
@@ -70,7 +71,8 @@ def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     gen = {"max_new_tokens": max_new, "do_sample": False, "pad_token_id": pad}
-    encoded = [(d, p, torch.tensor([apply_chat_template(tok, p["prompt"])])) for d, ps in prompts.items() for p in ps]
+    encoded = [(d, p, torch.tensor([apply_chat_template(tok, p["prompt"])], device=target.device))
+               for d, ps in prompts.items() for p in ps]
     for drafter_or_none in (None, drafter, drafter):  # warm-up: kernels, and the first rounds' prices
         timed_generate(target, encoded[0][2], drafter_or_none, dict(gen, max_new_tokens=min(24, max_new)))
     records = []
@@ -186,6 +188,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def device_name(device: str) -> str:
+    """``device`` and, on CUDA, the GPU's name (the processor is named separately)."""
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -204,6 +213,7 @@ def main(argv=None) -> int:
     levels = [int(x) for x in args.engine_requests.split(",") if x.strip()]
     isa_limit = {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}  # kernels held below the processor's
     result = {**result_header("default", argv, threads), "processor": cpu_model(), "isa_limit": isa_limit,
+              "device": device_name(args.device),
               "threads": threads,
               "target": args.target, "drafter": drafter_spec,
               "settings": {"per_domain": args.per_domain, "offset": args.offset,
@@ -214,7 +224,7 @@ def main(argv=None) -> int:
               "runs": []}
     for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
-        target, tok, drafter = load_models(args.target, drafter_spec, dt)
+        target, tok, drafter = load_models(args.target, drafter_spec, dt, args.device)
         run = {"dtype": dt, "generate": generate_arm(target, tok, drafter, prompts, args.max_new_tokens)}
         if levels:
             run["engine"] = engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats,

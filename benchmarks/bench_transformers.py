@@ -46,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--pld-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens (default 10)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
+    p.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: cpu)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.per_domain < 1 or args.max_new_tokens < 2 or args.pld_tokens < 1:
@@ -72,6 +73,8 @@ def run_arm(arm: str, target, drafter, ids, gen: dict, pld_tokens: int) -> tuple
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = target.generate(ids, **kw)
+            if ids.is_cuda:
+                torch.cuda.synchronize(ids.device)
             seconds = time.perf_counter() - t0
     finally:
         hook.remove()
@@ -85,7 +88,8 @@ def generate_arms(target, tok, drafter, prompts: dict, max_new: int, pld_tokens:
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     gen = {"max_new_tokens": max_new, "do_sample": False, "pad_token_id": pad}
-    encoded = [(d, p, torch.tensor([apply_chat_template(tok, p["prompt"])])) for d, ps in prompts.items() for p in ps]
+    encoded = [(d, p, torch.tensor([apply_chat_template(tok, p["prompt"])], device=target.device))
+               for d, ps in prompts.items() for p in ps]
     for arm in ARMS + ("dspark",):  # warm-up: kernels, and the default's first prices
         run_arm(arm, target, drafter, encoded[0][2], dict(gen, max_new_tokens=min(24, max_new)), pld_tokens)
     records = []
@@ -152,6 +156,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def device_name(device: str) -> str:
+    """``device`` and, on CUDA, the GPU's name (the processor is named separately)."""
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -170,15 +181,15 @@ def main(argv=None) -> int:
     drafter_spec = args.drafter or str(shipped_drafter_for(args.target))
     prompts = load_domain_prompts(args.per_domain, args.offset)
     result = {**result_header("transformers", argv, threads), "processor": cpu_model(),
-              "transformers": transformers.__version__, "threads": threads, "target": args.target,
-              "drafter": drafter_spec,
+              "device": device_name(args.device), "transformers": transformers.__version__, "threads": threads,
+              "target": args.target, "drafter": drafter_spec,
               "settings": {"per_domain": args.per_domain, "offset": args.offset, "max_new_tokens": args.max_new_tokens,
                            "pld_tokens": args.pld_tokens,
                            "prompt_ids": {d: [p["id"] for p in ps] for d, ps in prompts.items()}},
               "runs": []}
     for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
-        target, tok, drafter = load_models(args.target, drafter_spec, dt)
+        target, tok, drafter = load_models(args.target, drafter_spec, dt, args.device)
         result["runs"].append({"dtype": dt, **generate_arms(target, tok, drafter, prompts, args.max_new_tokens,
                                                             args.pld_tokens)})
         del target, drafter
