@@ -9,9 +9,10 @@ Four arms per prompt, greedy, the same dtype, their order rotating from prompt t
 - ``pld``: transformers' prompt lookup (``prompt_lookup_num_tokens``, default 10);
 - ``dspark``: the default ``generate(assistant_model=drafter)``.
 
-Per domain and arm: tokens/s (total tokens over total seconds), the ratio to plain, τ as new tokens per target
-forward (1 for plain; every arm counted the same way, prefill included), outputs identical to plain; per domain,
-how many prompts dspark ran faster than each other arm and a two-sided sign test of that count.
+Per domain and arm: tokens/s (the arm's total new tokens over its total seconds), the ratio to plain's, τ as new
+tokens per target forward (1 for plain; every arm counted the same way, prefill included), outputs identical to
+plain; per domain, how many prompts dspark ran faster (seconds per token) than each other arm and a two-sided sign
+test of that count.
 
     python benchmarks/bench_transformers.py --target SmolLM2-135M-Instruct --per-domain 8 --max-new-tokens 96 \\
         --dtypes float32,bfloat16 --out benchmarks/results/transformers/smollm2.json
@@ -100,24 +101,27 @@ def generate_arms(target, tok, drafter, prompts: dict, max_new: int, pld_tokens:
         for arm in order:
             outs[arm], rec[f"{arm}_s"], rec[f"{arm}_forwards"] = run_arm(arm, target, drafter, ids, gen, pld_tokens)
         rec["new_tokens"] = len(outs["plain"])
+        for arm in ARMS:  # an arm's own count: in bfloat16 an output may part from plain's and end elsewhere
+            rec[f"{arm}_tokens"] = len(outs[arm])
         for arm in ARMS[1:]:
             rec[f"{arm}_identical"] = outs[arm] == outs["plain"]
         records.append(rec)
         print(f"[bench] {domain} {prompt['id']}: " + ", ".join(
-            f"{a} {rec['new_tokens'] / rec[f'{a}_s']:.1f} tok/s τ {rec['new_tokens'] / rec[f'{a}_forwards']:.2f}"
+            f"{a} {rec[f'{a}_tokens'] / rec[f'{a}_s']:.1f} tok/s τ {rec[f'{a}_tokens'] / rec[f'{a}_forwards']:.2f}"
             for a in ARMS), file=sys.stderr, flush=True)
     domains = {}
     for d in prompts:
         recs = [r for r in records if r["domain"] == d]
-        tokens = sum(r["new_tokens"] for r in recs)
         x = {"prompts": len(recs)}
+        plain_rate = sum(r["plain_tokens"] for r in recs) / sum(r["plain_s"] for r in recs)
         for arm in ARMS:
-            seconds = sum(r[f"{arm}_s"] for r in recs)
-            x[arm] = {"tok_s": tokens / seconds, "ratio": sum(r["plain_s"] for r in recs) / seconds,
+            tokens, seconds = sum(r[f"{arm}_tokens"] for r in recs), sum(r[f"{arm}_s"] for r in recs)
+            x[arm] = {"tok_s": tokens / seconds, "ratio": tokens / seconds / plain_rate,
                       "tau": tokens / sum(r[f"{arm}_forwards"] for r in recs),
                       "identical": len(recs) if arm == "plain" else sum(r[f"{arm}_identical"] for r in recs)}
-        for arm in ARMS[:-1]:  # dspark against each other arm, prompt by prompt
-            test = paired([r[f"{arm}_s"] for r in recs], [r["dspark_s"] for r in recs])  # won: dspark faster
+        for arm in ARMS[:-1]:  # dspark against each other arm, prompt by prompt, in seconds per token
+            test = paired([r[f"{arm}_s"] / max(1, r[f"{arm}_tokens"]) for r in recs],
+                          [r["dspark_s"] / max(1, r["dspark_tokens"]) for r in recs])  # won: dspark faster
             x[f"dspark_vs_{arm}"] = {"faster": test["won"], "sign_p": test["p"]}
         domains[d] = x
     macro = {arm: sum(x[arm]["ratio"] for x in domains.values()) / len(domains) for arm in ARMS}

@@ -12,14 +12,31 @@ lives here:
 Importing ``dspark`` imports none of them.
 """
 
+import importlib.abc
+import importlib.util
+import sys
 from pathlib import Path
+
+
+class _CheckoutGeneration(importlib.abc.MetaPathFinder):
+    """Finds ``dspark.generation`` (and nothing else) in a checkout's top-level folder generation/."""
+
+    def __init__(self, init_file: Path):
+        self.init_file = init_file
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "dspark.generation":
+            return None
+        return importlib.util.spec_from_file_location(fullname, self.init_file,
+                                                      submodule_search_locations=[str(self.init_file.parent)])
+
 
 # In the repository, dspark.generation's source is the top-level folder generation/ (setuptools' package-dir maps it
 # into the wheel as dspark/generation/). Run from a checkout (PYTHONPATH, or the folder as the working directory),
-# the package finds that folder here, so it imports the checkout's own generation/.
+# dspark.generation is that checkout's generation/, ahead of any installed copy.
 _here = Path(__file__).resolve().parent
 if not (_here / "generation").is_dir() and (_here.parent / "generation" / "__init__.py").is_file():
-    __path__.append(str(_here.parent))  # noqa: F821 (a package's __path__)
+    sys.meta_path.insert(0, _CheckoutGeneration(_here.parent / "generation" / "__init__.py"))
 del _here
 
 

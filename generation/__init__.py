@@ -5,7 +5,11 @@ Never imports the model package (`modeling_dspark`: a drafter is known by the me
 evaluation code.
 """
 
-from .candidate_generator import DSparkCandidateGenerator
+if __name__ == "generation":  # the folder imported under its old top-level name: a second, unconnected copy
+    raise ImportError("this package is dspark.generation: import dspark.generation (top-level 'generation' is "
+                      "not dspark's, and a second copy would not share its options or statistics)")
+
+from .candidate_generator import DSparkCandidateGenerator  # noqa: E402
 from .drafting import draft_round
 from .engine import DSparkEngine, RequestOutput, generate_batch
 from .integration import dspark_options

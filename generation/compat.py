@@ -76,6 +76,14 @@ INTERNALS: tuple[Internal, ...] = (
              {"5.24": "public registries; attention kwargs reach the function unchanged, same in 5.25"}),
     Internal("models.llama.modeling_llama (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward, "
              "rotate_half)", "the draft layers' building blocks", {"5.24": "module attributes, same in 5.25"}),
+    Internal("PretrainedConfig._attn_implementation",
+             "the batched engine's packed verify switches the target's attention function for one forward",
+             {"5.24": "private config attribute, read by the attention layers at every forward; same in 5.25"}),
+    Internal("PreTrainedModel._init_weights", "the drafter's weight initialisation",
+             {"5.24": "overridden hook, same in 5.25"}),
+    Internal("AutoModelForCausalLM / AutoTokenizer .from_pretrained(gguf_file=...)",
+             "dequantise the packaged targets' GGUF files once (modeling_dspark.target)",
+             {"5.24": "public, needs the gguf package; same in 5.25"}),
     Internal("trainer_utils.get_last_checkpoint", "resume training", {"5.24": "public function, same in 5.25"}),
 )
 

@@ -20,8 +20,10 @@ A round asks the run three things (:mod:`dspark.generation.round` tells the roun
 
 1. :meth:`PolicyRun.plan`, before anything is drafted: the round's :class:`RoundPlan`, a frozen value (how much of
    each lookup chain is verified, which requests draft and how many slots at most, and for a priced round the base
-   B and τ* and the drafting seconds that Algorithm 1 prices the drafts against). Every special case of a priced
-   round is decided there, in :meth:`_Scheduler.plan`, one line of reason each;
+   B and τ* and the drafting seconds that Algorithm 1 prices the drafts against). The special cases of a priced round
+   are decided there, in :meth:`_Scheduler.plan`, one line of reason each (``lagged`` adds its budget's cold start and
+   K = 0 in :meth:`_Lagged.plan`; how a round's outcome updates the estimators is
+   :func:`dspark.generation.round.record`'s);
 2. :meth:`PolicyRun.lengths`, in the drafting round before sampling slot k, on the ``[R, γ']`` confidence table with
    c_{r,1..k} known: how many drafts of each request are verified. ``scheduler`` runs Algorithm 1 with its early
    STOP over the known entries, pricing a verify of B tokens at the learned verify time plus the (now spent) drafting
@@ -353,8 +355,11 @@ class _Lagged(_Scheduler):
 
     def end_round(self, plan, confidences, batch_tokens):
         super().end_round(plan, confidences, batch_tokens)
-        if not self.prices.known or not plan.drafts:
-            self._budgets.append(sum(plan.budgets) if not self.prices.known else 0)
+        if not self.prices.known:  # unpriced: the budgets it drafted
+            self._budgets.append(sum(plan.budgets))
+            return
+        if not plan.drafts:  # no confidences to set a later K: pass on the K it was given (R in place of 0), so a
+            self._budgets.append(self._budget or len(plan.budgets))  # plain step leaves no K = 0 recurring every LAG
             return
         conf, known = _table(confidences)
         best = self._best(plan, conf, _limits(plan, conf, known), stop=False)

@@ -50,7 +50,7 @@ class DFlashAssistant(nn.Module):
     def __init__(self, drafter, block_size: int | None = None):
         super().__init__()
         cfg = drafter.config
-        if not drafter._target:
+        if drafter.bound_target is None:
             raise ValueError("DFlashAssistant needs a drafter bound to its target: "
                              "DSparkDraftModel.from_pretrained(path, target=target)")
         if drafter.lm_head is not None:

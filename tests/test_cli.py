@@ -344,7 +344,7 @@ def test_stats_line_says_what_it_measured():
     rec.update(rounds=3, tau=2.0, baseline_tokens_per_s=1.0, speedup=2.0, identical=False, do_sample=True,
                lookup_rounds=1, plain_rounds=1)
     assert "tau=2.00" in _stats_line(rec) and "outputs differ (sampled)" in _stats_line(rec)
-    assert "policy scheduler (default): 3 rounds (1 drafted, 1 lookup, 1 plain steps)" in _stats_line(rec)
+    assert "policy scheduler (default): 3 rounds (1 drafted, 1 lookup, 1 plain step)" in _stats_line(rec)
     assert "outputs DIFFER" in _stats_line(dict(rec, do_sample=False))
 
 

@@ -77,7 +77,7 @@ def test_a_drafting_round_that_verified_nothing_counts_against_the_drafter():
 
 def test_a_verify_of_another_request_count_is_priced_before_any_multi_token_verify():
     """Plain steps of one request count seen, nothing else: a round of another count is priced on the nearest
-    count's plain step along the prior line (it used to raise, e.g. when the engine's batch grew)."""
+    count's plain step along the prior line (as when the engine's batch grows before any multi-token verify)."""
     p = Prices()
     p.observe_verify(2, 0.05, requests=2)
     assert p.verify_s(3, requests=3) == pytest.approx(0.05)

@@ -13,7 +13,7 @@ from dspark.cli.main import main
 from dspark.generation.stats import RoundStats
 from modeling_dspark import DSparkDraftModel
 from dspark.evaluation import acceptance
-from dspark.training import calibration, heldout
+from dspark.training import heldout
 from dspark.training import prompts as P
 
 from .conftest import make_drafter

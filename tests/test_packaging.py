@@ -185,3 +185,18 @@ def test_wheel_in_a_fresh_venv_runs_the_quickstart_from_anywhere(tmp_path):
     assert cli.returncode == 0, cli.stderr[-3000:]
     (record,) = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
     assert record["identical"] is True and record["drafter"].startswith(str(venv)), record
+
+
+def test_the_tested_releases_are_the_ones_ci_installs():
+    """compat.TESTED_RELEASES names the transformers releases .ci/run installs: the lowest through scripts/setup.sh
+    (the main suite), the highest through scripts/test_versions.sh (the core suite), both inside the supported
+    range."""
+    from dspark.generation.compat import TESTED_RELEASES
+
+    setup = (REPO_ROOT / "scripts" / "setup.sh").read_text()
+    versions = (REPO_ROOT / "scripts" / "test_versions.sh").read_text()
+    low = re.search(r'"transformers==(\d+\.\d+)\.\d+"', setup).group(1)
+    high = re.search(r'\[high\]="[\d.]+ [\d.]+ (\d+\.\d+)\.\d+"', versions).group(1)
+    assert (low, high) == (TESTED_RELEASES[0], TESTED_RELEASES[-1])
+    for release in TESTED_RELEASES:
+        check_transformers(f"{release}.0")

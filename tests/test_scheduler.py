@@ -390,3 +390,27 @@ def test_bad_sps_type_budget_and_lag():
         fill_budget(TWO_REQ_C, 1.5)
     with pytest.raises(ValueError, match=r"'lagged:LAG' needs an integer LAG >= 1"):
         parse_policy("lagged:0")
+
+
+def test_lagged_keeps_drafting_after_a_plain_step():
+    """A round that does not draft (the plain step a priced run takes every PLAIN_EVERY rounds) has no confidences
+    to set the budget K of LAG rounds later: it passes on the K it was given, so one plain step does not leave a K = 0
+    that recurs every LAG rounds (with a cheap verify and c = 0.9, nearly every round drafts)."""
+    from dspark.generation.costs import Prices
+
+    prices = Prices()
+    policy = parse_policy("lagged").start(prices=prices)
+    state = RequestState(None, None)
+    drafted = []
+    for _ in range(64):
+        plan = policy.plan([state], [8], [[]], 100)
+        conf = torch.full((1, 8), 0.9, dtype=torch.float64)
+        lengths = policy.lengths(plan, conf) if plan.drafts else [0]
+        batch = 1 + lengths[0]
+        policy.end_round(plan, [conf[0].tolist()] if plan.drafts else [[]], batch)
+        state.draft_record.update(lengths[0] or None, lengths[0])
+        prices.observe_verify(batch, 0.010 + 0.0005 * batch)
+        if plan.drafts:
+            prices.observe_draft(0.001)
+        drafted.append(plan.drafts)
+    assert sum(drafted[20:]) >= 0.85 * len(drafted[20:]), drafted

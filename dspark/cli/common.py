@@ -59,8 +59,8 @@ def add_dtype_option(p, default: str = "auto") -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default,
                    help="model dtype: float32 is token-exact (greedy output identical to plain generate()); "
                         "bfloat16 is faster on a GPU or a CPU with native bf16 matrix instructions (AMX, "
-                        "AVX512-BF16); auto picks float32 on a CPU without them, bfloat16 on a GPU, and on a CPU "
-                        "with them times both once and picks the faster (cached beside the SPS(B) profile) "
+                        "AVX512-BF16); auto picks bfloat16 on a GPU and, on a CPU, times both once for the job and "
+                        "picks the faster (cached beside the SPS(B) profile) "
                         f"(default: {default})")
 
 

@@ -207,7 +207,7 @@ def _stats_line(rec: dict) -> str:
     if rec["drafter"] != "none":
         if rec["rounds"]:
             kinds = (f" ({rec['rounds'] - rec['lookup_rounds'] - rec['plain_rounds']} drafted, {rec['lookup_rounds']} "
-                     f"lookup, {rec['plain_rounds']} plain steps)")
+                     f"lookup, {rec['plain_rounds']} plain step{'' if rec['plain_rounds'] == 1 else 's'})")
             parts.append(f"policy {rec['policy']}: {rec['rounds']} rounds{kinds}, tau={rec['tau']:.2f}, "
                          f"draft {rec['t_draft_ms']:.1f} ms / verify {rec['t_verify_ms']:.1f} ms per round")
         else:  # the prefill's token alone (max_new_tokens 1) or a stop at the first token: nothing speculated
