@@ -83,13 +83,13 @@ def _mutate(mutation: str, case: str) -> None:
     elif mutation == "peek":
         real_propose = cg.propose
 
-        def propose(drafter, policy, states, committed, rooms, num_slots, sampler=None):
-            chains = real_propose(drafter, policy, states, committed, rooms, num_slots, sampler)
+        def propose(drafter, policy, states, committed, rooms, block_size, sampler=None):
+            chains = real_propose(drafter, policy, states, committed, rooms, block_size, sampler)
             chain, lookup = chains[0], states[0].lookup
             match = lookup.propose(rooms[0]).tokens if lookup is not None else []
             if chain.source == "draft" and match and chain.tokens[:1] != match[:1]:
-                chains[0] = Chain(match[:1], "lookup", drafted=chain.drafted, confidences=chain.confidences,
-                                  ingested=chain.ingested)
+                chains[0] = Chain(match[:1], "lookup", draft_tokens=chain.draft_tokens, confidences=chain.confidences,
+                                  ingested=chain.ingested, t_draft_ms=chain.t_draft_ms, plan=chain.plan)
             elif chain.source == "draft":
                 chain.cut(1)
             return chains

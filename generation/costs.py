@@ -2,9 +2,9 @@
 
 The scheduler prices every round (Algorithm 1 with a drafting-cost term, docs/method.md §4): a verify of B tokens
 costs ``Prices.verify_s(B)`` seconds and a drafting round ``Prices.draft_s(n)`` seconds; a proposer's chain is expected
-to survive to position j with probability p^j, p from its :class:`Record`. All three are measured by the rounds
-themselves (every round already times its verify and its drafting), so they follow the machine as it is, a busy one
-included, and nothing is stored: a new process starts from the priors.
+to survive to position j with probability p^j, p from its :class:`AcceptanceRecord`. All three are measured by the
+rounds themselves (every round already times its verify and its drafting), so they follow the machine as it is, a
+busy one included, and nothing is stored: a new process starts from the priors.
 
 * verify: a plain step (B = R, every request its anchor alone) is priced by a running average of plain steps, and a
   verify of more tokens by a least-squares line t(B) = t_0 + b·B through the recent such rounds' (B, seconds), each
@@ -40,11 +40,11 @@ from .scheduler import _SPSLookup
 from .tunables import (ACCEPT_DECAY, DRAFT_DECAY, MIN_VERIFY_S, PLAIN_DECAY, PRIOR_ACCEPT, PRIOR_SLOPE,  # noqa: F401
                        PRIOR_STRENGTH, PRIOR_WEIGHT, VERIFY_DECAY)
 
-__all__ = ["Prices", "Record"]
+__all__ = ["AcceptanceRecord", "Prices"]
 
 
 @dataclass
-class Record:
+class AcceptanceRecord:
     """A proposer's acceptance record: p = P(position j survives | j − 1 did), from decayed counts and a prior.
 
     Attributes:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .costs import Record
+from .costs import AcceptanceRecord
 from .drafting import DraftContext, DraftResult, Sampler, draft_round
 from .lookup import NGramLookup
 from .policies import PolicyRun, RoundPlan
@@ -56,8 +56,8 @@ class RequestState:
     draft: DraftContext | None
     lookup: NGramLookup | None
     stats: GenerationStats = field(default_factory=GenerationStats)
-    draft_record: Record = field(default_factory=Record)
-    lookup_record: Record = field(default_factory=Record)
+    draft_record: AcceptanceRecord = field(default_factory=AcceptanceRecord)
+    lookup_record: AcceptanceRecord = field(default_factory=AcceptanceRecord)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Chain:
         source: ``"draft"``, ``"lookup"``, or ``""`` (an empty chain: one plain decoding step).
         logits: ``[ℓ, V]`` float32 processed logits a draft chain was drawn from when the round had a
             :class:`~dspark.generation.drafting.Sampler`; else None (greedy drafts; a lookup chain is a point mass).
-        drafted: the drafter's tokens this round (empty when it did not run for this request).
+        draft_tokens: the drafter's tokens this round (empty when it did not run for this request).
         confidences: calibrated c_k of the slots the drafter reached.
         ingested: target positions the drafter ingested into this request's context this round.
         t_draft_ms: this request's share of the round's lookup and drafting time (ms; the shares sum to the
@@ -81,7 +81,7 @@ class Chain:
     tokens: list[int]
     source: str
     logits: torch.Tensor | None = None
-    drafted: list[int] = field(default_factory=list)
+    draft_tokens: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
     ingested: int = 0
     t_draft_ms: float = 0.0
@@ -164,9 +164,9 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
         s.draft_record.update(ell if c.source == "draft" else (1 if refused else None), a)
         s.lookup_record.update(ell if c.source == "lookup" else None, a)
         s.stats.rounds.append(RoundStats(
-            drafted=len(c.drafted), verified=ell, accepted=a, committed=n,
+            drafted=len(c.draft_tokens), verified=ell, accepted=a, committed=n,
             confidences=list(c.confidences[:ell]) if c.source == "draft" else [],
-            draft_tokens=list(c.tokens) if c.source == "lookup" else list(c.drafted), t_draft_ms=c.t_draft_ms,
+            draft_tokens=list(c.tokens) if c.source == "lookup" else list(c.draft_tokens), t_draft_ms=c.t_draft_ms,
             t_verify_ms=t_verify_ms, ingested=c.ingested, source=c.source,
         ))
     if policy.prices is None:

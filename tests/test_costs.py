@@ -8,7 +8,7 @@ import torch
 
 from dspark.generation import costs, policies
 from dspark.generation.candidate_generator import learned_prices
-from dspark.generation.costs import Prices, Record
+from dspark.generation.costs import Prices, AcceptanceRecord
 from dspark.generation.policies import Exploration, parse_policy
 from dspark.generation.round import Chain, RequestState, record
 
@@ -16,7 +16,7 @@ from .conftest import make_drafter, tiny_target
 
 
 def test_record_prior_update_and_decay():
-    r = Record()
+    r = AcceptanceRecord()
     assert r.p == pytest.approx(costs.PRIOR_ACCEPT)
     r.update(4, 4)  # all 4 accepted: 4 tried
     assert (r.accepted, r.tried) == (4, 4)
@@ -26,7 +26,7 @@ def test_record_prior_update_and_decay():
     expected = (4 * d + 1 + costs.PRIOR_ACCEPT * costs.PRIOR_STRENGTH) / (4 * d + 2 + costs.PRIOR_STRENGTH)
     assert r.p == pytest.approx(expected)
     assert r.survival(3) == pytest.approx([expected, expected**2, expected**3])
-    bad = Record()
+    bad = AcceptanceRecord()
     for _ in range(20):
         bad.update(8, 0)  # always rejected at once
     low = bad.p
@@ -65,10 +65,11 @@ def test_a_drafting_round_that_verified_nothing_counts_against_the_drafter():
     after a chain rejected at position 1; the second request did not draft, its record stays at the prior."""
     policy = parse_policy("scheduler").start()
     ran, idle = RequestState(None, None), RequestState(None, None)
-    chains = [Chain([], "", drafted=[], confidences=[0.1], ingested=1, t_draft_ms=5.0), Chain([], "", t_draft_ms=5.0)]
+    chains = [Chain([], "", draft_tokens=[], confidences=[0.1], ingested=1, t_draft_ms=5.0),
+              Chain([], "", t_draft_ms=5.0)]
     record(policy, [ran, idle], chains, accepted=[0, 0], committed=[1, 1], t_verify_ms=30.0, block_size=8)
     assert policy.prices.draft == {1: pytest.approx(0.010)}  # the round's 10 ms, priced for one drafting request
-    expected = Record()
+    expected = AcceptanceRecord()
     expected.update(1, 0)
     assert ran.draft_record.p == pytest.approx(expected.p) and expected.p < costs.PRIOR_ACCEPT
     assert idle.draft_record.p == pytest.approx(costs.PRIOR_ACCEPT)

@@ -138,7 +138,7 @@ def test_a_lookup_match_skips_the_drafter_and_is_verified():
         rnd.draft_round = original
     assert calls == [([0, 4, 4], [2, 3, 2], [6, 2, 6])]
     assert [(c.tokens, c.source) for c in chains] == [([3, 4], "lookup"), ([9] * 4, "draft"), ([9] * 4, "draft")]
-    assert chains[0].drafted == [] and chains[1].ingested == 1
+    assert chains[0].draft_tokens == [] and chains[1].ingested == 1
     record(policy, states, chains, [1, 0, 4], [2, 1, 5], 3.0, 4)
     first = states[0].stats.rounds[0]
     assert (first.drafted, first.verified, first.accepted, first.committed, first.source) == (0, 2, 1, 2, "lookup")
