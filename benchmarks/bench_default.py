@@ -32,7 +32,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.stats import paired, paired_ratios  # noqa: E402  (after the path: run as a script)
-from benchmarks.common import load_domain_prompts, result_header, usable_cores, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    device_name, load_domain_prompts, result_header, usable_cores, write_result)
 
 
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -186,13 +187,6 @@ def markdown(result: dict) -> str:
                              f"{sum(x['dspark_tok_s']) / len(x['dspark_tok_s']):.1f} | {x['ratio']:.2f}× | "
                              f"{x['faster']}/{len(x['ratios'])} | {x['sign_p']:.3f} |")
     return "\n".join(lines)
-
-
-def device_name(device: str) -> str:
-    """``device`` and, on CUDA, the GPU's name (the processor is named separately)."""
-    import torch
-
-    return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
 
 
 def main(argv=None) -> int:

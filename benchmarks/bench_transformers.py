@@ -32,7 +32,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.stats import paired  # noqa: E402  (after the path: run as a script)
-from benchmarks.common import load_domain_prompts, result_header, usable_cores, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    device_name, load_domain_prompts, result_header, usable_cores, write_result)
 
 ARMS = ("plain", "dflash", "pld", "dspark")
 
@@ -158,13 +159,6 @@ def markdown(result: dict) -> str:
     lines.append("float32 is token-exact; in bfloat16 a batched verify rounds differently from a one-token step, so "
                  "outputs can part at near-ties.")
     return "\n".join(lines)
-
-
-def device_name(device: str) -> str:
-    """``device`` and, on CUDA, the GPU's name (the processor is named separately)."""
-    import torch
-
-    return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
 
 
 def main(argv=None) -> int:

@@ -33,6 +33,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def device_name(device: str) -> str:
+    """``device`` and, on CUDA, the GPU's name (the processor is named separately)."""
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
+
+
 def machine_info(threads: int) -> dict:
     """The processor (:func:`dspark.evaluation.profiling.cpu_model`), core counts, torch threads, library versions
     and the load average at the start."""
