@@ -72,8 +72,7 @@ class Chain:
         draft_tokens: the drafter's tokens this round (empty when it did not run for this request).
         confidences: calibrated c_k of the slots the drafter reached.
         ingested: target positions the drafter ingested into this request's context this round.
-        t_draft_ms: this request's share of the round's lookup and drafting time (ms; the shares sum to the
-            round's time).
+        t_draft_ms: the round's lookup and drafting time (ms), the same for every request of the round.
         plan: the round's plan (:meth:`~dspark.generation.policies.PolicyRun.plan`), the same object for every
             request of the round.
     """
@@ -127,7 +126,7 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
                           block_size=block_size, sampler=sampler)
     else:
         out = DraftResult([[] for _ in states], [0] * num, [[] for _ in states], [None] * num, [0] * num)
-    t_draft_ms = (time.perf_counter() - t0) * 1e3 / num
+    t_draft_ms = (time.perf_counter() - t0) * 1e3
     chains = []
     for i in range(num):
         if plan.lookup_lengths[i]:
@@ -142,8 +141,9 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
 def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], accepted: list[int],
            committed: list[int], t_verify_ms: float, block_size: int) -> None:
     """Step 6 of the module doc: the policy's end of round, then each request's
-    :class:`~dspark.generation.stats.RoundStats` and acceptance records, then the run's prices (verify time by batch
-    tokens; drafting time, steady where every drafting request caught up on at most one round, ≤ γ' + 1 positions).
+    :class:`~dspark.generation.stats.RoundStats` (each with its share of the round's drafting time) and acceptance
+    records, then the run's prices (verify time by batch tokens; drafting time, steady where every drafting request
+    caught up on at most one round, ≤ γ' + 1 positions).
 
     Args:
         policy: the run's policy (its :class:`~dspark.generation.costs.Prices`, if priced).
@@ -154,6 +154,7 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
         block_size: γ'.
     """
     batch_tokens = sum(1 + len(c.tokens) for c in chains)
+    t_draft_ms = chains[0].t_draft_ms
     policy.end_round(chains[0].plan, [c.confidences for c in chains], batch_tokens)
     for s, c, a, n in zip(states, chains, accepted, committed):
         ell = len(c.tokens)
@@ -166,8 +167,8 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
         s.stats.rounds.append(RoundStats(
             drafted=len(c.draft_tokens), verified=ell, accepted=a, committed=n,
             confidences=list(c.confidences[:ell]) if c.source == "draft" else [],
-            draft_tokens=list(c.tokens) if c.source == "lookup" else list(c.draft_tokens), t_draft_ms=c.t_draft_ms,
-            t_verify_ms=t_verify_ms, ingested=c.ingested, source=c.source,
+            draft_tokens=list(c.tokens) if c.source == "lookup" else list(c.draft_tokens),
+            t_draft_ms=t_draft_ms / len(chains), t_verify_ms=t_verify_ms, ingested=c.ingested, source=c.source,
         ))
     if policy.prices is None:
         return
@@ -176,4 +177,4 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
     if drafting:
         # a round that caught up on more than one skipped round's positions is not a steady round's price
         steady = all(c.ingested <= block_size + 1 for c in drafting)
-        policy.prices.observe_draft(sum(c.t_draft_ms for c in chains) / 1e3, len(drafting), steady=steady)
+        policy.prices.observe_draft(t_draft_ms / 1e3, len(drafting), steady=steady)

@@ -21,7 +21,8 @@ class RoundStats:
         committed: tokens appended this round (accepted + the resampled/bonus token; may be cut by EOS/length).
         confidences: calibrated c_k of the verified positions (empty without a confidence head).
         draft_tokens: the proposed token ids: the drafter's drafted ids, or the verified lookup tokens.
-        t_draft_ms: drafter time (context ingestion + block forward + sequential sampling), ms.
+        t_draft_ms: this request's share of the round's lookup and drafting time (context ingestion + block forward +
+            sequential sampling), ms; the shares of a round's requests sum to its time.
         t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms.
         ingested: target positions the drafter ingested into its context this round (0 when it did not run).
         source: the chain verified: ``"draft"`` (the drafter's block), ``"lookup"`` (the n-gram lookup's

@@ -65,8 +65,8 @@ def test_a_drafting_round_that_verified_nothing_counts_against_the_drafter():
     after a chain rejected at position 1; the second request did not draft, its record stays at the prior."""
     policy = parse_policy("scheduler").start()
     ran, idle = RequestState(None, None), RequestState(None, None)
-    chains = [Chain([], "", draft_tokens=[], confidences=[0.1], ingested=1, t_draft_ms=5.0),
-              Chain([], "", t_draft_ms=5.0)]
+    chains = [Chain([], "", draft_tokens=[], confidences=[0.1], ingested=1, t_draft_ms=10.0),
+              Chain([], "", t_draft_ms=10.0)]
     record(policy, [ran, idle], chains, accepted=[0, 0], committed=[1, 1], t_verify_ms=30.0, block_size=8)
     assert policy.prices.draft == {1: pytest.approx(0.010)}  # the round's 10 ms, priced for one drafting request
     expected = AcceptanceRecord()
