@@ -40,9 +40,13 @@ def device_name(device: str) -> str:
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
 
 
+KERNEL_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+"""Environment variables that hold the kernels to fewer instructions than the processor has (e.g. ``avx2``)."""
+
+
 def machine_info(threads: int) -> dict:
-    """The processor (:func:`dspark.evaluation.profiling.cpu_model`), core counts, torch threads, library versions
-    and the load average at the start."""
+    """The processor (:func:`dspark.evaluation.profiling.cpu_model`), core counts, torch threads, library versions,
+    the load average at the start and the kernels' instruction limits set in the environment (:data:`KERNEL_LIMITS`)."""
     import torch
     import transformers
 
@@ -62,6 +66,7 @@ def machine_info(threads: int) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average_at_start": load,
+        "kernel_limits": {k: os.environ[k] for k in KERNEL_LIMITS if k in os.environ},
     }
 
 
