@@ -172,21 +172,10 @@ def generate_responses(
 
 
 def build_dataset(
-    target,
-    tokenizer,
-    out_dir: str | os.PathLike,
-    sources: Mapping[str, int] | None = None,
-    max_new_tokens: int = 256,
-    batch_size: int = 64,
-    seed: int = 0,
-    *,
-    prompts: Iterable | None = None,
-    eval_sets: Mapping[str, Iterable] | Sequence[str] | None = None,
-    overlap_threshold: float | None = 0.5,
-    max_prompt_tokens: int = 1024,
-    shard_size: int = 256,
-    max_shards: int | None = None,
-    progress: bool = True,
+    target, tokenizer, out_dir: str | os.PathLike, sources: Mapping[str, int] | None = None, max_new_tokens: int = 256,
+    batch_size: int = 64, seed: int = 0, *, prompts: Iterable | None = None,
+    eval_sets: Mapping[str, Iterable] | Sequence[str] | None = None, overlap_threshold: float | None = 0.5,
+    max_prompt_tokens: int = 1024, shard_size: int = 256, max_shards: int | None = None, progress: bool = True,
     exclude: Sequence[str | os.PathLike] = (),
 ) -> dict:
     """Build (or resume building) a training set of target-generated responses.
@@ -220,13 +209,30 @@ def build_dataset(
         The manifest dict (also written to ``out_dir/manifest.json``).
 
     Raises:
-        DataBuildError: ``out_dir`` holds a build made with different arguments.
+        DataBuildError: ``out_dir`` holds a build made with different arguments, or no prompt is left after the
+            filters.
         FileNotFoundError: a directory in ``exclude`` has no ``plan.json``.
     """
-    from datasets import Dataset
-    from tqdm.auto import tqdm
-
     out = Path(out_dir)
+    config = _build_config(target, sources, prompts, max_new_tokens, batch_size, seed, overlap_threshold,
+                           max_prompt_tokens, shard_size, exclude)
+    manifest = _resumed_manifest(out, config)
+    plan_path = out / "plan.json"
+    if plan_path.exists():
+        plan = json.loads(plan_path.read_text())
+    else:
+        plan, counts = _make_plan(tokenizer, sources, prompts, seed, eval_sets, overlap_threshold, max_prompt_tokens,
+                                  exclude)
+        _start_build(out, plan, counts, manifest, shard_size)
+    _generate_shards(target, tokenizer, out, plan, manifest, max_new_tokens, batch_size, shard_size, max_shards,
+                     progress)
+    return manifest
+
+
+def _build_config(target, sources, prompts, max_new_tokens, batch_size, seed, overlap_threshold, max_prompt_tokens,
+                  shard_size, exclude) -> dict:
+    """The arguments a build records in its manifest (``build_dataset``'s, plus the target's name and dtype); a
+    resume must match them exactly."""
     config = dict(
         sources=None if prompts is not None else dict(sources or DEFAULT_SOURCES),
         injected_prompts=prompts is not None,
@@ -238,54 +244,90 @@ def build_dataset(
     )
     if exclude:
         config["exclude"] = [str(Path(d)) for d in exclude]
-    manifest_path, plan_path = out / "manifest.json", out / "plan.json"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        old = dict(manifest.get("config") or {})
-        old["target"] = packaged_target_name(old.get("target")) or old.get("target")  # cache path or name: same
-        if old != config:
-            diff = "; ".join(f"{k}: build {old.get(k)!r}, now {config.get(k)!r}" for k in sorted({*old, *config})
-                             if old.get(k) != config.get(k))
-            raise DataBuildError(f"{out} holds a build with different arguments ({diff}): pass the build's arguments "
-                                 "to resume it, or use another --out-dir")
-    else:
-        manifest = {"config": config}
-    if plan_path.exists():
-        plan = json.loads(plan_path.read_text())
-    else:
-        exclude_ids = frozenset(str(r["id"]) for r in read_plans(exclude))
-        recs, counts = _collect_prompts(sources, prompts, seed, eval_sets, overlap_threshold, exclude_ids)
-        plan, too_long = [], {}
-        for r in recs:
-            ids = apply_chat_template(tokenizer, r["prompt"])
-            if len(ids) > max_prompt_tokens:
-                too_long[r["source"]] = too_long.get(r["source"], 0) + 1
-                continue
-            plan.append({"id": r["id"], "source": r["source"], "prompt_ids": ids})
-        if not plan:  # refused before anything is written, so a rerun with other arguments is a new build
-            raise DataBuildError(f"no prompt is left after the filters ({counts['per_source']}, too long: "
-                                 f"{too_long}): ask for more prompts per source or allow longer prompts")
-        random.Random(seed).shuffle(plan)
-        for src, c in counts["per_source"].items():
-            c["dropped_too_long"] = too_long.get(src, 0)
-            c["kept"] -= too_long.get(src, 0)
-        manifest.update(
-            prompts=counts["per_source"],
-            eval_sets=counts["eval_sets"],
-            eval_overlap_dropped_total=sum(c["dropped_eval_overlap"] for c in counts["per_source"].values()),
-            num_prompts=len(plan),
-            num_shards=(len(plan) + shard_size - 1) // shard_size,
-            shards={},
-        )
-        (out / "shards").mkdir(parents=True, exist_ok=True)
-        tmp = plan_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(plan))
-        tmp.replace(plan_path)
-        _write_json(manifest_path, manifest)
+    return config
 
+
+def _resumed_manifest(out: Path, config: dict) -> dict:
+    """The manifest of the build in ``out`` when its config equals ``config``, else (no build there) a new one.
+
+    Raises:
+        DataBuildError: ``out`` holds a build with a different config (every differing key is named).
+    """
+    manifest_path = out / "manifest.json"
+    if not manifest_path.exists():
+        return {"config": config}
+    manifest = json.loads(manifest_path.read_text())
+    old = dict(manifest.get("config") or {})
+    old["target"] = packaged_target_name(old.get("target")) or old.get("target")  # cache path or name: same
+    if old != config:
+        diff = "; ".join(f"{k}: build {old.get(k)!r}, now {config.get(k)!r}" for k in sorted({*old, *config})
+                         if old.get(k) != config.get(k))
+        raise DataBuildError(f"{out} holds a build with different arguments ({diff}): pass the build's arguments "
+                             "to resume it, or use another --out-dir")
+    return manifest
+
+
+def _make_plan(tokenizer, sources, prompts, seed, eval_sets, overlap_threshold, max_prompt_tokens, exclude):
+    """The build's ordered prompt list and its per-source counts (``_collect_prompts``'s, plus too-long prompts).
+
+    Each plan entry is ``{"id", "source", "prompt_ids"}`` (chat template applied); prompts over
+    ``max_prompt_tokens`` tokens are dropped and counted; the list is shuffled with ``seed``.
+
+    Raises:
+        DataBuildError: no prompt is left after the filters.
+        FileNotFoundError: a directory in ``exclude`` has no ``plan.json``.
+    """
+    exclude_ids = frozenset(str(r["id"]) for r in read_plans(exclude))
+    recs, counts = _collect_prompts(sources, prompts, seed, eval_sets, overlap_threshold, exclude_ids)
+    plan, too_long = [], {}
+    for r in recs:
+        ids = apply_chat_template(tokenizer, r["prompt"])
+        if len(ids) > max_prompt_tokens:
+            too_long[r["source"]] = too_long.get(r["source"], 0) + 1
+            continue
+        plan.append({"id": r["id"], "source": r["source"], "prompt_ids": ids})
+    if not plan:  # refused before anything is written, so a rerun with other arguments is a new build
+        raise DataBuildError(f"no prompt is left after the filters ({counts['per_source']}, too long: "
+                             f"{too_long}): ask for more prompts per source or allow longer prompts")
+    random.Random(seed).shuffle(plan)
+    for src, c in counts["per_source"].items():
+        c["dropped_too_long"] = too_long.get(src, 0)
+        c["kept"] -= too_long.get(src, 0)
+    return plan, counts
+
+
+def _start_build(out: Path, plan: list[dict], counts: dict, manifest: dict, shard_size: int) -> None:
+    """Record a new build: the prompt counts and shard count in ``manifest``, then ``plan.json`` and
+    ``manifest.json`` written atomically (``shards/`` created)."""
+    manifest.update(
+        prompts=counts["per_source"],
+        eval_sets=counts["eval_sets"],
+        eval_overlap_dropped_total=sum(c["dropped_eval_overlap"] for c in counts["per_source"].values()),
+        num_prompts=len(plan),
+        num_shards=(len(plan) + shard_size - 1) // shard_size,
+        shards={},
+    )
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    plan_path = out / "plan.json"
+    tmp = plan_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(plan))
+    tmp.replace(plan_path)
+    _write_json(out / "manifest.json", manifest)
+
+
+def _pad_token_id(tokenizer) -> int:
+    """The id that left-pads prompts for ``generate``: the tokenizer's pad token, else its EOS token, else 0."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_id is None:
-        pad_id = 0
+    return 0 if pad_id is None else pad_id
+
+
+def _generate_shards(target, tokenizer, out: Path, plan: list[dict], manifest: dict, max_new_tokens: int,
+                     batch_size: int, shard_size: int, max_shards: int | None, progress: bool) -> None:
+    """Generate and store every shard not yet in ``out/shards`` (at most ``max_shards`` in this call), in order;
+    ``manifest`` (per-shard tokens and wall time, the summary) is updated and written after each shard."""
+    from tqdm.auto import tqdm
+
+    pad_id = _pad_token_id(tokenizer)
     eos_ids = eos_token_ids(target, tokenizer)
     num_shards = manifest["num_shards"]
     done = sum(1 for s in range(num_shards) if (out / "shards" / f"shard-{s:05d}").exists())
@@ -300,35 +342,53 @@ def build_dataset(
             break
         t0 = time.perf_counter()
         chunk = plan[s * shard_size:(s + 1) * shard_size]
-        order = sorted(range(len(chunk)), key=lambda i: (len(chunk[i]["prompt_ids"]), i))  # less padding
-        rows = {"input_ids": [], "prompt_len": [], "source": [], "id": []}
-        new_tokens = 0
-        for b in range(0, len(order), batch_size):
-            batch = [chunk[i] for i in order[b:b + batch_size]]
-            resps = generate_responses(target, [r["prompt_ids"] for r in batch], max_new_tokens, pad_id, eos_ids)
-            for r, resp in zip(batch, resps):
-                rows["input_ids"].append(list(r["prompt_ids"]) + resp)
-                rows["prompt_len"].append(len(r["prompt_ids"]))
-                rows["source"].append(r["source"])
-                rows["id"].append(r["id"])
-                new_tokens += len(resp)
-            bar.update(len(batch))
-            el = time.perf_counter() - t0
-            bar.set_postfix(tok_s=f"{new_tokens / max(el, 1e-9):.0f}")
-        tmp = final.with_name(final.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        Dataset.from_dict(rows).save_to_disk(str(tmp))
-        tmp.rename(final)
+        rows, new_tokens = _shard_rows(target, chunk, batch_size, max_new_tokens, pad_id, eos_ids, bar, t0)
+        _save_shard(rows, final)
         wall = time.perf_counter() - t0
         manifest["shards"][str(s)] = {"prompts": len(chunk), "new_tokens": new_tokens, "wall_s": round(wall, 3)}
         _summarise(manifest)
-        _write_json(manifest_path, manifest)
+        _write_json(out / "manifest.json", manifest)
         written += 1
     bar.close()
     _summarise(manifest)
-    _write_json(manifest_path, manifest)
-    return manifest
+    _write_json(out / "manifest.json", manifest)
+
+
+def _shard_rows(target, chunk: list[dict], batch_size: int, max_new_tokens: int, pad_id: int, eos_ids: list[int],
+                bar, t0: float) -> tuple[dict, int]:
+    """The target's greedy responses to one shard's plan entries, batched by prompt length (less padding).
+
+    Returns ``(rows, new_tokens)``: the shard's columns ``input_ids`` (prompt + response), ``prompt_len``,
+    ``source``, ``id`` (in length order), and the number of response tokens. ``bar`` shows tokens/s since ``t0``
+    (``time.perf_counter`` seconds).
+    """
+    order = sorted(range(len(chunk)), key=lambda i: (len(chunk[i]["prompt_ids"]), i))  # less padding
+    rows = {"input_ids": [], "prompt_len": [], "source": [], "id": []}
+    new_tokens = 0
+    for b in range(0, len(order), batch_size):
+        batch = [chunk[i] for i in order[b:b + batch_size]]
+        resps = generate_responses(target, [r["prompt_ids"] for r in batch], max_new_tokens, pad_id, eos_ids)
+        for r, resp in zip(batch, resps):
+            rows["input_ids"].append(list(r["prompt_ids"]) + resp)
+            rows["prompt_len"].append(len(r["prompt_ids"]))
+            rows["source"].append(r["source"])
+            rows["id"].append(r["id"])
+            new_tokens += len(resp)
+        bar.update(len(batch))
+        el = time.perf_counter() - t0
+        bar.set_postfix(tok_s=f"{new_tokens / max(el, 1e-9):.0f}")
+    return rows, new_tokens
+
+
+def _save_shard(rows: dict, final: Path) -> None:
+    """Store one shard's columns at ``final`` atomically (``save_to_disk`` into ``<final>.tmp``, then rename)."""
+    from datasets import Dataset
+
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    Dataset.from_dict(rows).save_to_disk(str(tmp))
+    tmp.rename(final)
 
 
 def _summarise(manifest: dict) -> None:

@@ -99,35 +99,67 @@ def build_feature_cache(
     Raises:
         FeatureCacheError: ``out_dir`` holds a cache built with other settings or for other data.
     """
-    from tqdm.auto import tqdm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     layer_ids = [int(i) for i in target_layer_ids]
-    hidden = int(target.config.hidden_size)
+    rows, offsets, index = _row_index(dataset, max_length)
+    meta = _cache_meta(target, layer_ids, index, int(offsets[-1]), max_length)
+    _resume_meta(out, meta, index)
+    if meta["complete"]:
+        return out
+    arrays = _open_arrays(out, meta)
+    _fill_cache(out, meta, arrays, dataset, target, layer_ids, rows, offsets, batch_size, max_length, progress)
+    meta["complete"] = True
+    _write_meta(out / "meta.json", meta)
+    return out
+
+
+def _row_index(dataset, max_length: int | None) -> tuple[list[tuple[int, int, int, int]], np.ndarray, np.ndarray]:
+    """Where each row of ``dataset`` goes in the flat per-token files.
+
+    Returns ``(rows, offsets, index)``: ``rows`` one ``(idx, length, prompt_len, crc32 of token ids)`` per row (token
+    ids cut at ``max_length``); ``offsets`` int64 ``[R + 1]``, the first token of each row (the last entry is the
+    total token count); ``index`` int64 ``[R, 4]`` of ``idx, offset, length, crc32`` (``index.npy``).
+    """
     rows = []
     for r in dataset:
         ids = list(r["input_ids"])[: max_length or None]
         rows.append((int(r["idx"]), len(ids), int(r["prompt_len"]), _crc(ids)))
     offsets = np.concatenate([[0], np.cumsum([n for _, n, _, _ in rows])]).astype(np.int64)
-    total = int(offsets[-1])
     index = np.array([(i, int(o), n, c) for (i, n, _, c), o in zip(rows, offsets[:-1])], dtype=np.int64).reshape(-1, 4)
-    meta = {
+    return rows, offsets, index
+
+
+def _cache_meta(target, layer_ids: list[int], index: np.ndarray, total: int, max_length: int | None) -> dict:
+    """A new cache's ``meta.json``: the target's identity and sizes, the target layers, the data (row count,
+    ``total`` tokens, CRC of ``index``) and progress (no row done)."""
+    return {
         "format_version": FORMAT_VERSION,
         "target": str(getattr(target.config, "_name_or_path", "")),
         "target_model_type": target.config.model_type,
         "target_fingerprint": target_fingerprint(target),
         "target_dtype": str(next(target.parameters()).dtype),
         "target_layer_ids": layer_ids,
-        "hidden_size": hidden,
+        "hidden_size": int(target.config.hidden_size),
         "vocab_size": int(target.config.vocab_size),
-        "num_rows": len(rows),
+        "num_rows": len(index),
         "num_tokens": total,
         "data_crc": zlib.crc32(index.tobytes()),
         "max_length": max_length,
         "rows_done": 0,
         "complete": False,
     }
+
+
+def _resume_meta(out: Path, meta: dict, index: np.ndarray) -> None:
+    """Match ``meta`` against the cache already in ``out``, if any, and take over its progress (``rows_done``,
+    ``complete``); a data set grown by rows appended at the end is extended, not refused. Writes ``index.npy`` and
+    ``meta.json`` for a new or grown cache.
+
+    Raises:
+        FeatureCacheError: the cache in ``out`` was built with other settings (target, dtype, layers, sizes,
+            ``max_length``) or for other data.
+    """
     meta_path = out / "meta.json"
     grow_from = None
     if meta_path.exists():
@@ -137,7 +169,8 @@ def build_feature_cache(
                  "hidden_size", "vocab_size", "max_length")
         diff = [k for k in fixed if k in old and old[k] != meta[k]]
         grown = len(index) > len(old_index) and np.array_equal(index[: len(old_index)], old_index)
-        if not diff and not grown and (old.get("num_rows"), old.get("data_crc")) != (meta["num_rows"], meta["data_crc"]):
+        same_data = (old.get("num_rows"), old.get("data_crc")) == (meta["num_rows"], meta["data_crc"])
+        if not diff and not grown and not same_data:
             diff = ["data"]
         if diff:
             raise FeatureCacheError(f"{out} holds a feature cache built with other settings or data ({', '.join(diff)}"
@@ -149,14 +182,20 @@ def build_feature_cache(
     if grow_from is not None or not meta_path.exists():
         np.save(out / "index.npy", index)
         _write_meta(meta_path, meta)
-    if meta["complete"]:
-        return out
-    m = len(layer_ids)
+
+
+def _open_arrays(out: Path, meta: dict) -> tuple[np.memmap, np.memmap, np.memmap]:
+    """The cache's per-token files as writable memmaps sized for ``meta``'s data: ``features [T, m·H]`` and
+    ``last_hidden [T, H]`` uint16 (bf16 bits), ``lse [T]`` float32 (T = at least 1 row).
+
+    Existing files are resized (a grown data set extends them); if any is missing all are created anew and the
+    progress in ``meta`` is reset to no row done."""
+    total, hidden, m = meta["num_tokens"], meta["hidden_size"], len(meta["target_layer_ids"])
     names = ("features.u16", "last_hidden.u16", "lse.f32")
     mode = "r+" if all((out / n).exists() for n in names) else "w+"
     if mode == "w+" and meta["rows_done"]:  # files lost: the done rows are gone too, start over
         meta["rows_done"], meta["complete"] = 0, False
-        _write_meta(meta_path, meta)
+        _write_meta(out / "meta.json", meta)
     if mode == "r+":  # size the files for this data (a grown data set extends them)
         for name, width in (("features.u16", m * hidden * 2), ("last_hidden.u16", hidden * 2), ("lse.f32", 4)):
             with open(out / name, "r+b") as fh:
@@ -164,7 +203,17 @@ def build_feature_cache(
     feats = np.memmap(out / "features.u16", dtype=np.uint16, mode=mode, shape=(max(total, 1), m * hidden))
     last = np.memmap(out / "last_hidden.u16", dtype=np.uint16, mode=mode, shape=(max(total, 1), hidden))
     lse = np.memmap(out / "lse.f32", dtype=np.float32, mode=mode, shape=(max(total, 1),))
+    return feats, last, lse
 
+
+def _fill_cache(out: Path, meta: dict, arrays, dataset, target, layer_ids: list[int], rows, offsets: np.ndarray,
+                batch_size: int, max_length: int | None, progress: bool) -> None:
+    """Run the target over the rows not done yet (from ``meta["rows_done"]``), ``batch_size`` consecutive rows per
+    forward, store their features in ``arrays`` (:func:`_open_arrays`) and record the progress in ``meta.json``
+    after every batch. The target's train/eval mode is restored afterwards."""
+    from tqdm.auto import tqdm
+
+    feats, last, lse = arrays
     decoder = decoder_of(target)
     head = target.get_output_embeddings()
     cap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)  # Gemma's soft-capping
@@ -176,41 +225,52 @@ def build_feature_cache(
     try:
         for s in range(start, len(rows), batch_size):
             chunk = list(range(s, min(s + batch_size, len(rows))))
-            width = max(rows[j][1] for j in chunk)
-            ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for b, j in enumerate(chunk):
-                seq = list(dataset[j]["input_ids"])[: max_length or None]
-                ids[b, : len(seq)] = torch.tensor(seq)
-                attn[b, : len(seq)] = 1
-            res = decoder(input_ids=ids.to(device), attention_mask=attn.to(device),
-                          output_hidden_states=hidden_state_indices(layer_ids), use_cache=False)
-            f = context_features(res.hidden_states, layer_ids)
-            h = res.last_hidden_state
+            f, h = _target_features(decoder, dataset, chunk, max(rows[j][1] for j in chunk), layer_ids, max_length,
+                                    device)
             for b, j in enumerate(chunk):
                 _, n, plen, _ = rows[j]
                 o = int(offsets[j])
                 feats[o : o + n] = _bf16_to_u16(f[b, :n])
                 last[o : o + n] = _bf16_to_u16(h[b, :n])
-                values = np.full(n, np.nan, dtype=np.float32)
-                lo = min(max(plen - 1, 0), n)
-                if lo < n:  # slots are response positions (anchor ≥ prompt_len); one earlier for safety
-                    # from the bf16-rounded state that is stored (training computes the draft columns from it)
-                    logits = softcap(head(h[b, lo:n].to(torch.bfloat16).to(head.weight.dtype)), cap)
-                    values[lo:] = torch.logsumexp(logits.float(), dim=-1).cpu().numpy()
-                lse[o : o + n] = values
+                lse[o : o + n] = _response_lse(head, cap, h[b], plen, n)
             feats.flush()
             last.flush()
             lse.flush()
             meta["rows_done"] = chunk[-1] + 1
-            _write_meta(meta_path, meta)
+            _write_meta(out / "meta.json", meta)
             bar.update(len(chunk))
     finally:
         bar.close()
         target.train(was_training)
-    meta["complete"] = True
-    _write_meta(meta_path, meta)
-    return out
+
+
+def _target_features(decoder, dataset, chunk: list[int], width: int, layer_ids: list[int], max_length: int | None,
+                     device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the rows ``chunk`` of ``dataset`` (right-padded to ``width`` tokens, cut at
+    ``max_length``): the context features ``[B, width, m·H]`` of eq. 2 and the final normed hidden states
+    ``[B, width, H]``, in the target's dtype on ``device``."""
+    ids = torch.zeros((len(chunk), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, j in enumerate(chunk):
+        seq = list(dataset[j]["input_ids"])[: max_length or None]
+        ids[b, : len(seq)] = torch.tensor(seq)
+        attn[b, : len(seq)] = 1
+    res = decoder(input_ids=ids.to(device), attention_mask=attn.to(device),
+                  output_hidden_states=hidden_state_indices(layer_ids), use_cache=False)
+    return context_features(res.hidden_states, layer_ids), res.last_hidden_state
+
+
+def _response_lse(head, cap: float | None, hidden: torch.Tensor, prompt_len: int, n: int) -> np.ndarray:
+    """float32 ``[n]``: logsumexp of the target's full-vocabulary logits ``softcap(head(hidden))`` at the response
+    positions of one row (from ``prompt_len − 1``), NaN on the prompt positions. ``hidden`` is the row's ``[L, H]``
+    final hidden states, rounded to bf16 first as the cache stores them."""
+    values = np.full(n, np.nan, dtype=np.float32)
+    lo = min(max(prompt_len - 1, 0), n)
+    if lo < n:  # slots are response positions (anchor ≥ prompt_len); one earlier for safety
+        # from the bf16-rounded state that is stored (training computes the draft columns from it)
+        logits = softcap(head(hidden[lo:n].to(torch.bfloat16).to(head.weight.dtype)), cap)
+        values[lo:] = torch.logsumexp(logits.float(), dim=-1).cpu().numpy()
+    return values
 
 
 class FeatureCache:

@@ -6,6 +6,7 @@ training data set, and by default not among the prompts ``dspark data build`` ta
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -82,9 +83,7 @@ def calibration_prompts(
             prompts file (:func:`dspark.training.prompts.read_prompts_jsonl`).
         FileNotFoundError: a prompts file or an ``exclude_data`` directory's ``plan.json`` that does not exist.
     """
-    from modeling_dspark.target import apply_chat_template
     from dspark.training import prompts as P
-    from dspark.training.data import read_plans
 
     sources, is_file = parse_sources(sources)
     if limit < 1:
@@ -93,49 +92,95 @@ def calibration_prompts(
         raise ValueError(f"after must be >= 0 and below limit ({limit}), got {after}")
     exclude_data = list(exclude_data)
     if after:
-        seen = {r["id"] for r in calibration_prompts(sources, after, tokenizer, max_prompt_tokens, exclude_data)[0]}
-        picked, info = calibration_prompts(sources, limit, tokenizer, max_prompt_tokens, exclude_data)
-        n_all = len(picked)
-        picked = [r for r in picked if r["id"] not in seen]
-        info["after"] = {"limit": after, "left_out": n_all - len(picked)}
-        info["per_source"] = {s: sum(1 for r in picked if r.get("source") == s) for s in info["per_source"]}
-        return picked, info
-    plans = read_plans(exclude_data)
-    excl_ids = {str(rec["id"]) for rec in plans}
-    excl_toks = {tuple(int(t) for t in rec["prompt_ids"]) for rec in plans if rec.get("prompt_ids")}
+        return _prompts_after(sources, limit, after, tokenizer, max_prompt_tokens, exclude_data)
+    excluded = _training_prompt_keys(exclude_data)
     eval_sets = {name: P.load_eval_prompts(name) for name in P.EVAL_SETS}
     info = {"sources": list(sources), "eval_overlap_threshold": OVERLAP_THRESHOLD, "exclude_data": exclude_data,
             "dropped_eval_overlap": 0, "dropped_training_data": 0, "dropped_too_long": 0, "per_source": {}}
+    accept = partial(_keep_held_out, eval_sets=eval_sets, excluded=excluded, tokenizer=tokenizer,
+                     max_prompt_tokens=max_prompt_tokens, info=info)
+    if is_file:
+        return _file_prompts(Path(sources[0]), limit, accept, info)
+    return _round_robin_prompts(sources, limit, accept, info)
 
-    def accept(recs: list[dict]) -> list[dict]:
-        kept, dropped = P.filter_eval_overlap(recs, eval_sets, threshold=OVERLAP_THRESHOLD)
-        info["dropped_eval_overlap"] += dropped
-        out = []
-        for r in kept:
-            r = dict(r)
-            if r["id"] in excl_ids:
+
+def _prompts_after(sources: list[str], limit: int, after: int, tokenizer, max_prompt_tokens: int | None,
+                   exclude_data: list[str]) -> tuple[list[dict], dict]:
+    """:func:`calibration_prompts` for ``limit`` without the prompts it picks for ``limit=after``; ``info["after"]``
+    says how many were left out and ``info["per_source"]`` counts what remains."""
+    seen = {r["id"] for r in calibration_prompts(sources, after, tokenizer, max_prompt_tokens, exclude_data)[0]}
+    picked, info = calibration_prompts(sources, limit, tokenizer, max_prompt_tokens, exclude_data)
+    n_all = len(picked)
+    picked = [r for r in picked if r["id"] not in seen]
+    info["after"] = {"limit": after, "left_out": n_all - len(picked)}
+    info["per_source"] = {s: sum(1 for r in picked if r.get("source") == s) for s in info["per_source"]}
+    return picked, info
+
+
+def _training_prompt_keys(exclude_data: list[str]) -> tuple[set[str], set[tuple[int, ...]]]:
+    """``(ids, token_ids)`` of the training prompts in the ``plan.json`` of the ``exclude_data`` build directories.
+
+    Raises:
+        FileNotFoundError: a directory has no ``plan.json``.
+    """
+    from dspark.training.data import read_plans
+
+    plans = read_plans(exclude_data)
+    ids = {str(rec["id"]) for rec in plans}
+    toks = {tuple(int(t) for t in rec["prompt_ids"]) for rec in plans if rec.get("prompt_ids")}
+    return ids, toks
+
+
+def _keep_held_out(recs: list[dict], *, eval_sets: dict, excluded: tuple[set[str], set[tuple[int, ...]]], tokenizer,
+                   max_prompt_tokens: int | None, info: dict) -> list[dict]:
+    """Copies of the records of ``recs`` that are no eval prompt (nor a near-duplicate of one), no training prompt
+    (``excluded``: ids and prompt token ids, :func:`_training_prompt_keys`) and, with a ``tokenizer``, at most
+    ``max_prompt_tokens`` tokens long (those get ``prompt_ids``). Adds what it drops to the counts in ``info``."""
+    from modeling_dspark.target import apply_chat_template
+    from dspark.training import prompts as P
+
+    excl_ids, excl_toks = excluded
+    kept, dropped = P.filter_eval_overlap(recs, eval_sets, threshold=OVERLAP_THRESHOLD)
+    info["dropped_eval_overlap"] += dropped
+    out = []
+    for r in kept:
+        r = dict(r)
+        if r["id"] in excl_ids:
+            info["dropped_training_data"] += 1
+            continue
+        if tokenizer is not None:
+            ids = apply_chat_template(tokenizer, r["prompt"])
+            if tuple(ids) in excl_toks:
                 info["dropped_training_data"] += 1
                 continue
-            if tokenizer is not None:
-                ids = apply_chat_template(tokenizer, r["prompt"])
-                if tuple(ids) in excl_toks:
-                    info["dropped_training_data"] += 1
-                    continue
-                if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                    info["dropped_too_long"] += 1
-                    continue
-                r["prompt_ids"] = ids
-            out.append(r)
-        return out
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                info["dropped_too_long"] += 1
+                continue
+            r["prompt_ids"] = ids
+        out.append(r)
+    return out
 
-    if is_file:
-        path = Path(sources[0])
-        if not path.is_file():
-            raise FileNotFoundError(f"prompts file not found: {str(path)!r}")
-        picked = accept(P.read_prompts_jsonl(path))[:limit]
-        info["per_source"]["file"] = len(picked)
-        return picked, info
 
+def _file_prompts(path: Path, limit: int, accept, info: dict) -> tuple[list[dict], dict]:
+    """The first ``limit`` prompts of a JSON-lines file that ``accept`` keeps, with ``info``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a bad prompts file (:func:`dspark.training.prompts.read_prompts_jsonl`).
+    """
+    from dspark.training import prompts as P
+
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {str(path)!r}")
+    picked = accept(P.read_prompts_jsonl(path))[:limit]
+    info["per_source"]["file"] = len(picked)
+    return picked, info
+
+
+def _round_robin_prompts(sources: list[str], limit: int, accept, info: dict) -> tuple[list[dict], dict]:
+    """``limit`` prompts split evenly over ``sources`` (the first ``limit % len(sources)`` get one more) and
+    interleaved round-robin, with ``info``. Each source's held-out candidates (:func:`_source_candidates`) are read
+    in doubling windows until ``accept`` has kept its quota or the source runs out."""
     quota = {s: limit // len(sources) + (1 if i < limit % len(sources) else 0) for i, s in enumerate(sources)}
     groups: dict[str, list[dict]] = {}
     for src in sources:

@@ -171,33 +171,24 @@ def confidence_labels(draft_logits: torch.Tensor, target_logits: torch.Tensor) -
 
 
 def dspark_loss(
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
-    target_tokens: torch.Tensor,
-    confidence_logits: torch.Tensor | None,
-    weights: torch.Tensor,
-    loss_mask: torch.Tensor | None = None,
-    ce_weight: float = 0.1,
-    tv_weight: float = 0.9,
-    conf_weight: float = 1.0,
-    ce_mask: torch.Tensor | None = None,
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tokens: torch.Tensor,
+    confidence_logits: torch.Tensor | None, weights: torch.Tensor, loss_mask: torch.Tensor | None = None,
+    ce_weight: float = 0.1, tv_weight: float = 0.9, conf_weight: float = 1.0, ce_mask: torch.Tensor | None = None,
     target_lse: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """DSpark training loss, docs/method.md eqs. 11–14.
 
     Args:
-        draft_logits: [N, γ, V] drafter logits after the sequential head
-            (eq. 4), any float dtype; gradients flow into it.
-        target_logits: [N, γ, V] frozen target logits; treated as labels
-            (no gradient).
-        target_tokens: [N, γ] long, the true next tokens x_k*. Values at
-            masked positions are ignored (may be e.g. −100).
-        confidence_logits: [N, γ] pre-sigmoid confidence-head outputs
-            (eq. 7), or None when the confidence head is disabled (then
-            ``conf`` is 0).
+        draft_logits: [N, γ, V] drafter logits after the sequential head (eq. 4), any float dtype; gradients flow
+            into it.
+        target_logits: [N, γ, V] frozen target logits; treated as labels (no gradient).
+        target_tokens: [N, γ] long, the true next tokens x_k*. Values at masked positions are ignored (may be
+            e.g. −100).
+        confidence_logits: [N, γ] pre-sigmoid confidence-head outputs (eq. 7), or None when the confidence head is
+            disabled (then ``conf`` is 0).
         weights: [γ] position weights w_k (see :func:`position_weights`).
-        loss_mask: optional [N, γ] bool; False marks positions past the end
-            of a sequence, which contribute nothing (also no gradient).
+        loss_mask: optional [N, γ] bool; False marks positions past the end of a sequence, which contribute nothing
+            (also no gradient).
         ce_weight, tv_weight, conf_weight: α_ce, α_tv, α_conf of eq. 14.
         ce_mask: optional [N, γ] bool restricting the CE term only (e.g. to labels inside a reduced draft
             vocabulary, whose draft probability is 0 outside it); TV and confidence still use ``loss_mask``.
@@ -209,16 +200,44 @@ def dspark_loss(
 
     Returns:
         dict of float32 scalars:
-        ``ce``   weighted mean of −log p_d^k(x_k*)                  (eq. 11)
-        ``tv``   weighted mean of ‖p_d^k − p_t^k‖₁ — the full L1 norm as
-                 written in eq. 12, i.e. twice the total-variation distance;
-                 range [0, 2]                                        (eq. 12)
-        ``conf`` weighted mean of BCE-with-logits(conf_logit, c_k*), with
-                 c_k* from eq. 8 (detached). Note its minimum is the entropy
-                 of c*, not 0                                        (eq. 13)
-        ``loss`` ce_weight·ce + tv_weight·tv + conf_weight·conf      (eq. 14)
-        The weighted mean is Σ_{n,k} w_k m_{n,k} term_{n,k} / Σ_{n,k} w_k m_{n,k}
-        over valid positions m; if no position is valid every term is 0.
+        ``ce``   weighted mean of −log p_d^k(x_k*)                                                    (eq. 11)
+        ``tv``   weighted mean of ‖p_d^k − p_t^k‖₁ — the full L1 norm as written in eq. 12, i.e. twice the
+                 total-variation distance; range [0, 2]                                               (eq. 12)
+        ``conf`` weighted mean of BCE-with-logits(conf_logit, c_k*), with c_k* from eq. 8 (detached). Note its
+                 minimum is the entropy of c*, not 0                                                  (eq. 13)
+        ``loss`` ce_weight·ce + tv_weight·tv + conf_weight·conf                                       (eq. 14)
+        The weighted mean is Σ_{n,k} w_k m_{n,k} term_{n,k} / Σ_{n,k} w_k m_{n,k} over valid positions m; if no
+        position is valid every term is 0.
+
+    Raises:
+        ValueError: an input whose shape does not fit ``draft_logits`` (:func:`_check_loss_shapes`).
+    """
+    _check_loss_shapes(draft_logits, target_logits, target_tokens, confidence_logits, weights, loss_mask, target_lse)
+    n, gamma, _ = draft_logits.shape
+    device = draft_logits.device
+    valid = (torch.ones(n, gamma, dtype=torch.bool, device=device) if loss_mask is None
+             else loss_mask.to(device=device, dtype=torch.bool))
+    # [N, γ] effective weights w_k·m_{n,k}; 0 at masked positions.
+    w = weights.to(device=device, dtype=torch.float32)[None, :] * valid
+    ce_rows, l1_rows = _ce_l1_per_position(draft_logits, target_logits, target_tokens, target_lse, valid)
+    if ce_mask is None:
+        ce = _weighted_mean(ce_rows, w, valid)
+    else:
+        ce_valid = valid & ce_mask.to(device=device, dtype=torch.bool)
+        ce = _weighted_mean(ce_rows, w * ce_valid, ce_valid)
+    tv = _weighted_mean(l1_rows, w, valid)
+    conf = _confidence_loss(confidence_logits, l1_rows, w, valid)
+    loss = ce_weight * ce + tv_weight * tv + conf_weight * conf
+    return {"loss": loss, "ce": ce, "tv": tv, "conf": conf}
+
+
+def _check_loss_shapes(draft_logits, target_logits, target_tokens, confidence_logits, weights, loss_mask,
+                       target_lse) -> None:
+    """Check the shapes of :func:`dspark_loss`'s inputs against ``draft_logits [N, γ, V]``, before any compute.
+
+    Raises:
+        ValueError: ``draft_logits`` is not 3-d, ``target_logits`` is not [N, γ, V], ``weights`` not [γ], or
+            ``target_tokens`` / ``confidence_logits`` / ``loss_mask`` / ``target_lse`` (when given) not [N, γ].
     """
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [N, γ, V], got {tuple(draft_logits.shape)}")
@@ -227,7 +246,7 @@ def dspark_loss(
             f"target_logits {tuple(target_logits.shape)} must match draft_logits "
             f"{tuple(draft_logits.shape)}"
         )
-    n, gamma, v = draft_logits.shape
+    n, gamma, _ = draft_logits.shape
     if target_tokens.shape != (n, gamma):
         raise ValueError(f"target_tokens must be [{n}, {gamma}], got {tuple(target_tokens.shape)}")
     if confidence_logits is not None and confidence_logits.shape != (n, gamma):
@@ -241,20 +260,14 @@ def dspark_loss(
     if target_lse is not None and target_lse.shape != (n, gamma):
         raise ValueError(f"target_lse must be [{n}, {gamma}], got {tuple(target_lse.shape)}")
 
+
+def _ce_l1_per_position(draft_logits: torch.Tensor, target_logits: torch.Tensor, target_tokens: torch.Tensor,
+                        target_lse: torch.Tensor | None, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position −log p_d^k(x_k*) (eq. 11) and ‖p_d^k − p_t^k‖₁ (eq. 12), float32 [N, γ] each, by the fused
+    :class:`_DraftCeL1` (gradient into ``draft_logits`` only). Tokens at invalid positions are replaced by 0, so a
+    placeholder label such as −100 is never indexed."""
+    n, gamma, v = draft_logits.shape
     device = draft_logits.device
-    valid = (
-        torch.ones(n, gamma, dtype=torch.bool, device=device)
-        if loss_mask is None
-        else loss_mask.to(device=device, dtype=torch.bool)
-    )
-    # [N, γ] effective weights; 0 at masked positions.
-    w = weights.to(device=device, dtype=torch.float32)[None, :] * valid
-    denom = w.sum().clamp_min(torch.finfo(torch.float32).tiny)
-
-    def wmean(term: torch.Tensor) -> torch.Tensor:
-        # torch.where (not w * term) so a NaN/inf in a masked slot cannot leak in.
-        return torch.where(valid, w * term, torch.zeros((), device=device)).sum() / denom
-
     tokens = torch.where(valid, target_tokens.to(device), torch.zeros((), dtype=torch.long, device=device))
     ce_rows, l1_rows = _DraftCeL1.apply(
         draft_logits.reshape(n * gamma, v),
@@ -262,24 +275,23 @@ def dspark_loss(
         tokens.reshape(n * gamma).long(),
         None if target_lse is None else target_lse.detach().reshape(n * gamma).float(),
     )
-    ce_rows = ce_rows.view(n, gamma)
-    l1_rows = l1_rows.view(n, gamma)
-    if ce_mask is None:
-        ce = wmean(ce_rows)
-    else:
-        ce_valid = valid & ce_mask.to(device=device, dtype=torch.bool)
-        w_ce = w * ce_valid
-        ce = torch.where(ce_valid, w_ce * ce_rows, torch.zeros((), device=device)).sum() / w_ce.sum().clamp_min(
-            torch.finfo(torch.float32).tiny
-        )
-    tv = wmean(l1_rows)
+    return ce_rows.view(n, gamma), l1_rows.view(n, gamma)
 
-    if confidence_logits is not None:
-        c_star = (1.0 - 0.5 * l1_rows.detach()).clamp(0.0, 1.0)  # eq. 8, a label
-        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), c_star, reduction="none")
-        conf = wmean(bce)
-    else:
-        conf = torch.zeros((), dtype=torch.float32, device=device)
 
-    loss = ce_weight * ce + tv_weight * tv + conf_weight * conf
-    return {"loss": loss, "ce": ce, "tv": tv, "conf": conf}
+def _weighted_mean(term: torch.Tensor, w: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Σ w·term / Σ w over the ``valid`` positions ([N, γ] each; ``w`` already 0 where not valid), a float32 scalar;
+    0 when no position is valid."""
+    # torch.where (not w * term) so a NaN/inf in a masked slot cannot leak in.
+    weighted = torch.where(valid, w * term, torch.zeros((), device=w.device)).sum()
+    return weighted / w.sum().clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _confidence_loss(confidence_logits: torch.Tensor | None, l1_rows: torch.Tensor, w: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+    """L_conf (eq. 13): the weighted mean BCE of the confidence logits c_k against the labels
+    c_k* = 1 − ½‖p_d^k − p_t^k‖₁ (eq. 8, from ``l1_rows [N, γ]``, detached); a float32 0 without a confidence head."""
+    if confidence_logits is None:
+        return torch.zeros((), dtype=torch.float32, device=w.device)
+    c_star = (1.0 - 0.5 * l1_rows.detach()).clamp(0.0, 1.0)  # eq. 8, a label
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), c_star, reduction="none")
+    return _weighted_mean(bce, w, valid)

@@ -103,7 +103,8 @@ def add_lora(
     layers: Iterable[int] | None = None,
     adapter_name: str = "default",
 ):
-    """Wrap ``drafter`` with LoRA adapters (``peft.get_peft_model``); only the adapters (and optionally the heads) train.
+    """Wrap ``drafter`` with LoRA adapters (``peft.get_peft_model``); only the adapters (and optionally the heads)
+    train.
 
     Args:
         drafter: a (trained) :class:`DSparkDraftModel`; it is modified in place (LoRA layers injected) and becomes
@@ -124,7 +125,7 @@ def add_lora(
         ValueError: ``r`` < 1, or no module of the drafter matches ``target_modules``.
     """
     _require_peft()
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     if not isinstance(drafter, DSparkDraftModel):
         raise TypeError(f"add_lora expects a DSparkDraftModel, got {type(drafter).__name__}")
@@ -136,6 +137,20 @@ def add_lora(
     names = [n for n, _ in drafter.named_modules()]
     if not any(n.split(".")[-1] in target_modules for n in names):
         raise ValueError(f"no drafter module matches target_modules={target_modules}")
+    config = _lora_config(drafter, r, alpha, dropout, target_modules, train_heads, layers)
+    # the target's shared embedding / LM head are not submodules of the drafter (held in a plain dict), so peft
+    # never sees or wraps them; get_peft_model freezes every base parameter and marks the adapters trainable
+    model = get_peft_model(drafter, config, adapter_name=adapter_name)
+    return model
+
+
+def _lora_config(drafter: DSparkDraftModel, r: int, alpha: float, dropout: float, target_modules: list[str],
+                 train_heads: bool, layers: Iterable[int] | None):
+    """The ``peft.LoraConfig`` of :func:`add_lora` (arguments as there, already checked): adapters on
+    ``target_modules`` of the draft layers ``layers`` (all when None), full copies of the drafter's sequential and
+    confidence heads with ``train_heads``, no bias, and the drafter's ``name_or_path`` as the base model."""
+    from peft import LoraConfig
+
     modules_to_save = None
     if train_heads:
         modules_to_save = [h for h in HEAD_MODULES if getattr(drafter, h, None) is not None] or None
@@ -152,10 +167,7 @@ def add_lora(
         task_type=None,  # a custom model: plain PeftModel (forward passes keyword arguments straight through)
     )
     config.base_model_name_or_path = getattr(drafter, "name_or_path", None) or None
-    # the target's shared embedding / LM head are not submodules of the drafter (held in a plain dict), so peft
-    # never sees or wraps them; get_peft_model freezes every base parameter and marks the adapters trainable
-    model = get_peft_model(drafter, config, adapter_name=adapter_name)
-    return model
+    return config
 
 
 def trainable_parameter_summary(model) -> dict:

@@ -115,16 +115,10 @@ def train_drafter(model, target, data, *, output_dir: str, block_size: int, anch
     collator = DSparkCollator(block_size, anchors_per_seq, pad_id, seed, max_length)
     cache_wall = None
     if feature_cache:
-        from dspark.training.feature_cache import CachedFeatureCollator, FeatureCache, build_feature_cache
+        from dspark.training.feature_cache import CachedFeatureCollator
 
-        t_cache = time.time()
-        with targs.main_process_first(desc="feature cache"):
-            if targs.process_index == 0:
-                target.to(targs.device)
-                build_feature_cache(data, target, target_layer_ids, feature_cache, batch_size=batch_size,
-                                    max_length=max_length, progress=progress)
-        cache_wall = round(time.time() - t_cache, 1)
-        cache = FeatureCache(feature_cache, target_layer_ids, target.config.hidden_size, target=target)
+        cache, cache_wall = _open_feature_cache(targs, target, data, feature_cache, target_layer_ids, batch_size,
+                                                max_length, progress)
         collator = CachedFeatureCollator(block_size, anchors_per_seq, pad_id, seed, max_length, cache=cache)
     trainer = DSparkTrainer(model=model, target=target, args=targs, train_dataset=data, data_collator=collator)
     t0 = time.time()
@@ -132,3 +126,26 @@ def train_drafter(model, target, data, *, output_dir: str, block_size: int, anch
     wall = time.time() - t0
     trainer.save_model(output_dir)
     return TrainingRun(trainer, result, wall, cache_wall)
+
+
+def _open_feature_cache(targs, target, data, feature_cache: str, target_layer_ids, batch_size: int,
+                        max_length: int | None, progress: bool):
+    """Build (or resume, or extend) the feature cache of ``target`` at ``target_layer_ids`` for ``data`` in the
+    directory ``feature_cache`` — on the main process (``targs.process_index == 0``, target moved to ``targs.device``)
+    while the others wait — then open it.
+
+    Returns:
+        ``(cache, wall_s)``: the :class:`dspark.training.feature_cache.FeatureCache`, checked against the target, and
+        the seconds the build step took (rounded to 0.1 s).
+    """
+    from dspark.training.feature_cache import FeatureCache, build_feature_cache
+
+    t_cache = time.time()
+    with targs.main_process_first(desc="feature cache"):
+        if targs.process_index == 0:
+            target.to(targs.device)
+            build_feature_cache(data, target, target_layer_ids, feature_cache, batch_size=batch_size,
+                                max_length=max_length, progress=progress)
+    cache_wall = round(time.time() - t_cache, 1)
+    cache = FeatureCache(feature_cache, target_layer_ids, target.config.hidden_size, target=target)
+    return cache, cache_wall

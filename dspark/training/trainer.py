@@ -13,10 +13,10 @@
 * :func:`init_from_drafter` starts a new drafter from a trained one (e.g. to give it Qwen3-style layers and a mask
   token id, which export needs, without training from scratch).
 
-Alignment (docs/method.md §2): a block whose anchor x_0 is at position p has slots at positions p..p+γ−1; slot i predicts the
-token at position p+i+1, so its label is ``input_ids[p+i+1]``, its target distribution is the target's logit at
-position p+i, and its teacher-forced previous token is ``input_ids[p+i]``. Slots with p+i+1 ≥ length are masked out of
-the loss.
+Alignment (docs/method.md §2): a block whose anchor x_0 is at position p has slots at positions p..p+γ−1; slot i
+predicts the token at position p+i+1, so its label is ``input_ids[p+i+1]``, its target distribution is the target's
+logit at position p+i, and its teacher-forced previous token is ``input_ids[p+i]``. Slots with p+i+1 ≥ length are
+masked out of the loss.
 """
 
 from __future__ import annotations
@@ -216,56 +216,24 @@ class DSparkTrainer(Trainer):
 
     # ---------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The DSpark loss (eqs. 11–14) of the drafter on every anchor block of a :class:`DSparkCollator` batch.
+
+        ce / tv / conf, the top-1 accuracy of slot 1 and the greedy τ on the data are summed for :meth:`log`.
+
+        Raises:
+            ValueError: the batch's feature cache holds no target logsumexp at a block slot (other prompt lengths).
+        """
         drafter = self.accelerator.unwrap_model(model)
         cfg = drafter.config
         gamma = cfg.block_size
-        ids = inputs["input_ids"]
-        attn = inputs["attention_mask"]
-        anchors = inputs["anchor_positions"]
-        valid = inputs["anchor_valid"]
-        bsz, length = ids.shape
-        n = anchors.shape[1]
-        lengths = attn.sum(-1)
-
-        if "context_features" in inputs:  # from a FeatureCache (CachedFeatureCollator): no target forward
-            feats = inputs["context_features"]
-            t_logits, t_lse = self.slot_targets(drafter, inputs["slot_hidden"], inputs["slot_lse"])
-        else:
-            feats, last = self._decoder_pass(ids, attn, cfg.target_layer_ids)
-            t_logits, t_lse = self.slot_targets(drafter, gather_slots(last, anchors, gamma))
-        slot_pos = block_positions(anchors, gamma)  # [B, n, γ]: positions p..p+γ−1
-        prev = ids.gather(1, slot_pos.clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, gamma)  # x_0..x_{γ−1}
-        labels = ids.gather(1, (slot_pos + 1).clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, gamma)
-        loss_mask = (slot_pos + 1 < lengths[:, None, None]) & valid[..., None]
+        feats, t_logits, t_lse = self._slot_target_logits(drafter, inputs)
+        prev, labels, loss_mask = _block_labels(inputs["input_ids"], inputs["attention_mask"],
+                                               inputs["anchor_positions"], inputs["anchor_valid"], gamma)
         if "context_features" in inputs and t_lse is not None and not torch.isfinite(t_lse[loss_mask]).all():
             raise ValueError("the feature cache has no target logsumexp at a block slot of this batch: its rows "
                              "were built with other prompt lengths; rebuild the cache for this data")
-
-        ctx_pos = torch.arange(length, device=ids.device).expand(bsz, length)
-        mask = block_attention_mask(anchors, ctx_pos, drafter.block_slots(gamma), attn.bool())
-        out = model(
-            anchor_ids=ids.gather(1, anchors),
-            anchor_positions=anchors,
-            context_features=feats,
-            context_positions=ctx_pos,
-            attention_mask=mask,
-            num_slots=gamma,
-        )
-        hidden = out.hidden_states
-        draft = out.base_logits
-        corr = drafter.correction_logits(prev, hidden)
-        if corr is not None:
-            draft = draft + corr
-        conf = drafter.confidence_logits(prev, hidden)
-        ce_mask = None
-        target_labels = labels
-        if drafter.draft_vocab_ids is not None:
-            # reduced draft vocabulary: p_d = 0 outside it. The loss works on the N draft columns only; the target
-            # mass outside them enters the L1 term through t_lse (exact, eq. 12), CE skips labels outside the set
-            index = drafter.draft_vocab_index(labels.device)
-            target_labels = index[labels]
-            ce_mask = (target_labels >= 0).reshape(-1, gamma)
-            target_labels = target_labels.clamp(min=0)
+        out, draft, conf = _draft_block_logits(model, drafter, inputs, feats, prev)
+        target_labels, ce_mask = _draft_vocab_labels(drafter, labels)
         vocab = draft.shape[-1]
         terms = dspark_loss(
             draft.reshape(-1, gamma, vocab),
@@ -280,32 +248,31 @@ class DSparkTrainer(Trainer):
             ce_mask=ce_mask,
             target_lse=None if t_lse is None else t_lse.reshape(-1, gamma),
         )
-        with torch.no_grad():
-            top1 = (draft.argmax(-1) == target_labels) & loss_mask
-            if ce_mask is not None:
-                top1 &= ce_mask.reshape(top1.shape)
-            first = loss_mask[..., 0]
-            stats = {
-                "ce": terms["ce"].item(),
-                "tv": terms["tv"].item(),
-                "conf": terms["conf"].item(),
-                "acc_k1": (top1[..., 0].sum() / first.sum().clamp_min(1)).item(),
-            }
-            # greedy acceptance on the data (target-greedy responses): slot k is accepted when slots 1..k match.
-            # Over blocks with all γ labels, survival a_k = P(first k accepted) and τ = 1 + Σ_k a_k (the bonus token)
-            whole = loss_mask.all(-1)
-            if whole.any():
-                survival = top1.long().cumprod(-1)[whole].float().mean(0)
-                stats["tau"] = 1.0 + survival.sum().item()
-                if not model.training:
-                    stats.update({f"a{k + 1}": a for k, a in enumerate(survival.tolist())})
-        acc = self._sums["train" if model.training else "eval"]
-        for k, v in stats.items():  # (sum, batches) per key: τ and a_k are missing from batches without a whole block
+        stats = _greedy_stats(terms, draft, target_labels, loss_mask, ce_mask, per_position=not model.training)
+        self._add_stats(stats, model.training, inputs["anchor_valid"])
+        return (terms["loss"], out) if return_outputs else terms["loss"]
+
+    def _slot_target_logits(self, drafter, inputs):
+        """The target side of a batch: ``(context features [B, L, m·H], slot logits, lse)`` as
+        :meth:`slot_targets` gives them, read from the batch's feature cache (``context_features``, ``slot_hidden``,
+        ``slot_lse``) when it carries one, else from a target forward."""
+        if "context_features" in inputs:  # from a FeatureCache (CachedFeatureCollator): no target forward
+            t_logits, t_lse = self.slot_targets(drafter, inputs["slot_hidden"], inputs["slot_lse"])
+            return inputs["context_features"], t_logits, t_lse
+        cfg = drafter.config
+        feats, last = self._decoder_pass(inputs["input_ids"], inputs["attention_mask"], cfg.target_layer_ids)
+        t_logits, t_lse = self.slot_targets(drafter, gather_slots(last, inputs["anchor_positions"], cfg.block_size))
+        return feats, t_logits, t_lse
+
+    def _add_stats(self, stats: dict[str, float], training: bool, anchor_valid: torch.Tensor) -> None:
+        """Add one batch's ``stats`` to the sums :meth:`log` averages (per key: sum and number of batches, since τ
+        and a_k are missing from batches without a whole block); in training also count its valid anchor blocks."""
+        acc = self._sums["train" if training else "eval"]
+        for k, v in stats.items():
             total, n = acc.get(k, (0.0, 0))
             acc[k] = (total + v, n + 1)
-        if model.training:
-            self._blocks_since_log += int(valid.sum())
-        return (terms["loss"], out) if return_outputs else terms["loss"]
+        if training:
+            self._blocks_since_log += int(anchor_valid.sum())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -327,6 +294,102 @@ class DSparkTrainer(Trainer):
             self._blocks_since_log = 0
             self._last_log_time = now
         super().log(logs, start_time)
+
+
+# --------------------------------------------------------------------------- loss inputs
+def _block_labels(input_ids, attention_mask, anchor_positions, anchor_valid, block_size: int):
+    """Teacher-forced inputs and labels of every block (alignment in the module docstring).
+
+    Args:
+        input_ids, attention_mask: ``[B, L]`` (right padding); anchor_positions, anchor_valid: ``[B, n]``.
+        block_size: γ.
+
+    Returns:
+        ``(prev, labels, loss_mask)``, each ``[B, n, γ]``: ``prev`` the token before each slot (x_0..x_{γ−1}),
+        ``labels`` the token the slot predicts (``input_ids[p+i+1]``, clamped to the row), ``loss_mask`` True where
+        that label lies inside the row and the anchor is valid.
+    """
+    bsz, length = input_ids.shape
+    n = anchor_positions.shape[1]
+    slot_pos = block_positions(anchor_positions, block_size)  # [B, n, γ]: positions p..p+γ−1
+    prev = input_ids.gather(1, slot_pos.clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, block_size)
+    labels = input_ids.gather(1, (slot_pos + 1).clamp(max=length - 1).reshape(bsz, -1)).reshape(bsz, n, block_size)
+    loss_mask = (slot_pos + 1 < attention_mask.sum(-1)[:, None, None]) & anchor_valid[..., None]
+    return prev, labels, loss_mask
+
+
+def _draft_block_logits(model, drafter, inputs, feats, prev):
+    """One drafter forward over every anchor block of a batch, with the teacher-forced heads.
+
+    Args:
+        model: the trained model as the Trainer holds it (a DDP / PEFT wrapper or the drafter); drafter: the
+            :class:`~modeling_dspark.DSparkDraftModel` inside it. inputs: the batch; feats: its context features
+            ``[B, L, m·H]``; prev: ``[B, n, γ]`` the token before each slot (:func:`_block_labels`).
+
+    Returns:
+        ``(out, draft, conf)``: the forward's output, the draft logits U_k + B_k (eq. 4) ``[B, n, γ, V]`` (N columns
+        with a draft vocabulary), and the confidence logits c_k (eq. 7) ``[B, n, γ]`` or None without that head.
+    """
+    ids, attn, anchors = inputs["input_ids"], inputs["attention_mask"], inputs["anchor_positions"]
+    gamma = drafter.config.block_size
+    bsz, length = ids.shape
+    ctx_pos = torch.arange(length, device=ids.device).expand(bsz, length)
+    mask = block_attention_mask(anchors, ctx_pos, drafter.block_slots(gamma), attn.bool())
+    out = model(
+        anchor_ids=ids.gather(1, anchors),
+        anchor_positions=anchors,
+        context_features=feats,
+        context_positions=ctx_pos,
+        attention_mask=mask,
+        num_slots=gamma,
+    )
+    hidden = out.hidden_states
+    draft = out.base_logits
+    corr = drafter.correction_logits(prev, hidden)
+    if corr is not None:
+        draft = draft + corr
+    return out, draft, drafter.confidence_logits(prev, hidden)
+
+
+def _draft_vocab_labels(drafter, labels):
+    """The labels ``[B, n, γ]`` as indices into the drafter's output columns, and the CE mask.
+
+    Without a draft vocabulary: ``(labels, None)``. With one (p_d = 0 outside it) the loss works on the N draft
+    columns only; the target mass outside them enters the L1 term through the target's lse (exact, eq. 12) and CE
+    skips labels outside the set: ``(column indices, 0 for labels outside, ce_mask [B·n, γ] bool)``.
+    """
+    if drafter.draft_vocab_ids is None:
+        return labels, None
+    index = drafter.draft_vocab_index(labels.device)
+    target_labels = index[labels]
+    ce_mask = (target_labels >= 0).reshape(-1, labels.shape[-1])
+    return target_labels.clamp(min=0), ce_mask
+
+
+@torch.no_grad()
+def _greedy_stats(terms, draft, target_labels, loss_mask, ce_mask, per_position: bool) -> dict[str, float]:
+    """Logged statistics of one batch: the loss terms ce / tv / conf, ``acc_k1`` (top-1 accuracy of slot 1) and
+    greedy acceptance on the data (target-greedy responses), where slot k is accepted when slots 1..k match: over
+    blocks with all γ labels, survival a_k = P(first k accepted) and ``tau`` = 1 + Σ_k a_k (the bonus token); with
+    ``per_position`` also ``a1..aγ``. ``draft`` ``[B, n, γ, V]``; ``target_labels``, ``loss_mask`` ``[B, n, γ]``.
+    """
+    top1 = (draft.argmax(-1) == target_labels) & loss_mask
+    if ce_mask is not None:
+        top1 &= ce_mask.reshape(top1.shape)
+    first = loss_mask[..., 0]
+    stats = {
+        "ce": terms["ce"].item(),
+        "tv": terms["tv"].item(),
+        "conf": terms["conf"].item(),
+        "acc_k1": (top1[..., 0].sum() / first.sum().clamp_min(1)).item(),
+    }
+    whole = loss_mask.all(-1)
+    if whole.any():
+        survival = top1.long().cumprod(-1)[whole].float().mean(0)
+        stats["tau"] = 1.0 + survival.sum().item()
+        if per_position:
+            stats.update({f"a{k + 1}": a for k, a in enumerate(survival.tolist())})
+    return stats
 
 
 # --------------------------------------------------------------------------- initialisation
@@ -380,7 +443,8 @@ def rmsnorm_scale(norm: torch.nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_from_target(drafter, target, layer_ids: Sequence[int] | None = None, copy_final_norm: bool = True) -> list[str]:
+def init_from_target(drafter, target, layer_ids: Sequence[int] | None = None,
+                     copy_final_norm: bool = True) -> list[str]:
     """Copy target decoder layer ``layer_ids[i]`` into draft layer i wherever parameter names and shapes match.
 
     The draft layers have the target's shape (norms, q/k/v/o projections, MLP), so normally every layer parameter
