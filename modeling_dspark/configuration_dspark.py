@@ -185,7 +185,29 @@ class DSparkConfig(PretrainedConfig):
         source_format: str | None = None,
         **kwargs,
     ):
-        kwargs.pop("num_hidden_layers", None)
+        kwargs.pop("num_hidden_layers", None)  # a read-only alias of num_draft_layers here
+        self._set_layer_shape(vocab_size, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
+                              head_dim, hidden_act, rms_norm_eps, attention_bias, mlp_bias, rope_parameters,
+                              max_position_embeddings)
+        self._set_target(target_model_type, target_name_or_path, target_num_hidden_layers, target_layer_ids)
+        self._set_draft_block(block_size, num_draft_layers, draft_layer_style, mask_token_id, anchor_predicts,
+                              own_embeddings, embedding_scale, final_logit_softcapping)
+        self._set_heads(sequential_head, markov_rank, use_confidence_head, confidence_head_with_markov,
+                        draft_vocab_size, sts_temperatures, sts_biases)
+        self._set_training(ce_weight, tv_weight, conf_weight, loss_decay, initializer_range)
+        self.source_format = source_format
+        for name in SPECIAL_TOKEN_FIELDS:  # the target's: the drafter shares its tokenizer (read by pipeline())
+            kwargs.setdefault(name, None)
+        super().__init__(**kwargs)
+        self.validate_fields()
+
+    # Each `_set_*` helper stores one group of the `__init__` arguments (documented in the class docstring), with
+    # the defaults that depend on other fields filled in, in the order the arguments are declared.
+    def _set_layer_shape(self, vocab_size, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
+                         head_dim, hidden_act, rms_norm_eps, attention_bias, mlp_bias, rope_parameters,
+                         max_position_embeddings) -> None:
+        """The draft layers' shape (the target's): ``head_dim`` defaults to H / heads, RoPE to the default type with
+        θ = 10000."""
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -198,6 +220,9 @@ class DSparkConfig(PretrainedConfig):
         self.mlp_bias = mlp_bias
         self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
         self.max_position_embeddings = max_position_embeddings
+
+    def _set_target(self, target_model_type, target_name_or_path, target_num_hidden_layers, target_layer_ids) -> None:
+        """The target's facts: ``target_layer_ids`` defaults to `default_target_layer_ids` of its L layers."""
         self.target_model_type = target_model_type
         self.target_name_or_path = target_name_or_path
         self.target_num_hidden_layers = target_num_hidden_layers
@@ -206,6 +231,11 @@ class DSparkConfig(PretrainedConfig):
             if target_layer_ids is not None
             else default_target_layer_ids(target_num_hidden_layers)
         )
+
+    def _set_draft_block(self, block_size, num_draft_layers, draft_layer_style, mask_token_id, anchor_predicts,
+                         own_embeddings, embedding_scale, final_logit_softcapping) -> None:
+        """γ, the draft layers' number and style, and how the block is embedded (mask token, slot convention,
+        embedding table, scale) and its logits capped; flags are stored as `bool`, the scale and cap as `float`."""
         self.block_size = block_size
         self.num_draft_layers = num_draft_layers
         self.draft_layer_style = draft_layer_style
@@ -214,23 +244,27 @@ class DSparkConfig(PretrainedConfig):
         self.own_embeddings = bool(own_embeddings)
         self.embedding_scale = float(embedding_scale)
         self.final_logit_softcapping = None if final_logit_softcapping is None else float(final_logit_softcapping)
+
+    def _set_heads(self, sequential_head, markov_rank, use_confidence_head, confidence_head_with_markov,
+                   draft_vocab_size, sts_temperatures, sts_biases) -> None:
+        """The sequential head, the confidence head with its STS calibration, and the draft vocabulary. Needs
+        ``self.block_size`` (set by `_set_draft_block`): the STS defaults are T_k = 1 and b_k = 0 for each of γ
+        positions."""
         self.sequential_head = sequential_head
         self.markov_rank = markov_rank
         self.use_confidence_head = use_confidence_head
         self.confidence_head_with_markov = bool(confidence_head_with_markov)
         self.draft_vocab_size = draft_vocab_size
-        self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else [1.0] * block_size
-        self.sts_biases = list(sts_biases) if sts_biases is not None else [0.0] * block_size
+        self.sts_temperatures = list(sts_temperatures) if sts_temperatures is not None else [1.0] * self.block_size
+        self.sts_biases = list(sts_biases) if sts_biases is not None else [0.0] * self.block_size
+
+    def _set_training(self, ce_weight, tv_weight, conf_weight, loss_decay, initializer_range) -> None:
+        """The loss weights of eq. 14, the position-weight decay, and the init std of new weights."""
         self.ce_weight = ce_weight
         self.tv_weight = tv_weight
         self.conf_weight = conf_weight
         self.loss_decay = loss_decay
         self.initializer_range = initializer_range
-        self.source_format = source_format
-        for name in SPECIAL_TOKEN_FIELDS:  # the target's: the drafter shares its tokenizer (read by pipeline())
-            kwargs.setdefault(name, None)
-        super().__init__(**kwargs)
-        self.validate_fields()
 
     @property
     def num_hidden_layers(self) -> int:

@@ -65,6 +65,22 @@ def check_exportable(drafter, fmt: str, need_target: bool = True, verifier_name:
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {EXPORT_FORMATS}")
     c = drafter.config
+    bound = getattr(drafter, "_target", None)
+    problems = _verifier_problems(c, fmt, verifier_name) + _draft_block_problems(c, fmt)
+    problems += _dflash_problems(c) if fmt == "dflash" else _markov_head_problems(c, fmt)
+    if need_target and not bound and export_needs_target(c, fmt):
+        problems.append(f"{_why_target_needed(c, fmt)}: load the drafter with target=... (or bind_target) first")
+    if fmt == "deepspec":
+        problems += _deepspec_problems(c)
+    if fmt != "deepspec" and c.own_embeddings and bound and not _own_copies_equal_target(drafter, bound):
+        # the format drops the drafter's copies and uses the target's table and head: they must be the same
+        problems.append("its own embedding / LM-head copies differ from the target's, which this format uses")
+    if problems:
+        raise ValueError(f"cannot export this drafter as {fmt!r}: " + "; ".join(problems))
+
+
+def _verifier_problems(c: DSparkConfig, fmt: str, verifier_name: str | None) -> list[str]:
+    """Why the verifier name cannot be written: only speculators records one, and it must be portable."""
     problems = []
     if verifier_name is not None and fmt != "speculators":
         problems.append(f"a verifier name is written by the speculators format only; {fmt!r} records no verifier")
@@ -73,6 +89,13 @@ def check_exportable(drafter, fmt: str, need_target: bool = True, verifier_name:
             portable_verifier_name(verifier_name or c.target_name_or_path)
         except ValueError as err:
             problems.append(str(err))
+    return problems
+
+
+def _draft_block_problems(c: DSparkConfig, fmt: str) -> list[str]:
+    """What no format (or, for Gemma-style scaling and soft-capping, every format but DFlash) holds: non-Qwen3 draft
+    layers, a learned mask embedding, a block-input ``embedding_scale`` and ``final_logit_softcapping``."""
+    problems = []
     if c.draft_layer_style != "qwen3":
         problems.append(
             f"its draft layers are {c.draft_layer_style!r}-style (no q/k RMSNorm); every serving format has "
@@ -84,54 +107,71 @@ def check_exportable(drafter, fmt: str, need_target: bool = True, verifier_name:
         problems.append(f"embedding_scale={c.embedding_scale} (Gemma-style scaled block inputs) has no key there")
     if c.final_logit_softcapping is not None and fmt != "dflash":
         problems.append("final_logit_softcapping (Gemma) has no place in this format's Qwen3 drafter")
-    if fmt == "dflash":
-        if c.anchor_predicts:
-            problems.append("every slot predicts (anchor_predicts=True); DFlash's anchor slot predicts nothing")
-        if c.sequential_head != "none" or c.use_confidence_head:
-            problems.append(
-                f"it has a {c.sequential_head!r} sequential head / confidence head={c.use_confidence_head}; DFlash "
-                "has neither (use --format deepspec or speculators)"
-            )
-        if c.draft_vocab_size:
-            problems.append("it drafts over a reduced vocabulary; DFlash has none (use --format speculators)")
-    else:
-        if c.sequential_head in ("gated", "rnn"):
-            problems.append(
-                f"its sequential head is {c.sequential_head!r}; vLLM (which serves this format) has only the vanilla "
-                "Markov head"
-            )
-        if c.sequential_head == "none" and fmt == "deepspec":
-            problems.append("it has no Markov head; vLLM and SGLang DSpark need markov_rank > 0 (use --format dflash)")
-        if c.use_confidence_head and c.confidence_head_with_markov and c.sequential_head == "none":
-            problems.append("its confidence head reads the target embedding of x_{k-1}; no format has that input")
-    bound = getattr(drafter, "_target", None)
-    if need_target and not bound and export_needs_target(c, fmt):
-        if c.own_embeddings:
-            why = "it drops the drafter's own embedding / LM-head copies for the target's, which must be equal"
-        elif c.source_format == "specforge":
-            why = "a SpecForge conversion is written only for a target family it supports (checked when bound)"
-        elif fmt == "deepspec":
-            why = "DeepSpec checkpoints hold the target's embedding and LM head"
-        else:
-            why = "a reduced-vocabulary speculators checkpoint holds the target's LM-head rows"
-        problems.append(f"{why}: load the drafter with target=... (or bind_target) first")
+    return problems
+
+
+def _dflash_problems(c: DSparkConfig) -> list[str]:
+    """What DFlash cannot hold: a predicting anchor slot, a sequential or confidence head, a reduced vocabulary."""
+    problems = []
+    if c.anchor_predicts:
+        problems.append("every slot predicts (anchor_predicts=True); DFlash's anchor slot predicts nothing")
+    if c.sequential_head != "none" or c.use_confidence_head:
+        problems.append(
+            f"it has a {c.sequential_head!r} sequential head / confidence head={c.use_confidence_head}; DFlash "
+            "has neither (use --format deepspec or speculators)"
+        )
+    if c.draft_vocab_size:
+        problems.append("it drafts over a reduced vocabulary; DFlash has none (use --format speculators)")
+    return problems
+
+
+def _markov_head_problems(c: DSparkConfig, fmt: str) -> list[str]:
+    """What the DeepSpec and speculators formats' heads cannot be (vLLM serves both): a gated or RNN sequential
+    head, no Markov head (DeepSpec), or a confidence head that reads the target embedding of x_{k-1}."""
+    problems = []
+    if c.sequential_head in ("gated", "rnn"):
+        problems.append(
+            f"its sequential head is {c.sequential_head!r}; vLLM (which serves this format) has only the vanilla "
+            "Markov head"
+        )
+    if c.sequential_head == "none" and fmt == "deepspec":
+        problems.append("it has no Markov head; vLLM and SGLang DSpark need markov_rank > 0 (use --format dflash)")
+    if c.use_confidence_head and c.confidence_head_with_markov and c.sequential_head == "none":
+        problems.append("its confidence head reads the target embedding of x_{k-1}; no format has that input")
+    return problems
+
+
+def _why_target_needed(c: DSparkConfig, fmt: str) -> str:
+    """Why writing ``c`` as ``fmt`` needs the target bound (where :func:`export_needs_target` says it does)."""
+    if c.own_embeddings:
+        return "it drops the drafter's own embedding / LM-head copies for the target's, which must be equal"
+    if c.source_format == "specforge":
+        return "a SpecForge conversion is written only for a target family it supports (checked when bound)"
     if fmt == "deepspec":
-        if not c.anchor_predicts:
-            problems.append("its anchor slot predicts nothing; DeepSpec's every slot predicts (use --format dflash "
-                            "or speculators)")
-        if c.draft_vocab_size:
-            problems.append("it drafts over a reduced vocabulary; SGLang and DeepSpec load the full vocabulary only "
-                            "(use --format speculators)")
-    if fmt != "deepspec" and c.own_embeddings and bound:
-        # the format drops the drafter's copies and uses the target's table and head: they must be the same
-        head = bound["lm_head"].weight
-        if drafter.draft_vocab_ids is not None:
-            head = head[drafter.draft_vocab_ids.to(head.device)]
-        if not (torch.equal(drafter.embed_tokens.weight, bound["embed"].weight.to(drafter.embed_tokens.weight))
-                and torch.equal(drafter.lm_head.weight, head.to(drafter.lm_head.weight))):
-            problems.append("its own embedding / LM-head copies differ from the target's, which this format uses")
-    if problems:
-        raise ValueError(f"cannot export this drafter as {fmt!r}: " + "; ".join(problems))
+        return "DeepSpec checkpoints hold the target's embedding and LM head"
+    return "a reduced-vocabulary speculators checkpoint holds the target's LM-head rows"
+
+
+def _deepspec_problems(c: DSparkConfig) -> list[str]:
+    """What DeepSpec cannot hold: an anchor slot that predicts nothing, a reduced vocabulary."""
+    problems = []
+    if not c.anchor_predicts:
+        problems.append("its anchor slot predicts nothing; DeepSpec's every slot predicts (use --format dflash "
+                        "or speculators)")
+    if c.draft_vocab_size:
+        problems.append("it drafts over a reduced vocabulary; SGLang and DeepSpec load the full vocabulary only "
+                        "(use --format speculators)")
+    return problems
+
+
+def _own_copies_equal_target(drafter, bound: dict) -> bool:
+    """Whether the drafter's own ``embed_tokens`` [V, H] and ``lm_head`` [N, H] equal the bound target's table and
+    LM head (its rows ``draft_vocab_ids`` for a reduced vocabulary), compared in the copies' dtype and device."""
+    head = bound["lm_head"].weight
+    if drafter.draft_vocab_ids is not None:
+        head = head[drafter.draft_vocab_ids.to(head.device)]
+    return (torch.equal(drafter.embed_tokens.weight, bound["embed"].weight.to(drafter.embed_tokens.weight))
+            and torch.equal(drafter.lm_head.weight, head.to(drafter.lm_head.weight)))
 
 
 def export_needs_target(config: DSparkConfig, fmt: str) -> bool:
@@ -190,10 +230,26 @@ def convert_from_dspark(drafter, fmt: str, verifier_name: str | None = None) -> 
     """
     check_exportable(drafter, fmt, verifier_name=verifier_name)
     c = drafter.config
+    tensors, vocab_ids = _draft_tensors(drafter)
+    layer = _qwen3_layer_config(c)
+    if fmt == "deepspec":
+        tensors.update(_deepspec_embeddings(drafter))
+        return _deepspec_config(c, layer), tensors
+    if fmt == "dflash":
+        return _dflash_config(c, layer), tensors
+    if vocab_ids is not None:  # speculators, with a reduced draft vocabulary
+        tensors.update(_speculators_vocab_tensors(drafter, vocab_ids))
+    return _speculators_config(c, layer, verifier_name), tensors
+
+
+def _draft_tensors(drafter) -> tuple[dict, torch.Tensor | None]:
+    """``(tensors, draft_vocab_ids)``: the drafter's state dict on the CPU under the formats' names (the sequential
+    head's renamed; the embedding table, LM head and ``draft_vocab_ids`` left out, each format adds what it holds),
+    and its ``draft_vocab_ids`` buffer (int64 [N]) or ``None`` for the full vocabulary."""
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     vocab_ids = state.pop("draft_vocab_ids", None)
     for key in [k for k in state if k.startswith(("embed_tokens.", "lm_head."))]:
-        del state[key]  # re-added below where the format holds them
+        del state[key]
     out = {}
     for key, value in state.items():
         for theirs, ours in _HEAD_TENSORS.items():
@@ -201,54 +257,64 @@ def convert_from_dspark(drafter, fmt: str, verifier_name: str | None = None) -> 
                 key = theirs + key[len(ours):]
                 break
         out[key] = value
-    layer = _qwen3_layer_config(c)
-    sts = {"sts_temperatures": list(c.sts_temperatures), "sts_biases": list(c.sts_biases)}
-    if fmt == "deepspec":
-        embed = drafter.embed_tokens if c.own_embeddings else drafter.target_embeddings
-        head = drafter.lm_head if c.own_embeddings else drafter.target_lm_head
-        out["embed_tokens.weight"] = embed.weight.detach().cpu().contiguous()
-        # a copy: with tied word embeddings (SmolLM2, Gemma) the head is the table, and safetensors refuses to
-        # write two names for one storage
-        out["lm_head.weight"] = head.weight.detach().cpu().clone()
-        config = {
-            **layer,
-            "architectures": ["Qwen3DSparkModel"],
-            "num_target_layers": c.target_num_hidden_layers,
-            "block_size": c.block_size,
-            "mask_token_id": c.mask_token_id,
-            "target_layer_ids": list(c.target_layer_ids),
-            "num_anchors": 512,  # a training setting of DeepSpec's (anchors per sequence); unused at inference
-            **_heads_out(c),
-            **sts,
-        }
-        return config, out
-    if fmt == "dflash":
-        dflash_config = {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
-                         "block_size": c.block_size + 1}
-        if c.embedding_scale != 1.0:
-            dflash_config["input_embedding_scale"] = c.embedding_scale
-        if c.final_logit_softcapping is not None:
-            dflash_config["final_logit_softcapping"] = c.final_logit_softcapping
-        config = {**layer, "architectures": ["DFlashDraftModel"], "block_size": c.block_size + 1,
-                  "num_target_layers": c.target_num_hidden_layers, "dflash_config": dflash_config}
-        return config, out
-    # speculators
+    return out, vocab_ids
+
+
+def _sts_out(c: DSparkConfig) -> dict:
+    """The STS temperatures and offsets, as the extra config keys :func:`modeling_dspark.formats.convert_to_dspark`
+    reads back."""
+    return {"sts_temperatures": list(c.sts_temperatures), "sts_biases": list(c.sts_biases)}
+
+
+def _deepspec_config(c: DSparkConfig, layer: dict) -> dict:
+    """A DeepSpec ``Qwen3DSparkModel`` config: the Qwen3 ``layer`` config plus γ, mask token, layer ids and heads."""
+    return {
+        **layer,
+        "architectures": ["Qwen3DSparkModel"],
+        "num_target_layers": c.target_num_hidden_layers,
+        "block_size": c.block_size,
+        "mask_token_id": c.mask_token_id,
+        "target_layer_ids": list(c.target_layer_ids),
+        "num_anchors": 512,  # a training setting of DeepSpec's (anchors per sequence); unused at inference
+        **_heads_out(c),
+        **_sts_out(c),
+    }
+
+
+def _deepspec_embeddings(drafter) -> dict:
+    """``embed_tokens.weight`` [V, H] and ``lm_head.weight`` (CPU) a DeepSpec file holds: the drafter's own copies,
+    else the bound target's."""
+    own = drafter.config.own_embeddings
+    embed = drafter.embed_tokens if own else drafter.target_embeddings
+    head = drafter.lm_head if own else drafter.target_lm_head
+    # the head is copied: with tied word embeddings (SmolLM2, Gemma) it is the table, and safetensors refuses to
+    # write two names for one storage
+    return {"embed_tokens.weight": embed.weight.detach().cpu().contiguous(),
+            "lm_head.weight": head.weight.detach().cpu().clone()}
+
+
+def _dflash_config(c: DSparkConfig, layer: dict) -> dict:
+    """A z-lab ``DFlashDraftModel`` config: B = γ + 1 block slots (the anchor's predicts nothing), and the Gemma
+    block-input scale and logit cap where the drafter has them."""
+    dflash_config = {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
+                     "block_size": c.block_size + 1}
+    if c.embedding_scale != 1.0:
+        dflash_config["input_embedding_scale"] = c.embedding_scale
+    if c.final_logit_softcapping is not None:
+        dflash_config["final_logit_softcapping"] = c.final_logit_softcapping
+    return {**layer, "architectures": ["DFlashDraftModel"], "block_size": c.block_size + 1,
+            "num_target_layers": c.target_num_hidden_layers, "dflash_config": dflash_config}
+
+
+def _speculators_config(c: DSparkConfig, layer: dict, verifier_name: str | None) -> dict:
+    """A vLLM speculators config: a ``"dspark"`` drafter, or ``"dflash"`` for one with neither sequential nor
+    confidence head; aux hidden-state ids are layer ids + 1, the verifier is named portably."""
     kind = "dflash" if c.sequential_head == "none" and not c.use_confidence_head else "dspark"
-    n_draft = c.draft_vocab_size or c.vocab_size
-    if vocab_ids is not None:
-        ids = vocab_ids.long()
-        out["d2t"] = ids - torch.arange(n_draft, dtype=torch.long)  # target id = draft id + d2t[draft id]
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        out["t2d"] = t2d
-        head = drafter.lm_head if c.own_embeddings else drafter.target_lm_head
-        weight = head.weight.detach().cpu()
-        out["lm_head.weight"] = (weight if c.own_embeddings else weight[ids]).contiguous()
     config = {
         "speculators_model_type": kind,
         "architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
         "transformer_layer_config": layer,
-        "draft_vocab_size": n_draft,
+        "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
         "block_size": c.block_size if c.anchor_predicts else c.block_size + 1,
         "target_hidden_size": c.hidden_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
@@ -262,13 +328,28 @@ def convert_from_dspark(drafter, fmt: str, verifier_name: str | None = None) -> 
             "verifier": {"name_or_path": portable_verifier_name(verifier_name or c.target_name_or_path),
                          "architectures": []},
         },
-        **sts,
+        **_sts_out(c),
     }
     if kind == "dspark":
         config.update(_heads_out(c))
         config.setdefault("markov_head_type", "vanilla")
         config.setdefault("confidence_head_with_markov", False)
-    return config, out
+    return config
+
+
+def _speculators_vocab_tensors(drafter, vocab_ids: torch.Tensor) -> dict:
+    """A reduced draft vocabulary as speculators stores it: ``d2t`` (int64 [N], target id = draft id + d2t[draft
+    id]), ``t2d`` (bool [V], the drafted target ids) and ``lm_head.weight`` [N, H] (the own copy, or the target's
+    rows ``vocab_ids``)."""
+    c = drafter.config
+    ids = vocab_ids.long()
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    head = drafter.lm_head if c.own_embeddings else drafter.target_lm_head
+    weight = head.weight.detach().cpu()
+    return {"d2t": ids - torch.arange(c.draft_vocab_size or c.vocab_size, dtype=torch.long),
+            "t2d": t2d,
+            "lm_head.weight": (weight if c.own_embeddings else weight[ids]).contiguous()}
 
 
 def check_output_dir(out_dir: str | os.PathLike) -> Path:

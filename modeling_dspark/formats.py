@@ -267,108 +267,152 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
     """
     where = f"{fmt} drafter config"
     if fmt == "deepspec":
-        fields = _layer_fields(config, where)
-        gamma = int(config["block_size"])
-        confidence = bool(config.get("enable_confidence_head", False))
-        fields.update(
-            _heads(config.get("markov_rank", 0), config.get("markov_head_type", "vanilla"), confidence,
-                   config.get("confidence_head_with_markov", False), where),
-            block_size=gamma,
-            anchor_predicts=True,
-            mask_token_id=int(config["mask_token_id"]),
-            target_layer_ids=[int(i) for i in config["target_layer_ids"]],
-            target_num_hidden_layers=int(config["num_target_layers"]),
-            # DeepSpec saves frozen copies of the target's table and head; vLLM also loads files without them
-            own_embeddings="embed_tokens.weight" in state and "lm_head.weight" in state,
-            final_logit_softcapping=None,  # Qwen3DSparkModel.compute_logits never soft-caps
-            **_sts(config, gamma, where),
-        )
-        if config.get("draft_vocab_size") not in (None, fields["vocab_size"]):
-            # vLLM's extension of the layout: lm_head / markov_w2 over the draft vocabulary, d2t as a tensor
-            fields["draft_vocab_size"] = int(config["draft_vocab_size"])
+        fields = _deepspec_fields(config, state, where)
     elif fmt in ("dflash", "specforge"):
-        dc = dict(config.get("dflash_config") or {})
-        fields = _layer_fields({k: v for k, v in config.items() if k != "dflash_config"}, where)
-        if float(dc.get("output_multiplier", config.get("output_multiplier", 1.0))) != 1.0:
-            raise ValueError(f"{where}: output_multiplier != 1 is not supported")
-        if int(dc.get("pure_draft_prefix_len", 0) or 0) != 0 or dc.get("shift_label") or dc.get("causal"):
-            raise ValueError(
-                f"{where}: pure_draft_prefix_len / shift_label / causal draft blocks are not supported "
-                f"(got {[k for k in ('pure_draft_prefix_len', 'shift_label', 'causal') if dc.get(k)]})"
-            )
-        slots = int(dc.get("block_size", config.get("block_size", 16)))
-        if slots < 2:
-            raise ValueError(f"{where}: block_size={slots} leaves no draft slot (the anchor's slot predicts nothing)")
-        if fmt == "dflash":  # z-lab DFlash reads these from dflash_config, else from the top level
-            dc.update({k: dc.get(k, config.get(k)) for k in ("mask_token_id", "target_layer_ids")})
-        if dc.get("mask_token_id") is None:
-            raise ValueError(f"{where}: no mask_token_id (dflash_config or, for DFlash, the top level)")
-        n_layers = fields["num_draft_layers"]
-        layer_ids = dc.get("target_layer_ids") or _dflash_layer_ids(int(config["num_target_layers"]), n_layers)
-        if fmt == "specforge":
-            confidence = dc.get("enable_confidence_head",
-                                dc.get("use_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
-            heads = _heads(dc.get("markov_rank", 0), dc.get("markov_head_type", "vanilla"), confidence,
-                           dc.get("confidence_head_with_markov", False), where)
-        else:
-            heads = _heads(0, "vanilla", False, False, where)
-        # DFlash scales the block inputs and soft-caps as its config says; SpecForge never does either
-        cap = dc.get("final_logit_softcapping", config.get("final_logit_softcapping")) if fmt == "dflash" else None
-        scale = dc.get("input_embedding_scale", config.get("input_embedding_scale", 1.0)) if fmt == "dflash" else 1.0
-        fields.update(
-            heads,
-            block_size=slots - 1,
-            anchor_predicts=False,
-            mask_token_id=int(dc["mask_token_id"]),
-            target_layer_ids=[int(i) for i in layer_ids],
-            target_num_hidden_layers=int(config["num_target_layers"]),
-            own_embeddings=False,
-            embedding_scale=float(scale),
-            final_logit_softcapping=None if cap is None or float(cap) <= 0 else float(cap),
-            **_sts(config, slots - 1, where),
-        )
+        fields = _dflash_fields(fmt, config, where)
     elif fmt == "speculators":
-        kind = config["speculators_model_type"]
-        fields = _layer_fields(dict(config["transformer_layer_config"]), where)
-        anchor = bool(config.get("sample_from_anchor", kind == "dspark"))
-        slots = int(config.get("block_size", 8))
-        gamma = slots if anchor else slots - 1
-        if config.get("sliding_window_non_causal"):
-            raise ValueError(f"{where}: sliding_window_non_causal is not supported")
-        if config.get("target_hidden_size") not in (None, fields["hidden_size"]):
-            raise ValueError(f"{where}: target_hidden_size != the draft hidden size is not supported")
-        if config.get("mask_token_id") is None:
-            raise ValueError(f"{where}: no mask_token_id")
-        if kind == "dspark" and not anchor and int(config.get("markov_rank", 256) or 0) > 0 \
-                and config.get("markov_head_type") == "rnn":
-            raise ValueError(
-                f"{where}: an RNN head with sample_from_anchor=false is not supported (speculators runs its state "
-                "through the anchor's slot, which predicts nothing; dspark's and SpecForge's state starts at slot 1)"
-            )
-        if kind == "dspark":
-            heads = _heads(config.get("markov_rank", 256), config.get("markov_head_type", "vanilla"),
-                           config.get("enable_confidence_head", True),
-                           config.get("confidence_head_with_markov", True), where)
-        else:
-            heads = _heads(0, "vanilla", False, False, where)
-        n_draft = int(config.get("draft_vocab_size") or fields["vocab_size"])
-        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
-        fields.update(
-            heads,
-            block_size=gamma,
-            anchor_predicts=anchor,
-            mask_token_id=int(config["mask_token_id"]),
-            target_layer_ids=[int(i) - 1 for i in config["aux_hidden_state_layer_ids"]],
-            own_embeddings=False,
-            draft_vocab_size=n_draft if n_draft != fields["vocab_size"] else None,
-            target_name_or_path=verifier,
-            **_sts(config, gamma, where),
-        )
-        if "num_target_layers" in config:
-            fields["target_num_hidden_layers"] = int(config["num_target_layers"])
+        fields = _speculators_fields(config, where)
     else:
         raise ValueError(f"cannot convert format {fmt!r}; one of {FORMATS[1:]}")
+    _match_target(fields, target_config, where)
+    dspark_config = DSparkConfig(**fields, source_format=fmt)
+    return dspark_config, _state_to_dspark(fmt, config, state, dspark_config, where)
 
+
+def _deepspec_fields(config: dict, state: dict, where: str) -> dict:
+    """DSparkConfig fields of a DeepSpec ``Qwen3DSparkModel`` config: every slot predicts (γ = ``block_size``),
+    own embeddings when ``state`` holds both ``embed_tokens.weight`` and ``lm_head.weight``, never soft-capped."""
+    fields = _layer_fields(config, where)
+    gamma = int(config["block_size"])
+    confidence = bool(config.get("enable_confidence_head", False))
+    fields.update(
+        _heads(config.get("markov_rank", 0), config.get("markov_head_type", "vanilla"), confidence,
+               config.get("confidence_head_with_markov", False), where),
+        block_size=gamma,
+        anchor_predicts=True,
+        mask_token_id=int(config["mask_token_id"]),
+        target_layer_ids=[int(i) for i in config["target_layer_ids"]],
+        target_num_hidden_layers=int(config["num_target_layers"]),
+        # DeepSpec saves frozen copies of the target's table and head; vLLM also loads files without them
+        own_embeddings="embed_tokens.weight" in state and "lm_head.weight" in state,
+        final_logit_softcapping=None,  # Qwen3DSparkModel.compute_logits never soft-caps
+        **_sts(config, gamma, where),
+    )
+    if config.get("draft_vocab_size") not in (None, fields["vocab_size"]):
+        # vLLM's extension of the layout: lm_head / markov_w2 over the draft vocabulary, d2t as a tensor
+        fields["draft_vocab_size"] = int(config["draft_vocab_size"])
+    return fields
+
+
+def _dflash_fields(fmt: str, config: dict, where: str) -> dict:
+    """DSparkConfig fields of a z-lab DFlash or SpecForge (``fmt``) config: B = ``block_size`` slots, the anchor's
+    predicts nothing (γ = B − 1); SpecForge adds the heads, DFlash the block-input scale and logit cap.
+
+    Raises:
+        ValueError: an output multiplier, a draft prefix / shifted labels / causal blocks, B < 2, no mask token.
+    """
+    dc = dict(config.get("dflash_config") or {})
+    fields = _layer_fields({k: v for k, v in config.items() if k != "dflash_config"}, where)
+    if float(dc.get("output_multiplier", config.get("output_multiplier", 1.0))) != 1.0:
+        raise ValueError(f"{where}: output_multiplier != 1 is not supported")
+    if int(dc.get("pure_draft_prefix_len", 0) or 0) != 0 or dc.get("shift_label") or dc.get("causal"):
+        raise ValueError(
+            f"{where}: pure_draft_prefix_len / shift_label / causal draft blocks are not supported "
+            f"(got {[k for k in ('pure_draft_prefix_len', 'shift_label', 'causal') if dc.get(k)]})"
+        )
+    slots = int(dc.get("block_size", config.get("block_size", 16)))
+    if slots < 2:
+        raise ValueError(f"{where}: block_size={slots} leaves no draft slot (the anchor's slot predicts nothing)")
+    if fmt == "dflash":  # z-lab DFlash reads these from dflash_config, else from the top level
+        dc.update({k: dc.get(k, config.get(k)) for k in ("mask_token_id", "target_layer_ids")})
+    if dc.get("mask_token_id") is None:
+        raise ValueError(f"{where}: no mask_token_id (dflash_config or, for DFlash, the top level)")
+    n_layers = fields["num_draft_layers"]
+    layer_ids = dc.get("target_layer_ids") or _dflash_layer_ids(int(config["num_target_layers"]), n_layers)
+    heads = _specforge_heads(dc, where) if fmt == "specforge" else _heads(0, "vanilla", False, False, where)
+    # DFlash scales the block inputs and soft-caps as its config says; SpecForge never does either
+    cap = dc.get("final_logit_softcapping", config.get("final_logit_softcapping")) if fmt == "dflash" else None
+    scale = dc.get("input_embedding_scale", config.get("input_embedding_scale", 1.0)) if fmt == "dflash" else 1.0
+    fields.update(
+        heads,
+        block_size=slots - 1,
+        anchor_predicts=False,
+        mask_token_id=int(dc["mask_token_id"]),
+        target_layer_ids=[int(i) for i in layer_ids],
+        target_num_hidden_layers=int(config["num_target_layers"]),
+        own_embeddings=False,
+        embedding_scale=float(scale),
+        final_logit_softcapping=None if cap is None or float(cap) <= 0 else float(cap),
+        **_sts(config, slots - 1, where),
+    )
+    return fields
+
+
+def _specforge_heads(dc: dict, where: str) -> dict:
+    """The sequential and confidence heads of a SpecForge ``dflash_config`` ``dc`` (the confidence head exists when
+    enabled by either key, else when its loss weight ``confidence_head_alpha`` is > 0)."""
+    confidence = dc.get("enable_confidence_head",
+                        dc.get("use_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
+    return _heads(dc.get("markov_rank", 0), dc.get("markov_head_type", "vanilla"), confidence,
+                  dc.get("confidence_head_with_markov", False), where)
+
+
+def _speculators_fields(config: dict, where: str) -> dict:
+    """DSparkConfig fields of a vLLM speculators config: ``sample_from_anchor`` picks the slot convention, layer ids
+    are ``aux_hidden_state_layer_ids`` − 1, a ``draft_vocab_size`` below V is a reduced vocabulary.
+
+    Raises:
+        ValueError: a non-causal sliding window, a target hidden size other than the draft's, no mask token, or an
+            RNN head whose anchor slot predicts nothing.
+    """
+    kind = config["speculators_model_type"]
+    fields = _layer_fields(dict(config["transformer_layer_config"]), where)
+    anchor = bool(config.get("sample_from_anchor", kind == "dspark"))
+    slots = int(config.get("block_size", 8))
+    gamma = slots if anchor else slots - 1
+    if config.get("sliding_window_non_causal"):
+        raise ValueError(f"{where}: sliding_window_non_causal is not supported")
+    if config.get("target_hidden_size") not in (None, fields["hidden_size"]):
+        raise ValueError(f"{where}: target_hidden_size != the draft hidden size is not supported")
+    if config.get("mask_token_id") is None:
+        raise ValueError(f"{where}: no mask_token_id")
+    if kind == "dspark" and not anchor and int(config.get("markov_rank", 256) or 0) > 0 \
+            and config.get("markov_head_type") == "rnn":
+        raise ValueError(
+            f"{where}: an RNN head with sample_from_anchor=false is not supported (speculators runs its state "
+            "through the anchor's slot, which predicts nothing; dspark's and SpecForge's state starts at slot 1)"
+        )
+    if kind == "dspark":
+        heads = _heads(config.get("markov_rank", 256), config.get("markov_head_type", "vanilla"),
+                       config.get("enable_confidence_head", True),
+                       config.get("confidence_head_with_markov", True), where)
+    else:
+        heads = _heads(0, "vanilla", False, False, where)
+    n_draft = int(config.get("draft_vocab_size") or fields["vocab_size"])
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or ""
+    fields.update(
+        heads,
+        block_size=gamma,
+        anchor_predicts=anchor,
+        mask_token_id=int(config["mask_token_id"]),
+        target_layer_ids=[int(i) - 1 for i in config["aux_hidden_state_layer_ids"]],
+        own_embeddings=False,
+        draft_vocab_size=n_draft if n_draft != fields["vocab_size"] else None,
+        target_name_or_path=verifier,
+        **_sts(config, gamma, where),
+    )
+    if "num_target_layers" in config:
+        fields["target_num_hidden_layers"] = int(config["num_target_layers"])
+    return fields
+
+
+def _match_target(fields: dict, target_config, where: str) -> None:
+    """Check the converted ``fields`` against ``target_config`` (vocabulary size, number of layers) and fill in the
+    target's family, layer count and name; without a target the config must give the number of target layers.
+
+    Raises:
+        ValueError: a vocabulary or layer-count mismatch, or no layer count at all.
+    """
     if target_config is not None:
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         if tc.vocab_size != fields["vocab_size"]:
@@ -385,8 +429,6 @@ def convert_to_dspark(fmt: str, config: dict, state: dict, target_config=None) -
         fields["target_name_or_path"] = fields.get("target_name_or_path") or getattr(tc, "_name_or_path", "")
     elif "target_num_hidden_layers" not in fields:
         raise ValueError(f"{where}: the number of target layers is not in the config; pass target_config")
-    dspark_config = DSparkConfig(**fields, source_format=fmt)
-    return dspark_config, _state_to_dspark(fmt, config, state, dspark_config, where)
 
 
 def _state_to_dspark(fmt: str, config: dict, state: dict, dc: DSparkConfig, where: str) -> dict:
