@@ -33,12 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.stats import paired, paired_ratios  # noqa: E402  (after the path: run as a script)
 from benchmarks.common import (  # noqa: E402
-    device_name, load_domain_prompts, result_header, usable_cores, write_result)
-
-
-ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-"""Environment variables that hold torch's kernels below what the processor offers (e.g. AVX2 only on an AVX-512
-CPU), recorded with the result."""
+    KERNEL_LIMITS, device_name, load_domain_prompts, result_header, usable_cores, write_result)
 
 
 def parse_args(argv=None):
@@ -205,7 +200,7 @@ def main(argv=None) -> int:
     drafter_spec = args.drafter or str(shipped_drafter_for(args.target))
     prompts = load_domain_prompts(args.per_domain, args.offset)
     levels = [int(x) for x in args.engine_requests.split(",") if x.strip()]
-    isa_limit = {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}  # kernels held below the processor's
+    isa_limit = {k: os.environ[k] for k in KERNEL_LIMITS if os.environ.get(k)}  # kernels held below the processor's
     result = {**result_header("default", argv, threads), "processor": cpu_model(), "isa_limit": isa_limit,
               "device": device_name(args.device),
               "threads": threads,

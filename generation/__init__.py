@@ -16,17 +16,5 @@ from .integration import dspark_options
 from .policies import POLICY_NAMES, Policy, parse_policy
 from .stats import GenerationStats, RoundStats, collect_stats
 
-__all__ = [
-    "DSparkCandidateGenerator",
-    "draft_round",
-    "DSparkEngine",
-    "RequestOutput",
-    "generate_batch",
-    "dspark_options",
-    "POLICY_NAMES",
-    "Policy",
-    "parse_policy",
-    "GenerationStats",
-    "RoundStats",
-    "collect_stats",
-]
+__all__ = ["DSparkCandidateGenerator", "draft_round", "DSparkEngine", "RequestOutput", "generate_batch",
+           "dspark_options", "POLICY_NAMES", "Policy", "parse_policy", "GenerationStats", "RoundStats", "collect_stats"]

@@ -8,8 +8,9 @@ equal to the target's argmax plus the target's own next token (:func:`accept_gre
 from its K/V cache, the features of the committed positions queued for its drafter), then
 :func:`~dspark.generation.round.record`.
 
-Waiting requests join at the next :meth:`DSparkEngine.step` (their prompts prefilled in one packed forward) while
-at most ``max_batch_size`` run; requests finish independently (EOS or ``max_new_tokens``).
+Waiting requests join at the next :meth:`DSparkEngine.step` while at most ``max_batch_size`` run, prefilled in that
+step's verify forward (a request that finishes early costs no extra forward to replace); requests finish
+independently (EOS or ``max_new_tokens``).
 
 Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
 for token in float32; no logits processors). Not thread-safe (see :mod:`dspark.generation.packed_target`).
@@ -136,7 +137,8 @@ class EngineRound:
 
 @dataclass
 class EngineStats:
-    """Engine-wide statistics: rounds, prefills, wall time of the steps (seconds), tokens."""
+    """Engine-wide statistics: rounds, prefills, wall time of the steps (seconds), tokens; ``prefill_ms`` times the
+    forwards that only prefilled (a prefill in a round's verify forward is timed in the round's ``t_verify_ms``)."""
 
     rounds: list[EngineRound] = field(default_factory=list)
     prefill_tokens: int = 0
@@ -207,7 +209,7 @@ class DSparkEngine:
 
         engine = DSparkEngine(target, drafter)          # by default every round is priced (dspark.generation.costs)
         a = engine.add_request(prompt_ids_a, max_new_tokens=64)
-        engine.step()                                  # one round (new requests are prefilled first)
+        engine.step()                                  # one round; new requests prefilled in its forward
         outputs = engine.run()                         # until every request is finished; sorted by id
 
     Args:
@@ -323,7 +325,8 @@ class DSparkEngine:
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests (prefill), then run one speculative round over all running requests.
+        """One speculative round over the running requests, with the waiting requests that fit prefilled in its
+        forward (they run from the next step on).
 
         Returns:
             the requests that finished during this step.
@@ -334,14 +337,10 @@ class DSparkEngine:
             req = self._waiting.popleft()
             req.t_admitted = time.perf_counter()
             new.append(req)
-        done: list[RequestOutput] = []
-        if new:
-            self._prefill(new)
+        if self._running or new:
+            self._round(self._running, new)
             self._running.extend(new)
-            done += self._retire()
-        if self._running:
-            self._round(self._running)
-            done += self._retire()
+        done = self._retire()
         self.stats.step_time_s += time.perf_counter() - t0
         return done
 
@@ -353,15 +352,18 @@ class DSparkEngine:
         return sorted(done, key=lambda o: o.request_id)
 
     # ------------------------------------------------------------------ the round
-    def _round(self, reqs: list[_Request]) -> None:
-        """One speculative round over the running requests: propose → verify → accept → record (module doc)."""
+    def _round(self, reqs: list[_Request], new: list[_Request]) -> None:
+        """One speculative round over the running requests ``reqs``: propose → verify → accept → record (module
+        doc), the prompts of the ``new`` requests prefilled in the same forward."""
         chains = propose(self.drafter, self.policy, reqs, [r.prompt + r.output for r in reqs],
-                         [r.remaining - 1 for r in reqs], self.block_size)
+                         [r.remaining - 1 for r in reqs], self.block_size) if reqs else []
         t1 = time.perf_counter()
         segments = [(r.kv, [r.output[-1]] + c.tokens) for r, c in zip(reqs, chains)]
         starts = [r.kv.length for r in reqs]
-        logits, hidden = self.packed.forward(segments, output_hidden_states=self.drafter is not None)  # verify
-        predicted = logits.argmax(dim=-1).tolist()
+        logits, hidden = self.packed.forward(segments + [(r.kv, r.prompt) for r in new],
+                                             output_hidden_states=self.drafter is not None)  # verify and prefill
+        n_round = sum(1 + len(c.tokens) for c in chains)  # the round's tokens; the prompts follow
+        predicted = logits[:n_round].argmax(dim=-1).tolist()
         feats = context_features(hidden, self.layer_ids, 0, None) if self.drafter is not None else None  # [1, B, m·H]
         accepted, committed, off = [], [], 0
         for r, chain, start in zip(reqs, chains, starts):  # accept
@@ -373,26 +375,29 @@ class DSparkEngine:
                 r.draft.pending.append(feats[:, off : off + 1 + n].clone())
             accepted.append(n)
             off += ell + 1
+        self._start(new, logits[n_round:], feats[:, n_round:] if feats is not None else None)
         t2 = time.perf_counter()
-        record(self.policy, reqs, chains, accepted, committed, (t2 - t1) * 1e3, self.block_size)
+        if not reqs:
+            self.stats.prefill_ms += (t2 - t1) * 1e3
+            return
+        # a forward that also prefilled is no verify price: its time is recorded, not learned from
+        record(self.policy, reqs, chains, accepted, committed, (t2 - t1) * 1e3, self.block_size, priced=not new)
         self.stats.rounds.append(EngineRound([r.stats.rounds[-1] for r in reqs]))
 
     # ------------------------------------------------------------------ bookkeeping
-    def _prefill(self, reqs: list[_Request]) -> None:
-        t0 = time.perf_counter()
-        logits, hidden = self.packed.forward([(r.kv, r.prompt) for r in reqs],
-                                             output_hidden_states=self.drafter is not None)
+    def _start(self, reqs: list[_Request], logits: torch.Tensor, feats: torch.Tensor | None) -> None:
+        """Start the requests just prefilled from the target's ``logits [ΣP, V]`` and features ``feats [1, ΣP, m·H]``
+        at their prompts' positions, in order: their first token (the argmax) and their drafter's context."""
         off, now = 0, time.perf_counter()
         for r in reqs:
             p = len(r.prompt)
-            if self.drafter is not None:
+            if feats is not None:
                 cache = RequestKV(self.drafter.config.num_draft_layers, p + r.max_new + 2)
-                r.draft = DraftContext(cache, [context_features(hidden, self.layer_ids, off, off + p)])
+                r.draft = DraftContext(cache, [feats[:, off : off + p].clone()])
             r.commit([int(logits[off + p - 1].argmax())], self.eos)
             r.t_first = now
             off += p
         self.stats.prefill_tokens += off
-        self.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
 
     def _retire(self) -> list[RequestOutput]:
         out, keep = [], []

@@ -139,7 +139,7 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
 
 
 def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], accepted: list[int],
-           committed: list[int], t_verify_ms: float, block_size: int) -> None:
+           committed: list[int], t_verify_ms: float, block_size: int, *, priced: bool = True) -> None:
     """Step 6 of the module doc: the policy's end of round, then each request's
     :class:`~dspark.generation.stats.RoundStats` (each with its share of the round's drafting time) and acceptance
     records, then the run's prices (verify time by batch tokens; drafting time, steady where every drafting request
@@ -152,6 +152,7 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
         committed: per request the tokens appended (accepted + the target's own, cut by EOS / length).
         t_verify_ms: the verify forward and acceptance time (ms).
         block_size: γ'.
+        priced: False where the verify forward also did other work (the engine's prefills): no price learned.
     """
     batch_tokens = sum(1 + len(c.tokens) for c in chains)
     t_draft_ms = chains[0].t_draft_ms
@@ -172,7 +173,8 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
         ))
     if policy.prices is None:
         return
-    policy.prices.observe_verify(batch_tokens, t_verify_ms / 1e3, len(chains))
+    if priced:
+        policy.prices.observe_verify(batch_tokens, t_verify_ms / 1e3, len(chains))
     drafting = [c for c in chains if c.ingested]
     if drafting:
         # a round that caught up on more than one skipped round's positions is not a steady round's price

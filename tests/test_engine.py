@@ -93,11 +93,11 @@ class ScriptedEngine(DSparkEngine):
         self.references = references  # request id -> full greedy continuation
         self.expected_accepts: dict[int, list[int]] = {}
 
-    def _round(self, reqs):
+    def _round(self, reqs, new):
         """The engine's round with its drafting round replaced by :meth:`_draft` (contexts in request order)."""
         with mock.patch.object(rnd, "draft_round", lambda d, c, a, p, plan, policy, **kw: self._draft(
                 reqs, plan, policy)):
-            super()._round(reqs)
+            super()._round(reqs, new)
 
     def _draft(self, reqs, plan, policy):
         budgets = plan.budgets
@@ -419,7 +419,7 @@ class ForcedSkipEngine(DSparkEngine):
         super().__init__(*a, **dict(kw, lookup=False))
         self.skip, self.drafts = skip, {}
 
-    def _round(self, reqs):
+    def _round(self, reqs, new):
         def forced(drafter, contexts, anchors, positions, plan, policy, **kw):
             if self.skip and len(self.stats.rounds) % 2:
                 budgets = tuple(0 if r.id == 1 else b for r, b in zip(reqs, plan.budgets))
@@ -431,7 +431,7 @@ class ForcedSkipEngine(DSparkEngine):
             return out
 
         with mock.patch.object(rnd, "draft_round", forced):
-            super()._round(reqs)
+            super()._round(reqs, new)
 
 
 def test_skipped_rounds_keep_the_drafter_context_exact(tiny):
