@@ -106,8 +106,8 @@ class ConfidenceHead(nn.Module):
     """c_k = σ(wᵀ [h_k; W_1[x_{k−1}]] + b) (eq. 7): probability that x_k survives verification given x_<k survived.
 
     With ``token_feature_size`` 0 it reads h_k alone (DeepSpec's ``confidence_head_with_markov=false``). Returns the
-    *logit*; the caller divides by the STS temperature T_k (docs/method.md §3) and adds the offset b_k (``sts_biases``, 0
-    unless calibrated with ``--bias``) before the sigmoid.
+    *logit*; the caller divides by the STS temperature T_k (docs/method.md §3) and adds the offset b_k
+    (``sts_biases``, 0 unless calibrated with ``--bias``) before the sigmoid.
     """
 
     def __init__(self, hidden_size: int, token_feature_size: int):

@@ -586,8 +586,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return self.confidence_head(hidden, feats)
 
     def calibrated_confidence(self, logits: torch.Tensor, positions) -> torch.Tensor:
-        """c_k = σ(logit_k / T_k + b_k) with the STS temperatures (docs/method.md §3) and logit offsets (``sts_biases``, 0
-        unless calibrated with ``--bias``) of the config; ``positions`` are 0-based k−1."""
+        """c_k = σ(logit_k / T_k + b_k) with the STS temperatures (docs/method.md §3) and logit offsets
+        (``sts_biases``, 0 unless calibrated with ``--bias``) of the config; ``positions`` are 0-based k−1."""
         key = (tuple(self.config.sts_temperatures), tuple(self.config.sts_biases), logits.device)
         cached = self._target.get("sts")
         if cached is None or cached[0] != key:  # the config's lists as tensors, made once per setting and device

