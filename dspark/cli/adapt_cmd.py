@@ -19,7 +19,9 @@ and offsets are copied unchanged; re-run ``dspark calibrate`` on the merged draf
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from .common import (
     CLIError,
@@ -76,7 +78,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--batch-size", type=int, default=8, help="sequences per device per step (default: 8)")
     t.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
     t.add_argument("--anchors-per-seq", type=int, default=8, help="random anchors (blocks) per sequence (default: 8)")
-    t.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens (default: 2048)")
+    t.add_argument("--max-length", type=int, default=2048,
+                   help="truncate sequences to this many tokens (default: 2048)")
     add_run_options(t, "LoRA initialisation and data-order", save_steps=100, keep=2)
     e = p.add_argument_group("τ before / after")
     e.add_argument("--eval-prompts", type=int, default=16,
@@ -159,26 +162,95 @@ def _check_args(args):
     return base_dir, target
 
 
+def _load_models(args, base_dir: str, target_spec, device: str):
+    """The target (in the training dtype, on ``device``), its tokenizer and the drafter to adapt, seeded first; a
+    drafter that does not load for this target is a :class:`CLIError`."""
+    import torch
+    import transformers
+
+    from modeling_dspark import DSparkDraftModel
+
+    transformers.set_seed(args.seed)
+    target, tok = load_target_checked(target_spec, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                      device=device)
+    try:
+        drafter = DSparkDraftModel.from_pretrained(base_dir, target=target)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"could not load drafter {args.drafter!r} for this target: {err}") from None
+    return target, tok, drafter
+
+
+def _held_out_tau(target, model, prompts: list, args) -> dict | None:
+    """Greedy τ of ``model`` on the held-out prompts, with its wall time (None without prompts)."""
+    import time
+
+    from dspark.training.peft_adapt import greedy_tau
+
+    if not prompts:
+        return None
+    t0 = time.time()
+    res = greedy_tau(target, model, prompts, max_new_tokens=args.eval_max_new_tokens, block_size=args.eval_block_size)
+    res["wall_s"] = round(time.time() - t0, 1)
+    return res
+
+
+def _save_merged(model, dtype, out_dir: str) -> Path:
+    """Fold the LoRA into the drafter and save it, in ``dtype``, to ``OUT_DIR/merged`` (returned)."""
+    from dspark.training.peft_adapt import merge_lora
+
+    merged = merge_lora(model)
+    merged.to(dtype)
+    merged_dir = Path(out_dir) / "merged"
+    merged.save_pretrained(merged_dir)
+    print(f"merged drafter saved to {merged_dir}")
+    return merged_dir
+
+
+def _write_manifest(args, drafter, run_, train_rows, eval_rows, params: dict, resume, tau_before, tau_after,
+                    merged_dir) -> None:
+    """Write ``dspark_adapter.json`` and ``adapt_manifest.json`` into ``--out-dir``; print the run's summary."""
+    from dspark.training.peft_adapt import write_adapter_info
+
+    logs = run_.logs()
+    manifest = {
+        "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
+        "args": dict(vars(args)),
+        "base_drafter": str(args.drafter),
+        "target": drafter.config.target_name_or_path,
+        "data": str(args.data),
+        "train_sequences": len(train_rows),
+        "eval_source": str(args.eval_data or args.data),
+        "eval_ids": None if eval_rows is None or "id" not in eval_rows.column_names else list(eval_rows["id"]),
+        "lora": {"r": args.lora_r, "alpha": args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
+                 "dropout": args.lora_dropout, "target_modules": args.target_modules,
+                 "train_heads": args.train_heads, "trainable_params": params["trainable"],
+                 "total_params": params["total"]},
+        "resumed_from": resume,
+        "global_step": run_.trainer.state.global_step,
+        "wall_s_this_run": round(run_.wall_s, 1),
+        "train_metrics": run_.result.metrics,
+        "first_log": logs[0] if logs else None,
+        "last_log": logs[-1] if logs else None,
+        "tau_before": tau_before,
+        "tau_after": tau_after,
+        "merged": str(merged_dir) if merged_dir else None,
+    }
+    write_adapter_info(args.output_dir, drafter, str(args.drafter),
+                       tau_before=tau_before and tau_before["tau"], tau_after=tau_after and tau_after["tau"])
+    (Path(args.output_dir) / "adapt_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    print(json.dumps({k: manifest[k] for k in ("global_step", "wall_s_this_run", "last_log")}
+                     | {"tau_before": tau_before and tau_before["tau"], "tau_after": tau_after and tau_after["tau"]},
+                     indent=2, default=str))
+
+
 @reports_cli_errors("dspark adapt")
 def run(args) -> int:
     require_out_dir(args, "dspark adapt")
     base_dir, target_spec = _check_args(args)
     silence_progress(args.no_progress)
-    import json
-    import time
-    from pathlib import Path
-
     import torch
-    import transformers
 
-    from modeling_dspark import DSparkDraftModel
-    from dspark.training.peft_adapt import (
-        add_lora,
-        greedy_tau,
-        merge_lora,
-        trainable_parameter_summary,
-        write_adapter_info,
-    )
+    from dspark.training.peft_adapt import add_lora, trainable_parameter_summary
     from dspark.training.pipeline import resolve_resume, train_drafter
     from dspark.training.trainer import prepare_dataset
 
@@ -190,33 +262,18 @@ def run(args) -> int:
     device = resolve_device(args.device)
     use_cpu = device.startswith("cpu")
     args.bf16 = resolve_dtype(args.dtype, device, announce="dspark adapt", measure=False) == "bfloat16"
-    transformers.set_seed(args.seed)
-    target, tok = load_target_checked(target_spec,
-                                      dtype=torch.bfloat16 if args.bf16 else torch.float32, device=device)
-    try:
-        drafter = DSparkDraftModel.from_pretrained(base_dir, target=target)
-    except (OSError, ValueError) as err:
-        raise CLIError(f"could not load drafter {args.drafter!r} for this target: {err}") from None
+    target, tok, drafter = _load_models(args, base_dir, target_spec, device)
     saved_dtype = drafter.dtype
     drafter.to(torch.float32)  # LoRA weights and optimizer state in fp32; bf16 via autocast (--bf16)
     gamma = drafter.config.block_size
 
     prompts = [] if eval_rows is None else [r["input_ids"][: r["prompt_len"]] for r in eval_rows]
-
-    def tau(model):
-        if not prompts:
-            return None
-        t0 = time.time()
-        res = greedy_tau(target, model, prompts, max_new_tokens=args.eval_max_new_tokens,
-                         block_size=args.eval_block_size)
-        res["wall_s"] = round(time.time() - t0, 1)
-        return res
-
-    tau_before = tau(drafter)
+    tau_before = _held_out_tau(target, drafter, prompts, args)
     if tau_before is not None:
         print(f"τ before adaptation: {tau_before['tau']:.3f} on {len(prompts)} held-out domain prompts")
 
-    model = add_lora(drafter, r=args.lora_r, alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
+    model = add_lora(drafter, r=args.lora_r,
+                     alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
                      dropout=args.lora_dropout, target_modules=args.target_modules, train_heads=args.train_heads)
     params = trainable_parameter_summary(model)
     print(f"LoRA: {params['trainable']:,} trainable of {params['total']:,} drafter parameters "
@@ -231,51 +288,13 @@ def run(args) -> int:
         grad_accum=args.grad_accum, bf16=args.bf16, use_cpu=use_cpu, save_steps=args.save_steps,
         save_total_limit=args.save_total_limit, logging_steps=args.logging_steps, num_workers=args.num_workers,
         progress=not args.no_progress, resume=resume)
-    trainer, result, wall = run_.trainer, run_.result, run_.wall_s
 
-    tau_after = tau(model)
+    tau_after = _held_out_tau(target, model, prompts, args)
     if tau_after is not None:
         print(f"τ after adaptation:  {tau_after['tau']:.3f}")
-
-    merged_dir = None
-    if args.merge and trainer.is_world_process_zero():
-        merged = merge_lora(model)
-        merged.to(saved_dtype)
-        merged_dir = Path(args.output_dir) / "merged"
-        merged.save_pretrained(merged_dir)
-        print(f"merged drafter saved to {merged_dir}")
-
-    if trainer.is_world_process_zero():
-        logs = run_.logs()
-        manifest = {
-            "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
-            "args": dict(vars(args)),
-            "base_drafter": str(args.drafter),
-            "target": drafter.config.target_name_or_path,
-            "data": str(args.data),
-            "train_sequences": len(train_rows),
-            "eval_source": str(args.eval_data or args.data),
-            "eval_ids": None if eval_rows is None or "id" not in eval_rows.column_names else list(eval_rows["id"]),
-            "lora": {"r": args.lora_r, "alpha": args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
-                     "dropout": args.lora_dropout, "target_modules": args.target_modules,
-                     "train_heads": args.train_heads, "trainable_params": params["trainable"],
-                     "total_params": params["total"]},
-            "resumed_from": resume,
-            "global_step": trainer.state.global_step,
-            "wall_s_this_run": round(wall, 1),
-            "train_metrics": result.metrics,
-            "first_log": logs[0] if logs else None,
-            "last_log": logs[-1] if logs else None,
-            "tau_before": tau_before,
-            "tau_after": tau_after,
-            "merged": str(merged_dir) if merged_dir else None,
-        }
-        write_adapter_info(args.output_dir, drafter, str(args.drafter),
-                           tau_before=tau_before and tau_before["tau"], tau_after=tau_after and tau_after["tau"])
-        (Path(args.output_dir) / "adapt_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-        print(json.dumps({k: manifest[k] for k in ("global_step", "wall_s_this_run", "last_log")}
-                         | {"tau_before": tau_before and tau_before["tau"], "tau_after": tau_after and tau_after["tau"]},
-                         indent=2, default=str))
+    if run_.trainer.is_world_process_zero():
+        merged_dir = _save_merged(model, saved_dtype, args.output_dir) if args.merge else None
+        _write_manifest(args, drafter, run_, train_rows, eval_rows, params, resume, tau_before, tau_after, merged_dir)
     return 0
 
 

@@ -1,7 +1,7 @@
 """`dspark bench serve`: serving benchmark of batched speculative decoding
 (:class:`dspark.generation.engine.DSparkEngine`).
 
-    dspark bench serve                                # R = 1 2 4 8 16, six policies, 3 repeats, auto dtype, mtbench + gsm8k
+    dspark bench serve                      # R = 1 2 4 8 16, six policies, 3 repeats, auto dtype, mtbench + gsm8k
     dspark bench serve --requests 1 4 --max-new-tokens 16 --limit 2 --repeats 2 --out-dir runs/bench-small
 
 For every concurrency R and verify policy it serves the same held-out prompts (MT-Bench first turns and GSM8K, chat
@@ -109,11 +109,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------- main
-@reports_cli_errors("dspark bench serve")
-def run(args) -> int:
-    if getattr(args, "bench_command", None) != "serve":
-        print("dspark bench: error: choose a benchmark: `dspark bench serve`", file=sys.stderr)
-        return 2
+def _check_args(args) -> None:
+    """Refuse values out of range, unknown policies and eval sets, and a missing --target, before any model loads."""
     if (min(args.requests) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.min_requests < 1
             or args.repeats < 1 or args.waves < 1):
         raise CLIError("--requests, --limit, --min-requests, --waves, --max-new-tokens and --repeats must be >= 1")
@@ -124,10 +121,53 @@ def run(args) -> int:
     check_eval_sets("--datasets", args.datasets)
     check_target(args.target)
 
+
+def _profile_sps(args, target, threads: int):
+    """The SPS(B) tables of ``--profile`` for this target, dtype and thread count (None without ``--profile``),
+    which price the scheduler instead of the learned prices; a missing or unfit table is a :class:`CLIError`."""
+    from dspark.evaluation import profiling
+
+    if args.profile is None:
+        return None
+    try:
+        return profiling.load_profile(profiling.target_name(target), args.dtype, threads, args.profile,
+                                      device=target.device)
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(str(err)) from None
+
+
+def _report_config(args, target, threads: int, drafter_spec: str, gamma: int, n_prompts: int, levels: list[int],
+                   context) -> dict:
+    """The ``config`` of ``serve.json``: what was served, how, and on what."""
+    import torch
+
+    from dspark.evaluation import profiling
+
+    return {
+        "target": profiling.target_name(target), "dtype": args.dtype, "threads": threads,
+        "drafter": drafter_spec, "block_size": gamma, "datasets": args.datasets, "limit": args.limit,
+        "num_prompts": n_prompts, "min_requests": args.min_requests, "waves": args.waves,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "warmup_repeats": args.warmup_repeats,
+        "engines": "one per policy for the whole run (steady state)",
+        "order": "interleaved: repeat > R > policies (rotated per repeat)",
+        "requests": levels, "policies": args.policies, "sps_context": context,
+        "lookup": not args.no_lookup,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
+        "processor": profiling.device_model(target.device),
+    }
+
+
+@reports_cli_errors("dspark bench serve")
+def run(args) -> int:
+    if getattr(args, "bench_command", None) != "serve":
+        print("dspark bench: error: choose a benchmark: `dspark bench serve`", file=sys.stderr)
+        return 2
+    _check_args(args)
+
     import torch
 
     from dspark.evaluation import serving
-    from dspark.evaluation import profiling
 
     set_threads(args.threads)
     threads = torch.get_num_threads()
@@ -152,13 +192,7 @@ def run(args) -> int:
         raise CLIError("no prompts (check --datasets / --limit)")
     levels = sorted(set(args.requests))
     context = serving.sps_context(prompts, args.max_new_tokens)
-    sps = None
-    if args.profile is not None:  # an explicit SPS(B) table prices the scheduler instead of the learned prices
-        try:
-            sps = profiling.load_profile(profiling.target_name(target), args.dtype, threads, args.profile,
-                                         device=target.device)
-        except (FileNotFoundError, ValueError) as err:
-            raise CLIError(str(err)) from None
+    sps = _profile_sps(args, target, threads)
     engines = {pol: serving.serving_engine(target, drafter, pol, gamma, sps, not args.no_lookup)
                for pol in args.policies}
     results = serving.bench_serve(engines, prompts, levels, waves=args.waves, min_requests=args.min_requests,
@@ -168,19 +202,7 @@ def run(args) -> int:
     table = serving.markdown_table(results, args.policies, levels)
     out = Path(args.out) if args.out else Path(args.out_dir) / "serve.json"
     report = {
-        "config": {
-            "target": profiling.target_name(target), "dtype": args.dtype, "threads": threads,
-            "drafter": drafter_spec, "block_size": gamma, "datasets": args.datasets, "limit": args.limit,
-            "num_prompts": len(prompts), "min_requests": args.min_requests, "waves": args.waves,
-            "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats, "warmup_repeats": args.warmup_repeats,
-            "engines": "one per policy for the whole run (steady state)",
-            "order": "interleaved: repeat > R > policies (rotated per repeat)",
-            "requests": levels, "policies": args.policies, "sps_context": context,
-            "lookup": not args.no_lookup,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
-            "processor": profiling.device_model(target.device),
-        },
+        "config": _report_config(args, target, threads, drafter_spec, gamma, len(prompts), levels, context),
         "sps_profile": sps.to_dict() if sps is not None else None,
         "results": results,
         "comparisons": serving.comparisons(results, args.policies, levels),

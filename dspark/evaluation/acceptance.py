@@ -97,6 +97,37 @@ def _recorded_confidence_logits(drafter):
         handle.remove()
 
 
+def _full_block_generate(target, drafter, ids: Sequence[int], gamma: int, kw: dict):
+    """One ``generate(assistant_model=drafter)`` call on prompt ``ids`` with the full-block policy and no lookup
+    proposer: ``(new token ids, rounds, raw confidence logits)``, one logit per drafted token.
+
+    Raises:
+        RuntimeError: the recorded logits do not match the drafted tokens (the policy was overridden).
+    """
+    from dspark.generation import collect_stats, dspark_options
+
+    x = torch.tensor([list(ids)], device=target.device)
+    with torch.inference_mode(), collect_stats() as runs, _recorded_confidence_logits(drafter) as raw, \
+            dspark_options(policy="full", block_size=gamma, lookup=False):
+        out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
+    rounds = runs[-1].rounds if runs else []
+    if sum(r.drafted for r in rounds) != len(raw):
+        raise RuntimeError(f"confidence calls ({len(raw)}) do not match drafted tokens "
+                           f"({sum(r.drafted for r in rounds)}): was the full-block policy overridden?")
+    return out[0, x.shape[1]:].tolist(), rounds, raw
+
+
+def _slot_logits(rounds, raw: Sequence[float], gamma: int) -> np.ndarray:
+    """The ``[R, γ]`` raw logits of the rounds' drafted slots, in the order the drafter produced them (0 where no
+    slot was drafted)."""
+    lg = np.zeros((len(rounds), gamma), dtype=np.float64)
+    c = 0
+    for i, r in enumerate(rounds):  # one logit per drafted slot, slot by slot
+        lg[i, :r.drafted] = raw[c:c + r.drafted]
+        c += r.drafted
+    return lg
+
+
 def collect_pairs(target, tokenizer, drafter, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
                   do_sample: bool = False, seed: int = 0, progress: bool = False) -> dict:
     """Run ``target.generate(assistant_model=drafter)`` with the full-block policy (every slot verified, so every
@@ -122,7 +153,6 @@ def collect_pairs(target, tokenizer, drafter, prompt_ids: Sequence[Sequence[int]
     """
     from tqdm.auto import tqdm
 
-    from dspark.generation import collect_stats, dspark_options
     from dspark.training.data import eos_token_ids
 
     if drafter.confidence_head is None:
@@ -136,25 +166,12 @@ def collect_pairs(target, tokenizer, drafter, prompt_ids: Sequence[Sequence[int]
     logits_rows, acc_rows, valid_rows, owner = [], [], [], []
     new_tokens = 0
     for pi, ids in enumerate(tqdm(prompt_ids, desc="calibrate", disable=not progress, file=sys.stderr)):
-        x = torch.tensor([list(ids)], device=target.device)
         if do_sample:
             torch.manual_seed(seed + pi)
-        with torch.inference_mode(), collect_stats() as runs, _recorded_confidence_logits(drafter) as raw, \
-                dspark_options(policy="full", block_size=gamma, lookup=False):
-            out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
-        new = out[0, x.shape[1]:].tolist()
+        new, rounds, raw = _full_block_generate(target, drafter, ids, gamma, kw)
         new_tokens += len(new)
-        rounds = runs[-1].rounds if runs else []
-        if sum(r.drafted for r in rounds) != len(raw):
-            raise RuntimeError(f"confidence calls ({len(raw)}) do not match drafted tokens "
-                               f"({sum(r.drafted for r in rounds)}): was the full-block policy overridden?")
         acc, valid = acceptance_matrix(rounds, gamma, eos, ends_with_committed_eos(new, rounds, eos))
-        lg = np.zeros((len(rounds), gamma), dtype=np.float64)
-        c = 0
-        for i, r in enumerate(rounds):  # one logit per drafted slot, slot by slot
-            lg[i, :r.drafted] = raw[c:c + r.drafted]
-            c += r.drafted
-        logits_rows.append(lg)
+        logits_rows.append(_slot_logits(rounds, raw, gamma))
         acc_rows.append(acc)
         valid_rows.append(valid)
         owner.append(np.full(len(rounds), pi, dtype=np.int64))

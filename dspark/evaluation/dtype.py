@@ -65,6 +65,30 @@ def _time_generate(target, drafter, dtypes, max_new_tokens: int, repeats: int, d
     return best
 
 
+def _measure_dtypes(target, drafter, threads: int, device, max_new_tokens: int, repeats: int, path: Path,
+                    key: str) -> tuple[dict, str]:
+    """Time both dtypes with ``threads`` torch threads (:func:`_time_generate`) and cache the result under ``key``
+    in ``path``, unless every core was busy: ``(profile entry, busy note)``, the note empty when cached."""
+    logger.warning("timing generate() in float32 and bfloat16 to pick the faster (%s; an explicit dtype skips "
+                   "this); kept in %s unless every core is busy",
+                   "plain decoding" if drafter is None else f"drafter {drafter}", path)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rates = _time_generate(target, drafter, (torch.float32, torch.bfloat16), max_new_tokens, repeats, device)
+    finally:
+        torch.set_num_threads(old)
+    entry = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}, "cpu_model": device_model(device),
+             "max_new_tokens": max_new_tokens, "repeats": repeats, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if load >= (os.cpu_count() or 1):  # other programs held every core: a measurement to use once, not keep
+        return entry, f"; the CPU was busy (load average {load:.1f}), so this is not cached"
+    data = _read(path)  # re-read: keep what another process wrote meanwhile
+    data.setdefault("dtype", {})[key] = entry
+    _write(path, data)
+    return entry, ""
+
+
 def auto_dtype(
     target: str | os.PathLike | None = None,
     drafter: str | os.PathLike | None = None,
@@ -114,24 +138,7 @@ def auto_dtype(
     cached = entry is not None and entry.get("cpu_model") == here
     busy = ""
     if not cached:
-        logger.warning("timing generate() in float32 and bfloat16 to pick the faster (%s; an explicit dtype skips "
-                       "this); kept in %s unless every core is busy",
-                       "plain decoding" if drafter is None else f"drafter {drafter}", path)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            rates = _time_generate(target, drafter, (torch.float32, torch.bfloat16), max_new_tokens, repeats, device)
-        finally:
-            torch.set_num_threads(old)
-        entry = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}, "cpu_model": here,
-                 "max_new_tokens": max_new_tokens, "repeats": repeats, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        if load >= (os.cpu_count() or 1):  # other programs held every core: a measurement to use once, not keep
-            busy = f"; the CPU was busy (load average {load:.1f}), so this is not cached"
-        else:
-            data = _read(path)  # re-read: keep what another process wrote meanwhile
-            data.setdefault("dtype", {})[key] = entry
-            _write(path, data)
+        entry, busy = _measure_dtypes(target, drafter, threads, device, max_new_tokens, repeats, path, key)
     fp32, bf16 = entry["tokens_per_s"]["float32"], entry["tokens_per_s"]["bfloat16"]
     dtype = torch.bfloat16 if bf16 > fp32 * (1 + DTYPE_MARGIN) else torch.float32
     job = "plain generate()" if drafter is None else "generate() with this drafter"

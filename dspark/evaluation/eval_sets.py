@@ -124,6 +124,80 @@ def _summarise_dspark(records: list[dict], gamma: int, eos: list[int]) -> dict:
     return out
 
 
+def _encoded_prompts(target, tok, sets: list[str], limit: int | None) -> dict[str, list[torch.Tensor]]:
+    """The ``[1, P]`` prompt ids (chat template applied, on the target's device) of each eval set, first ``limit``."""
+    from modeling_dspark.target import apply_chat_template
+    from dspark.training.prompts import load_eval_prompts
+
+    return {name: [torch.tensor([apply_chat_template(tok, p["prompt"])], device=target.device)
+                   for p in load_eval_prompts(name, limit)] for name in sets}
+
+
+def _call_runner(target, drafter, counter: ForwardCounter, block_size, policy, pld_num_tokens: int):
+    """``run(kind, ids, kw, seed=None)``: one timed call of ``kind`` ("dspark": the drafter alone, no lookup
+    proposer; "plain"; "pld": prompt lookup with ``pld_num_tokens``), returning its new ids, seconds, target
+    forwards (counted by ``counter``) and rounds."""
+
+    def run(kind: str, ids, kw: dict, seed=None) -> dict:
+        n0 = counter.n
+        if kind == "pld":
+            kw = dict(kw, prompt_lookup_num_tokens=pld_num_tokens)
+        new, dt, stats = timed_generate(target, ids, drafter if kind == "dspark" else None, kw, seed, block_size,
+                                        policy, lookup=False)  # the drafter alone: τ and acceptance are its own
+        return {"ids": new, "seconds": dt, "forwards": counter.n - n0, "rounds": stats.rounds if stats else None}
+
+    return run
+
+
+def _warm_up(run, ids, timed: list[str], greedy_kw: dict, sample_kw: dict | None, seed: int) -> None:
+    """One short call of each timed kind (``run`` of :func:`evaluate`; plain first) and, with ``sample_kw``, one
+    sampled DSpark call, so that no timing includes a first call's one-time costs."""
+    warm = dict(greedy_kw, max_new_tokens=min(8, greedy_kw["max_new_tokens"]))
+    for kind in ("plain", "dspark", "pld"):
+        if kind in timed:
+            run(kind, ids, warm)
+    if sample_kw is not None:
+        run("dspark", ids, dict(sample_kw, max_new_tokens=min(8, sample_kw["max_new_tokens"])), seed)
+
+
+def _greedy_rows(run, prompts: list, timed: list[str], greedy_kw: dict, gamma: int, eos: list[int],
+                 pld_num_tokens: int, bar) -> dict:
+    """Greedy rows of one eval set: each prompt run once by each kind in ``timed`` (``run`` of :func:`evaluate`),
+    the order rotated from prompt to prompt to interleave fairly; ``{"plain", "prompt_lookup", "greedy"}`` (the
+    rows that ran), greedy with its speed-up and identity check against plain decoding."""
+    recs: dict[str, list] = {"dspark": [], "plain": [], "pld": []}
+    for i, ids in enumerate(prompts):
+        for kind in timed[i % len(timed):] + timed[: i % len(timed)]:  # rotated to interleave fairly
+            recs[kind].append(run(kind, ids, greedy_kw))
+        bar.update(1)
+    rows: dict = {}
+    g = _summarise_dspark(recs["dspark"], gamma, eos)
+    if "plain" in timed:
+        base = _summarise_speed(recs["plain"])
+        same = [d["ids"] == b["ids"] for d, b in zip(recs["dspark"], recs["plain"])]
+        g.update(speedup=_ratio(g["tokens_per_s"], base["tokens_per_s"]), n_identical=sum(same),
+                 all_identical=all(same), differing_prompts=[i for i, s in enumerate(same) if not s])
+        rows["plain"] = base
+        if "pld" in timed:
+            p = _summarise_speed(recs["pld"])
+            same_p = [d["ids"] == b["ids"] for d, b in zip(recs["pld"], recs["plain"])]
+            p.update(speedup=_ratio(p["tokens_per_s"], base["tokens_per_s"]), n_identical=sum(same_p),
+                     num_tokens=pld_num_tokens)
+            rows["prompt_lookup"] = p
+    rows["greedy"] = g
+    return rows
+
+
+def _sample_row(run, prompts: list, sample_kw: dict, seed: int, gamma: int, eos: list[int], bar) -> dict:
+    """The T = 1 row of one eval set: a sampled DSpark call per prompt (``run`` of :func:`evaluate`; prompt i
+    seeded ``seed + i``), summarised as :func:`_summarise_dspark`."""
+    recs = []
+    for i, ids in enumerate(prompts):
+        recs.append(run("dspark", ids, sample_kw, seed + i))
+        bar.update(1)
+    return _summarise_dspark(recs, gamma, eos)
+
+
 def evaluate(target, tok, drafter, sets: list[str], modes: list[str], limit: int | None = None,
              block_size: int | None = None, policy: str = "full", max_new_tokens: int = 128, seed: int = 0,
              speed: bool = True, pld: bool = True, pld_num_tokens: int = 10, progress: bool = False) -> dict:
@@ -153,9 +227,7 @@ def evaluate(target, tok, drafter, sets: list[str], modes: list[str], limit: int
     """
     from tqdm.auto import tqdm
 
-    from modeling_dspark.target import apply_chat_template
     from dspark.training.data import eos_token_ids
-    from dspark.training.prompts import load_eval_prompts
 
     gamma = block_size or drafter.config.block_size
     eos = eos_token_ids(target, tok)
@@ -163,59 +235,21 @@ def evaluate(target, tok, drafter, sets: list[str], modes: list[str], limit: int
     greedy_kw = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad}
     sample_kw = dict(greedy_kw, do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
     counter = ForwardCounter(target)
-    data = {name: [torch.tensor([apply_chat_template(tok, p["prompt"])], device=target.device)
-                   for p in load_eval_prompts(name, limit)] for name in sets}
-
-    def run(kind: str, ids, kw: dict, seed=None) -> dict:
-        """One call of ``kind`` ("dspark", "plain" or "pld"): new ids, seconds, target forwards, rounds."""
-        n0 = counter.n
-        if kind == "pld":
-            kw = dict(kw, prompt_lookup_num_tokens=pld_num_tokens)
-        new, dt, stats = timed_generate(target, ids, drafter if kind == "dspark" else None, kw, seed, block_size,
-                                        policy, lookup=False)  # the drafter alone: τ and acceptance are its own
-        return {"ids": new, "seconds": dt, "forwards": counter.n - n0, "rounds": stats.rounds if stats else None}
-
+    data = _encoded_prompts(target, tok, sets, limit)
+    run = _call_runner(target, drafter, counter, block_size, policy, pld_num_tokens)
+    timed = ["dspark"] + (["plain"] + (["pld"] if pld else []) if speed else [])
     results: dict = {}
     try:
         first = next(x for xs in data.values() for x in xs)
-        warm = dict(greedy_kw, max_new_tokens=min(8, max_new_tokens))
-        for kind in (["plain", "dspark"] + (["pld"] if pld else [])) if speed else ["dspark"]:
-            run(kind, first, warm)
-        if "sample" in modes:
-            run("dspark", first, dict(sample_kw, max_new_tokens=min(8, max_new_tokens)), seed)
-
+        _warm_up(run, first, timed, greedy_kw, sample_kw if "sample" in modes else None, seed)
         for name in sets:
             prompts = data[name]
             res: dict = {"n_prompts": len(prompts)}
             bar = tqdm(total=len(prompts) * len(modes), desc=f"eval {name}", disable=not progress, file=sys.stderr)
             if "greedy" in modes:
-                recs = {"dspark": [], "plain": [], "pld": []}
-                kinds = ["dspark"] + (["plain"] + (["pld"] if pld else []) if speed else [])
-                for i, ids in enumerate(prompts):
-                    for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:  # rotated to interleave fairly
-                        recs[kind].append(run(kind, ids, greedy_kw))
-                    bar.update(1)
-                g = _summarise_dspark(recs["dspark"], gamma, eos)
-                if speed:
-                    base = _summarise_speed(recs["plain"])
-                    same = [d["ids"] == b["ids"] for d, b in zip(recs["dspark"], recs["plain"])]
-                    g.update(speedup=_ratio(g["tokens_per_s"], base["tokens_per_s"]),
-                             n_identical=sum(same), all_identical=all(same),
-                             differing_prompts=[i for i, s in enumerate(same) if not s])
-                    res["plain"] = base
-                    if pld:
-                        p = _summarise_speed(recs["pld"])
-                        same_p = [d["ids"] == b["ids"] for d, b in zip(recs["pld"], recs["plain"])]
-                        p.update(speedup=_ratio(p["tokens_per_s"], base["tokens_per_s"]), n_identical=sum(same_p),
-                                 num_tokens=pld_num_tokens)
-                        res["prompt_lookup"] = p
-                res["greedy"] = g
+                res.update(_greedy_rows(run, prompts, timed, greedy_kw, gamma, eos, pld_num_tokens, bar))
             if "sample" in modes:
-                recs_s = []
-                for i, ids in enumerate(prompts):
-                    recs_s.append(run("dspark", ids, sample_kw, seed + i))
-                    bar.update(1)
-                res["sample"] = _summarise_dspark(recs_s, gamma, eos)
+                res["sample"] = _sample_row(run, prompts, sample_kw, seed, gamma, eos, bar)
             bar.close()
             results[name] = res
     finally:

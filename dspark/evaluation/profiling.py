@@ -407,26 +407,9 @@ def profile_target(
     old_threads = torch.get_num_threads()
     threads = int(threads or old_threads)
     torch.set_num_threads(threads)
-    tables: dict[int, dict[int, dict[int, float]]] = {}
-    raw: dict[int, dict[int, dict[int, float]]] = {}
-    problems: dict[int, dict[int, str]] = {}
     t_start = time.perf_counter()
     try:
-        for ctx in contexts:
-            for r in requests:
-                qs = sorted({int(q) for q in (tokens or (QUICK_TOKENS if r == 1 else BATCHED_TOKENS))})
-                if min(qs) < 1:
-                    raise ValueError(f"tokens per request must be >= 1, got {qs}")
-                times = measure_verify(target, r, qs, ctx, warmup=warmup, repeats=repeats)
-                medians = {r * q: 1.0 / statistics.median(ts) for q, ts in times.items()}
-                problem = timing_problem({r * q: ts for q, ts in times.items()})
-                if problem:
-                    problems.setdefault(ctx, {})[r] = problem
-                raw.setdefault(ctx, {})[r] = medians
-                tables.setdefault(ctx, {})[r] = monotone_sps(medians)
-                if progress is not None:
-                    lo, hi = min(medians), max(medians)
-                    progress(f"context {ctx}, R={r}: B={lo}..{hi}, SPS {medians[lo]:.1f} -> {medians[hi]:.1f} steps/s")
+        tables, raw, problems = _measure_grid(target, contexts, requests, tokens, warmup, repeats, progress)
     finally:
         torch.set_num_threads(old_threads)
     return {
@@ -436,18 +419,51 @@ def profile_target(
         "tables": tables,
         "raw": raw,
         "problems": problems,
-        "meta": {
-            "origin": origin,
-            "warmup": warmup,
-            "repeats": repeats,
-            "device": str(target.device),
-            "host": platform.node(),
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_model": device_model(target.device),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "seconds": round(time.perf_counter() - t_start, 2),
-        },
+        "meta": _profile_meta(target, origin, warmup, repeats, time.perf_counter() - t_start),
+    }
+
+
+def _measure_grid(target, contexts: list[int], requests: list[int], tokens: Sequence[int] | None, warmup: int,
+                  repeats: int, progress: Callable[[str], None] | None):
+    """The measurements of :func:`profile_target`, context by context and R by R: ``(tables, raw, problems)``.
+
+    Raises:
+        ValueError: a q value < 1.
+    """
+    tables: dict[int, dict[int, dict[int, float]]] = {}
+    raw: dict[int, dict[int, dict[int, float]]] = {}
+    problems: dict[int, dict[int, str]] = {}
+    for ctx in contexts:
+        for r in requests:
+            qs = sorted({int(q) for q in (tokens or (QUICK_TOKENS if r == 1 else BATCHED_TOKENS))})
+            if min(qs) < 1:
+                raise ValueError(f"tokens per request must be >= 1, got {qs}")
+            times = measure_verify(target, r, qs, ctx, warmup=warmup, repeats=repeats)
+            medians = {r * q: 1.0 / statistics.median(ts) for q, ts in times.items()}
+            problem = timing_problem({r * q: ts for q, ts in times.items()})
+            if problem:
+                problems.setdefault(ctx, {})[r] = problem
+            raw.setdefault(ctx, {})[r] = medians
+            tables.setdefault(ctx, {})[r] = monotone_sps(medians)
+            if progress is not None:
+                lo, hi = min(medians), max(medians)
+                progress(f"context {ctx}, R={r}: B={lo}..{hi}, SPS {medians[lo]:.1f} -> {medians[hi]:.1f} steps/s")
+    return tables, raw, problems
+
+
+def _profile_meta(target, origin: str, warmup: int, repeats: int, seconds: float) -> dict:
+    """The ``meta`` of a :func:`profile_target` result: how, where and when the tables were measured."""
+    return {
+        "origin": origin,
+        "warmup": warmup,
+        "repeats": repeats,
+        "device": str(target.device),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_model": device_model(target.device),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "seconds": round(seconds, 2),
     }
 
 
