@@ -3,7 +3,8 @@
 Greedy on held-out prompts (the bench's domains), after one warm-up call. Each round's wall time is split into
 
 - ``target_forward``: the target's verify forward (a forward hook on the target);
-- ``drafter_forward``: the drafter's block forward, context ingestion included (a hook on the drafter);
+- ``drafter_forward``: the drafter's block forward, context ingestion included (a hook on the drafter; the first
+  round ingests the whole prompt);
 - ``drafting_rest``: the rest of the round's drafting (sequential head, LM-head product, confidences, the verify
   policy, the lookup: the round's ``t_draft_ms`` less the drafter forward);
 - ``loop``: everything else (transformers' assisted loop: acceptance, cache crop, stopping criteria; the features
@@ -39,12 +40,12 @@ def parse_args(argv=None):
     p.add_argument("--target", default="SmolLM2-135M-Instruct", help="packaged target name or directory")
     p.add_argument("--per-domain", type=int, default=2, help="prompts per domain (default: 2)")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.per_domain < 1 or args.max_new_tokens < 2:
-        p.error("--per-domain must be >= 1 and --max-new-tokens >= 2")
+    if args.per_domain < 1 or args.max_new_tokens < 2 or (args.threads is not None and args.threads < 1):
+        p.error("--per-domain and --threads must be >= 1 and --max-new-tokens >= 2")
     return args
 
 
@@ -73,19 +74,20 @@ def split_call(target, drafter, ids, max_new: int) -> dict:
 
     from dspark.generation import collect_stats
 
-    # the prefill is the first target forward; its time is measured apart and left out
+    # the prefill is the first target forward: the wall time counts from its end, as plain_step's does
     target_t, drafter_t = _Timer(target), _Timer(drafter)
     first = {}
+
     def end_of_prefill(*_):  # hooks run in the order registered: the timer's has already counted this forward
         first.setdefault("s", target_t.seconds)
+        first.setdefault("t", time.perf_counter())
 
     prefill = target.register_forward_hook(end_of_prefill)
     try:
         with torch.inference_mode(), collect_stats() as runs:
-            t0 = time.perf_counter()
             out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
                                   max_new_tokens=max_new, do_sample=False)
-            wall = time.perf_counter() - t0
+            wall = time.perf_counter() - first["t"]
     finally:
         prefill.remove()
         target_t.remove()
@@ -93,7 +95,7 @@ def split_call(target, drafter, ids, max_new: int) -> dict:
     t_draft = sum(r.t_draft_ms for r in runs[-1].rounds) / 1e3
     parts = {"target_forward": target_t.seconds - first["s"], "drafter_forward": drafter_t.seconds,
              "drafting_rest": t_draft - drafter_t.seconds}
-    parts["loop"] = wall - first["s"] - sum(parts.values())
+    parts["loop"] = wall - sum(parts.values())
     return {"parts": parts, "rounds": target_t.calls - 1, "new_tokens": out.shape[1] - ids.shape[1], "wall": wall}
 
 
@@ -132,6 +134,7 @@ def main(argv=None) -> int:
     prompts = [p for ps in load_domain_prompts(args.per_domain, 0).values() for p in ps]
     ids = [torch.tensor([apply_chat_template(tok, p["prompt"])]) for p in prompts]
     split_call(target, drafter, ids[0], 8)  # warm-up: kernels, and the prices' first rounds
+    plain_step(target, ids[0], 8)
     totals, rounds, plain_s, plain_steps = dict.fromkeys(PARTS, 0.0), 0, 0.0, 0
     for i, x in enumerate(ids):  # interleaved: the order of the two alternates from prompt to prompt
         for arm in (("plain", "dspark") if i % 2 == 0 else ("dspark", "plain")):
@@ -143,8 +146,10 @@ def main(argv=None) -> int:
                 rounds += r["rounds"]
                 for k, v in r["parts"].items():
                     totals[k] += v
-    step_ms = 1e3 * plain_s / max(1, plain_steps)
-    per_round = {k: 1e3 * v / max(1, rounds) for k, v in totals.items()}
+    if not plain_steps or not rounds:
+        raise SystemExit("no decoding step after a prefill was timed (every output ended at its first token)")
+    step_ms = 1e3 * plain_s / plain_steps
+    per_round = {k: 1e3 * v / rounds for k, v in totals.items()}
     result = result_header("bench_round_split", argv, threads)
     result.update({"target": args.target, "dtype": args.dtype,
                    "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "rounds": rounds,

@@ -91,6 +91,7 @@ def run_arm(arm: str, target, drafter, ids, gen: dict, pld_tokens: int) -> tuple
 
 def generate_arms(target, tok, drafter, prompts: dict, max_new: int, pld_tokens: int, arms=ARMS) -> dict:
     """Every arm of ``arms`` on every prompt, their order rotating; per domain the module doc's figures."""
+    arms = tuple(arms)
     import torch
 
     from modeling_dspark.target import apply_chat_template

@@ -86,7 +86,7 @@ class EngineRound:
     """One engine round (prefill-only steps are not rounds): the :class:`~dspark.generation.stats.RoundStats` of each
     request verified in it, in the round's order, and the per-round views of them below.
 
-    Views: ``requests`` (R), ``batch_tokens`` (B = Σ_r (1 + ℓ_r), tokens in the verify forward), and per request
+    Views: ``requests`` (R), ``batch_tokens`` (B = Σ_r (1 + ℓ_r), the tokens verified), and per request
     ``lengths`` (ℓ_r, the chain verified beside the anchor), ``drafted``, ``accepted``, ``committed`` and ``sources``
     (``"draft"``, ``"lookup"`` or ``""``); ``t_draft_ms`` (the round's propose time) and ``t_verify_ms`` (ms).
     """
@@ -332,14 +332,8 @@ class DSparkEngine:
             the requests that finished during this step.
         """
         t0 = time.perf_counter()
-        new = []
-        while self._waiting and len(self._running) + len(new) < self.max_batch_size:
-            req = self._waiting.popleft()
-            req.t_admitted = time.perf_counter()
-            new.append(req)
-        if self._running or new:
-            self._round(self._running, new)
-            self._running.extend(new)
+        if self._running or self._waiting:
+            self._round(self._running)
         done = self._retire()
         self.stats.step_time_s += time.perf_counter() - t0
         return done
@@ -352,11 +346,16 @@ class DSparkEngine:
         return sorted(done, key=lambda o: o.request_id)
 
     # ------------------------------------------------------------------ the round
-    def _round(self, reqs: list[_Request], new: list[_Request]) -> None:
+    def _round(self, reqs: list[_Request]) -> None:
         """One speculative round over the running requests ``reqs``: propose → verify → accept → record (module
-        doc), the prompts of the ``new`` requests prefilled in the same forward."""
+        doc), with the waiting requests that fit admitted after the proposal and prefilled in the same forward; not
+        beside a round that measures a price (a plain step, a probe, or before any price is known)."""
         chains = propose(self.drafter, self.policy, reqs, [r.prompt + r.output for r in reqs],
                          [r.remaining - 1 for r in reqs], self.block_size) if reqs else []
+        measures = reqs and (chains[0].plan.reason in ("plain step", "probe") or self.policy.prices is not None
+                             and not self.policy.prices.known)
+        new = [] if measures else [self._waiting.popleft() for _ in range(min(len(self._waiting),
+                                                                             self.max_batch_size - len(reqs)))]
         t1 = time.perf_counter()
         segments = [(r.kv, [r.output[-1]] + c.tokens) for r, c in zip(reqs, chains)]
         starts = [r.kv.length for r in reqs]
@@ -375,7 +374,8 @@ class DSparkEngine:
                 r.draft.pending.append(feats[:, off : off + 1 + n].clone())
             accepted.append(n)
             off += ell + 1
-        self._start(new, logits[n_round:], feats[:, n_round:] if feats is not None else None)
+        self._start(new, logits[n_round:], feats[:, n_round:] if feats is not None else None, t1)
+        self._running = reqs + new
         t2 = time.perf_counter()
         if not reqs:
             self.stats.prefill_ms += (t2 - t1) * 1e3
@@ -385,12 +385,13 @@ class DSparkEngine:
         self.stats.rounds.append(EngineRound([r.stats.rounds[-1] for r in reqs]))
 
     # ------------------------------------------------------------------ bookkeeping
-    def _start(self, reqs: list[_Request], logits: torch.Tensor, feats: torch.Tensor | None) -> None:
+    def _start(self, reqs: list[_Request], logits: torch.Tensor, feats: torch.Tensor | None, admitted: float) -> None:
         """Start the requests just prefilled from the target's ``logits [ΣP, V]`` and features ``feats [1, ΣP, m·H]``
-        at their prompts' positions, in order: their first token (the argmax) and their drafter's context."""
+        at their prompts' positions, in order: their first token (the argmax), their drafter's context and their
+        admission time ``admitted`` (``time.perf_counter()`` seconds)."""
         off, now = 0, time.perf_counter()
         for r in reqs:
-            p = len(r.prompt)
+            p, r.t_admitted = len(r.prompt), admitted
             if feats is not None:
                 cache = RequestKV(self.drafter.config.num_draft_layers, p + r.max_new + 2)
                 r.draft = DraftContext(cache, [feats[:, off : off + p].clone()])

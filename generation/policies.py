@@ -221,9 +221,9 @@ class PolicyRun:
         """
         return list(plan.budgets)
 
-    def end_round(self, plan: RoundPlan, confidences: list[list[float]], batch_tokens: int) -> None:
-        """After the verify (step 3 of the module doc), with per request the confidences its slots reached and the
-        verify's B."""
+    def end_round(self, plan: RoundPlan, confidences: list[list[float]], batch_tokens: int, timed: bool = True) -> None:
+        """After the verify (step 3 of the module doc), with per request the confidences its slots reached, the
+        verify's B and whether its time was a price (an untimed round is not counted by :class:`Exploration`)."""
 
 
 def _limits(plan: RoundPlan, conf: torch.Tensor, known: list[int] | None) -> list[int]:
@@ -322,8 +322,8 @@ class _Scheduler(PolicyRun):
             return list(plan.budgets)
         return self._best(plan, conf, _limits(plan, conf, known), stop=True).lengths
 
-    def end_round(self, plan, confidences, batch_tokens):
-        if self.prices.sps is None:
+    def end_round(self, plan, confidences, batch_tokens, timed=True):
+        if self.prices.sps is None and timed:
             self.exploration.observe(batch_tokens, len(confidences))
 
 
@@ -353,8 +353,8 @@ class _Lagged(_Scheduler):
         a = conf[:, :width].masked_fill(torch.arange(width)[None, :] >= torch.tensor(limits)[:, None], 0.0)
         return fill(a.cumprod(dim=1), [width] * len(limits), self._budget)
 
-    def end_round(self, plan, confidences, batch_tokens):
-        super().end_round(plan, confidences, batch_tokens)
+    def end_round(self, plan, confidences, batch_tokens, timed=True):
+        super().end_round(plan, confidences, batch_tokens, timed)
         if not self.prices.known:  # unpriced: the budgets it drafted
             self._budgets.append(sum(plan.budgets))
             return

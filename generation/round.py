@@ -156,7 +156,7 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
     """
     batch_tokens = sum(1 + len(c.tokens) for c in chains)
     t_draft_ms = chains[0].t_draft_ms
-    policy.end_round(chains[0].plan, [c.confidences for c in chains], batch_tokens)
+    policy.end_round(chains[0].plan, [c.confidences for c in chains], batch_tokens, priced)
     for s, c, a, n in zip(states, chains, accepted, committed):
         ell = len(c.tokens)
         drafter_ran = c.ingested > 0

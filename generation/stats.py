@@ -23,7 +23,8 @@ class RoundStats:
         draft_tokens: the proposed token ids: the drafter's drafted ids, or the verified lookup tokens.
         t_draft_ms: this request's share of the round's lookup and drafting time (context ingestion + block forward +
             sequential sampling), ms; the shares of a round's requests sum to its time.
-        t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms.
+        t_verify_ms: from the end of drafting to the end of the target's verify/accept step, ms (the engine's prefill
+            of requests admitted in the same forward included).
         ingested: target positions the drafter ingested into its context this round (0 when it did not run).
         source: the chain verified: ``"draft"`` (the drafter's block), ``"lookup"`` (the n-gram lookup's
             continuation, :mod:`dspark.generation.lookup`; the drafter did not run, ``drafted = 0``) or ``""`` (nothing:

@@ -81,6 +81,33 @@ def test_tiny_rows_identical_every_policy(tiny, policy, max_batch):
     assert not engine.has_unfinished()
 
 
+def test_requests_admitted_beside_a_round(tiny):
+    """Requests admitted while others run are prefilled in the running round's forward (one forward per step):
+    outputs stay exact, one that ends at its first token (max_new_tokens=1) included, and a round that also
+    prefilled teaches the prices nothing."""
+    target, drafter, prompts, max_new, refs = tiny
+    engine = DSparkEngine(target, drafter, "scheduler", max_batch_size=4)
+    forwards = []
+    hook = target.register_forward_hook(lambda *a: forwards.append(1))
+    try:
+        first = engine.add_request(prompts[1], max_new[1])
+        engine.step()  # prefill only
+        engine.step()  # the first round: unpriced, nothing admitted beside it
+        late = [engine.add_request(prompts[0], 1), engine.add_request(prompts[3], max_new[3])]
+        prices = engine.policy.prices
+        before = (dict(prices.plain), list(prices._sums), dataclasses.replace(engine.policy.exploration))
+        n = len(forwards)
+        engine.step()
+        assert len(forwards) == n + 1 and engine.num_running == 2  # one forward; the 1-token request finished
+        assert (prices.plain, prices._sums, engine.policy.exploration) == before
+        engine.run()
+    finally:
+        hook.remove()
+    assert engine.result(first).output_ids == refs[1]
+    assert engine.result(late[0]).output_ids == refs[0][:1]
+    assert engine.result(late[1]).output_ids == refs[3]
+
+
 class ScriptedEngine(DSparkEngine):
     """Drafts the reference continuation, corrupted at a per-request position: request r's k-th round gets its
     first `pattern[(r + k) % len(pattern)]` drafts right, then a wrong token. Verify lengths come from the real
@@ -93,11 +120,11 @@ class ScriptedEngine(DSparkEngine):
         self.references = references  # request id -> full greedy continuation
         self.expected_accepts: dict[int, list[int]] = {}
 
-    def _round(self, reqs, new):
+    def _round(self, reqs):
         """The engine's round with its drafting round replaced by :meth:`_draft` (contexts in request order)."""
         with mock.patch.object(rnd, "draft_round", lambda d, c, a, p, plan, policy, **kw: self._draft(
                 reqs, plan, policy)):
-            super()._round(reqs, new)
+            super()._round(reqs)
 
     def _draft(self, reqs, plan, policy):
         budgets = plan.budgets
@@ -419,7 +446,7 @@ class ForcedSkipEngine(DSparkEngine):
         super().__init__(*a, **dict(kw, lookup=False))
         self.skip, self.drafts = skip, {}
 
-    def _round(self, reqs, new):
+    def _round(self, reqs):
         def forced(drafter, contexts, anchors, positions, plan, policy, **kw):
             if self.skip and len(self.stats.rounds) % 2:
                 budgets = tuple(0 if r.id == 1 else b for r, b in zip(reqs, plan.budgets))
@@ -431,7 +458,7 @@ class ForcedSkipEngine(DSparkEngine):
             return out
 
         with mock.patch.object(rnd, "draft_round", forced):
-            super()._round(reqs, new)
+            super()._round(reqs)
 
 
 def test_skipped_rounds_keep_the_drafter_context_exact(tiny):
