@@ -1,18 +1,12 @@
 """`DSparkCandidateGenerator`: the DSpark drafter as a transformers `CandidateGenerator` (R = 1).
 
-Each round takes the target features that transformers' assisted loop returns (``output_hidden_states``), queues
-those of the newly committed positions for the drafter's context, and runs the round's decisions for one request
-(:func:`dspark.generation.round.propose`, the same function as the batched engine's). transformers then verifies the
-candidates in one target forward and accepts or rejects them (greedy match, or rejection sampling with residual
-resampling), which keeps the output lossless.
+Each round queues the target features of the newly committed positions (``output_hidden_states`` of the assisted
+loop) for the drafter's context and runs :func:`dspark.generation.round.propose` for one request; transformers then
+verifies the candidates in one target forward and accepts or rejects them (greedy match, or rejection sampling with
+residual resampling), which keeps the output lossless.
 
-The n-gram lookup proposer (on unless ``dspark_options(lookup=False)``) proposes, at no model cost, the
-continuation of the most recent earlier occurrence of the last committed tokens; a round with a match verifies it
-and skips the drafter forward (the features committed meanwhile wait for the next drafting round), the others
-draft. A lookup proposal is
-a point mass, returned without candidate logits: transformers then draws the target's token at every position and
-keeps the candidates while they agree, which is its rejection rule for a one-hot proposal, so greedy and sampled
-outputs stay lossless.
+The n-gram lookup proposer (:mod:`dspark.generation.lookup`, on unless ``dspark_options(lookup=False)``) returns
+its chain without candidate logits: a point mass, which transformers verifies losslessly (that module's doc tells how).
 
 Stop strings: transformers' assisted loop checks its stopping criteria once per round, on the last committed token,
 so a stop string completed by an accepted draft token inside the block would go unseen. When the call has stop
@@ -49,9 +43,8 @@ def validate_request(drafter, target, generation_config, input_ids=None, block_s
     only change how many drafts are accepted.
 
     Raises:
-        ValueError: batch size > 1, an empty prompt, block_size out of [1, γ], a policy that needs a confidence
-            head the drafter lacks, `assistant_ensemble_weight` (not lossless), or a drafter bound to a different
-            target instance (re-binding would change it for every other user of the drafter).
+        ValueError: batch size > 1, an empty prompt, `assistant_ensemble_weight` (not lossless), or what
+            :func:`~dspark.generation.drafting.check_drafter` refuses (the drafter, block size or policy).
     """
     if input_ids is not None:
         if input_ids.shape[0] != 1:
@@ -72,8 +65,7 @@ _learned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def learned_prices(target, drafter, block_size: int) -> tuple[Prices, Exploration]:
     """The :class:`~dspark.generation.costs.Prices` and :class:`~dspark.generation.policies.Exploration` learned by the
     `generate()` calls with this target, drafter and block size in this process, so each call starts from what the
-    earlier calls measured (never stored on disk). Keyed by the objects, their dtype and device, and torch's thread
-    count."""
+    earlier calls measured. Keyed by the objects, their dtype and device, and torch's thread count."""
     per_target = _learned.setdefault(target, {})
     key = (id(drafter), block_size, str(target.dtype), str(target.device), torch.get_num_threads())
     if key not in per_target:
@@ -82,9 +74,8 @@ def learned_prices(target, drafter, block_size: int) -> tuple[Prices, Exploratio
 
 
 def _start_policy(drafter, target, policy: Policy | None, block_size: int, sps) -> PolicyRun:
-    """The verify policy of a `generate()` call, started with its prices: ``policy``, or the default (``scheduler``
-    when the drafter has a confidence head, else ``full``). The scheduler's prices are an explicit SPS(B) ``sps``,
-    or those learned by earlier calls with the same target and drafter in this process (:func:`learned_prices`)."""
+    """The verify policy of a `generate()` call (``policy``, else :func:`~dspark.generation.policies.default_policy`),
+    started, where priced, with an explicit SPS(B) ``sps`` or what earlier calls learned (:func:`learned_prices`)."""
     if policy is None:
         policy = default_policy(drafter)
     if not policy.priced:
@@ -108,18 +99,16 @@ class DSparkCandidateGenerator(CandidateGenerator):
         logits_processor: the call's processors (incl. temperature / top-k / top-p warpers when sampling); applied
             to the draft logits exactly as the target's logits are processed.
         input_ids: ``[1, P]`` prompt ids.
-        policy: a verify policy spec or :class:`~dspark.generation.policies.Policy`; None: ``scheduler`` (every
-            round priced on this machine, :mod:`dspark.generation.costs`) with a confidence head, else ``full``.
+        policy: a verify policy spec or :class:`~dspark.generation.policies.Policy`; None:
+            :func:`~dspark.generation.policies.default_policy`'s.
         block_size: γ' ≤ γ slots per round (default ``drafter.config.block_size``).
         sps: an explicit SPS(B) (a mapping or callable, steps/s) for the verify prices of ``scheduler`` /
             ``lagged``; None: learned from the rounds.
         tokenizer: the call's tokenizer (needed with ``stop_strings``, as for plain `generate()`).
-        lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
-            proposer.
+        lookup: run the n-gram lookup proposer beside the drafter; with policy ``none`` it is the only proposer.
 
     Raises:
-        ValueError: batch size > 1, an empty prompt, block_size out of range, a drafter that does not match the
-            target, stop strings without a tokenizer — all before any compute.
+        ValueError: as :func:`validate_request`, or stop strings without a tokenizer — all before any compute.
     """
 
     requires_model_outputs = True

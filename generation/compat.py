@@ -7,11 +7,9 @@ is listed in :data:`INTERNALS` with how dspark reaches it on each supported rele
 (:func:`check_transformers`) and pyproject.toml declares the same range. CI tests both ends (`.ci/run` at the lowest,
 `scripts/test_versions.sh` at the highest).
 
-The one seam that is not a transformers interface is the hook on ``GenerationMixin._get_candidate_generator``
-(:func:`modeling_dspark.install_generate_hook`): transformers chooses its candidate generator in a fixed chain that
-no model or config can extend, so the hook puts DSpark's generator in front of the chain for a DSpark assistant and
-defers to transformers for every other assistant. Everything a round needs from the target (its hidden states at
-the drafter's layers, the committed ids) comes through the candidate-generator interface of the assisted loop.
+The one seam that is not a transformers interface, the hook on ``GenerationMixin._get_candidate_generator``, is
+told in :mod:`dspark.generation.integration`. Everything a round needs from the target (its hidden states at the
+drafter's layers, the committed ids) comes through the candidate-generator interface of the assisted loop.
 """
 
 from __future__ import annotations

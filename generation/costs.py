@@ -4,7 +4,8 @@ The scheduler prices every round (Algorithm 1 with a drafting-cost term, docs/me
 costs ``Prices.verify_s(B)`` seconds and a drafting round ``Prices.draft_s(n)`` seconds; a proposer's chain is expected
 to survive to position j with probability p^j, p from its :class:`AcceptanceRecord`. All three are measured by the
 rounds themselves (every round already times its verify and its drafting), so they follow the machine as it is, a
-busy one included, and nothing is stored: a new process starts from the priors.
+busy one included, and nothing is stored: a new process starts from the priors. They decide only how many proposed
+tokens are verified, never the output (:mod:`dspark.generation.round`).
 
 * verify: a plain step (B = R, every request its anchor alone) is priced by a running average of plain steps, and a
   verify of more tokens by a least-squares line t(B) = t_0 + b·B through the recent such rounds' (B, seconds), each
@@ -25,9 +26,6 @@ busy one included, and nothing is stored: a new process starts from the priors.
   did not run, so a proposer priced out of the rounds drifts back to the prior and is tried again. A drafting round
   whose policy verified nothing counts as a chain rejected at its first position: otherwise a drafter whose
   confidences keep refusing every slot would keep its record at the prior and be run, and paid for, every round.
-
-Nothing here can change the output: the prices decide only how many proposed tokens are verified, from rounds
-already finished (non-anticipation).
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ class AcceptanceRecord:
 
     Attributes:
         accepted: decayed count of accepted chain positions.
-        tried: decayed count of positions tried: the accepted ones and the first rejected one of each chain (a
-            drafting round whose policy verified nothing counts as a chain rejected at its first position).
+        tried: decayed count of positions tried: the accepted ones and the first rejected one of each chain.
     """
 
     accepted: float = 0.0
@@ -80,7 +77,8 @@ class Prices:
 
     Args:
         sps: an explicit SPS(B) (steps/s; a mapping ``{B: steps/s}``, a callable, or an
-            :class:`~dspark.evaluation.profiling.SPSProfile`); None learns the verify line from the rounds.
+            :class:`~dspark.evaluation.profiling.SPSProfile`, whose curve for the round's R and mean context is
+            used); None learns the verify line from the rounds.
     """
 
     def __init__(self, sps=None):

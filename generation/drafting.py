@@ -7,11 +7,9 @@ A round, read top to bottom (docs/method.md §2 and §4):
 2. ONE drafter forward over [anchor, mask × (γ'−1)] for all drafting requests → h_k and the base logits U_k
    (docs/method.md eqs. 2–4);
 3. slot by slot, batched over the requests still drafting: confidence c_k (docs/method.md eqs. 7 and 10) into the
-   round's ``[R, γ']`` confidence table → the one question asked of the verify policy: given c_1..c_k and the
-   round's :class:`~dspark.generation.policies.RoundPlan`, is x_k verified
-   (:meth:`~dspark.generation.policies.PolicyRun.lengths`; x_k is not sampled yet, so the answer cannot anticipate
-   it) → correction B_k (eq. 5 or 6) → logits processors → argmax, or a sample from exactly the distribution
-   returned as the candidate logits.
+   round's ``[R, γ']`` confidence table → the verify policy's :meth:`~dspark.generation.policies.PolicyRun.lengths`
+   (is x_k verified, asked before x_k is sampled) → correction B_k (eq. 5 or 6) → logits processors → argmax, or a
+   sample from exactly the distribution returned as the candidate logits.
 
 Greedy without logits processors takes the argmax in the draft vocabulary and keeps no logits; with logits
 processors or sampling (R = 1, `generate()`) the full-vocabulary processed logits of every drafted token are kept,
@@ -180,10 +178,8 @@ class _BatchedDraftContext:
 
 def _block_forward(drafter, contexts: list[DraftContext], anchors: list[int], anchor_positions: list[int],
                    block_size: int) -> torch.Tensor:
-    """Steps 1–2 of the module doc for A requests: ingest each one's pending features, run one block forward.
-
-    Returns ``h [A, γ', H]`` (the drafter's dtype); the contexts' caches have grown by their pending positions.
-    """
+    """Steps 1–2 of the module doc for A requests; returns ``h [A, γ', H]`` (the drafter's dtype), the contexts'
+    caches grown by their pending positions."""
     device = drafter.device
     feats = [torch.cat(c.pending, dim=1) if len(c.pending) > 1 else c.pending[0] for c in contexts]
     counts = [f.shape[1] for f in feats]
@@ -228,8 +224,7 @@ def draft_round(
         contexts: per request its :class:`DraftContext` (R of them).
         anchors: per request the anchor x_0, its last committed token id.
         anchor_positions: per request the anchor's position (committed tokens − 1).
-        plan: the round's :class:`~dspark.generation.policies.RoundPlan`; its ``budgets`` are per request the most
-            draft tokens it may verify (0: it does not draft, its pending features wait for its next drafting round).
+        plan: the round's :class:`~dspark.generation.policies.RoundPlan` (its ``budgets``: who drafts, how much).
         policy: the run's verify policy, which made ``plan``.
         block_size: γ' ≤ γ, the drafts of the block forward.
         sampler: R = 1 with logits processors or sampling (None: greedy argmax, no logits kept).
@@ -258,8 +253,7 @@ def draft_round(
 
 
 def _sequential(drafter, h, active, anchors, plan, policy, sampler, tokens, conf, known, kept) -> None:
-    """Step 3 of the module doc, batched over the requests still drafting at slot k (fills tokens, the confidence
-    table ``conf`` and its ``known`` counts, kept)."""
+    """Step 3 of the module doc: fills ``tokens``, the confidence table ``conf`` and its ``known`` counts, ``kept``."""
     d, device = drafter, drafter.device
     row_of = {i: a for a, i in enumerate(active)}
     budgets = plan.budgets

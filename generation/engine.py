@@ -1,12 +1,10 @@
 """Batched speculative decoding with continuous batching: :class:`DSparkEngine` (greedy).
 
 transformers' assisted decoding is batch size 1. This engine serves R concurrent requests with a DSpark drafter.
-One round (:meth:`DSparkEngine._round`) runs the steps of :mod:`dspark.generation.round` (the same decisions as
-`generate()`'s): :func:`~dspark.generation.round.propose`, then ONE packed target forward over B = Σ_r (1 + ℓ_r)
-tokens (:class:`~dspark.generation.packed_target.PackedTarget`), then per request the longest prefix of its chain
-equal to the target's argmax plus the target's own next token (:func:`accept_greedy`; rejected tokens are cropped
-from its K/V cache, the features of the committed positions queued for its drafter), then
-:func:`~dspark.generation.round.record`.
+Its round (:meth:`DSparkEngine._round`) runs the steps :mod:`dspark.generation.round` tells (the same decisions as
+`generate()`'s), verifying in ONE packed target forward over B = Σ_r (1 + ℓ_r) tokens
+(:class:`~dspark.generation.packed_target.PackedTarget`) and accepting by :func:`accept_greedy` (rejected tokens are
+cropped from each request's K/V cache, the features of its committed positions queued for its drafter).
 
 Waiting requests join at the next :meth:`DSparkEngine.step` while at most ``max_batch_size`` run, prefilled in that
 step's verify forward (a request that finishes early costs no extra forward to replace); requests finish
@@ -201,7 +199,6 @@ class _Request(RequestState):
         return n
 
 
-# ---------------------------------------------------------------------------------------------- engine
 class DSparkEngine:
     """Batched greedy speculative decoding of R concurrent requests with continuous batching (see module doc).
 
@@ -217,22 +214,19 @@ class DSparkEngine:
         drafter: a :class:`~modeling_dspark.DSparkDraftModel` (bound to ``target`` here if it is not yet); may be
             None only with ``policy="none"``.
         policy: a spec of :func:`dspark.generation.policies.parse_policy` or a
-            :class:`~dspark.generation.policies.Policy`; None: ``scheduler`` when the drafter has a confidence head,
-            ``full`` with one without, ``none`` without a drafter.
+            :class:`~dspark.generation.policies.Policy`; None: :func:`~dspark.generation.policies.default_policy`'s.
         block_size: γ' ≤ the drafter's γ slots per round (default γ).
-        sps: an explicit SPS(B) for ``scheduler`` / ``lagged``: a mapping ``{B: steps/s}``, a callable, or a
-            :class:`dspark.evaluation.profiling.SPSProfile` (then the curve for the round's R and mean context is used);
-            default: verify prices learned from the rounds (:mod:`dspark.generation.costs`).
+        sps: an explicit SPS(B) for ``scheduler`` / ``lagged``, as :class:`~dspark.generation.costs.Prices` takes it;
+            default: verify prices learned from the rounds.
         max_batch_size: at most this many requests run at once; more wait in a queue (FIFO).
         eos_token_id: int or list; default the target's ``generation_config.eos_token_id``.
-        lookup: run the n-gram lookup proposer beside the drafter (module doc); with policy ``none`` it is the only
+        lookup: run the n-gram lookup proposer (:mod:`dspark.generation.lookup`); with policy ``none`` it is the only
             proposer (``lookup=False`` and ``policy="none"``: plain decoding). It proposes up to γ' tokens (10
             without a drafter).
 
     Raises:
-        ValueError: a bad policy, a policy that needs a drafter / confidence head without one, block_size out of
-            range, a drafter that does not match the target or is bound to another target instance
-            (:func:`~dspark.generation.drafting.check_drafter`, as `generate()`), a bad lookup.
+        ValueError: a bad policy, ``lookup`` or ``max_batch_size``, a policy that needs a drafter without one, or
+            what :func:`~dspark.generation.drafting.check_drafter` refuses (as for `generate()`).
     """
 
     def __init__(
@@ -345,7 +339,6 @@ class DSparkEngine:
             done += self.step()
         return sorted(done, key=lambda o: o.request_id)
 
-    # ------------------------------------------------------------------ the round
     def _round(self, reqs: list[_Request]) -> None:
         """One speculative round over the running requests ``reqs``: propose → verify → accept → record (module
         doc), with the waiting requests that fit admitted after the proposal and prefilled in the same forward; not

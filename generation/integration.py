@@ -9,10 +9,8 @@ when the assistant is a `DSparkDraftModel` the wrapper calls :func:`dspark_candi
 behaviour. So any supported target loaded with `AutoModelForCausalLM` drafts with DSpark with no other call, also
 through ``pipeline("text-generation", model=target, assistant_model=drafter)``.
 
-Per-call options (verify policy, block size) are context-local, so concurrent users never share them::
-
-    with dspark_options(policy="fixed:3", block_size=4):
-        target.generate(ids, assistant_model=drafter)
+Per-call options (verify policy, block size, …) are set with :class:`dspark_options`, context-local so concurrent
+users never share them.
 
 The block size can also be given the transformers way, ``target.generate(..., num_assistant_tokens=4)``, except
 the value 20: transformers fills an unset ``num_assistant_tokens`` with its default 20 and does not record whether
@@ -50,8 +48,7 @@ class dspark_options(ScopedValue):
 
     Raises:
         ValueError: a bad policy spec, ``block_size`` not an int ≥ 1 (its upper bound, the drafter's γ, is checked
-            when `generate()` starts), ``sps`` neither a mapping ``{B: steps/s}`` nor a callable, ``lookup`` not a
-            bool.
+            when `generate()` starts), ``sps`` neither a mapping ``{B: steps/s}`` nor a callable, ``lookup`` not a bool.
     """
 
     def __init__(self, policy: str | Policy | None = None, block_size: int | None = None, sps=None,
@@ -83,8 +80,7 @@ def _assistant_options(generation_config, block_size: int | None, max_block_size
 
     transformers fills unset options with its defaults before this point (``num_assistant_tokens`` 20,
     ``num_assistant_tokens_schedule`` "constant", ``assistant_confidence_threshold`` 0.4) and keeps no record of
-    which ones the caller passed, so a value equal to the default reads as unset: ``num_assistant_tokens=20``
-    means "the drafter's γ" (use ``dspark_options(block_size=20)`` for a block of exactly 20).
+    which ones the caller passed, so a value equal to the default reads as unset (``num_assistant_tokens``: module doc).
 
     Raises:
         ValueError: ``num_assistant_tokens`` outside [1, ``max_block_size``] (the drafter's block size γ),
@@ -133,12 +129,10 @@ def dspark_candidate_generator(target, drafter, generation_config, input_ids, lo
     :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails
     here, before any model compute.
 
-    An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``, after
-    :meth:`DSparkDraftModel.bind_target` validated the match, and moved to the target's device
-    (:func:`~dspark.generation.drafting.check_drafter`). The block size γ' comes from ``num_assistant_tokens``
-    or ``dspark_options(block_size=...)`` (:func:`_assistant_options`).
-
-    The policy and its SPS(B) table are resolved by :class:`DSparkCandidateGenerator` (after its checks).
+    An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``
+    (:func:`~dspark.generation.drafting.check_drafter`); the block size γ' comes from ``num_assistant_tokens`` or
+    ``dspark_options(block_size=...)`` (:func:`_assistant_options`); the policy and its SPS(B) table are resolved
+    by :class:`DSparkCandidateGenerator` (after its checks).
 
     Raises:
         RuntimeError: the installed transformers is outside the supported range (:mod:`dspark.generation.compat`).

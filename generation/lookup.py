@@ -3,13 +3,10 @@
 Lookup proposes the text that followed the most recent earlier occurrence of the last n committed tokens (prompt
 and generated text alike), as transformers' ``PromptLookupCandidateGenerator`` and vLLM's n-gram proposer do; it
 wins where the answer copies the prompt or itself (code, restated questions), the drafter where it must predict new
-text. The round (:func:`dspark.generation.round.propose`) uses the rule of vLLM's hybrid proposer: a request whose last
-``min_ngram``..``max_ngram`` tokens occurred before verifies the lookup continuation and skips the drafter; the
-others draft. The rule reads only the committed text.
+text. :mod:`dspark.generation.round` tells how a round uses it (the rule of vLLM's hybrid proposer).
 
-The n-grams (n = min_ngram..max_ngram) of the committed text are indexed as the text grows (O(new tokens ·
-max_ngram) dict updates per round, never a rescan of the prefix), each mapped to where its most recent occurrence
-ends.
+The n-grams (n = min_ngram..max_ngram) of the committed text are indexed as the text grows (O(new tokens · max_ngram)
+dict updates per round, never a rescan of the prefix), each mapped to where its most recent occurrence ends.
 
 A lookup proposal is a point mass (its tokens are a function of the committed text), so verifying it is lossless:
 greedy accepts a token while it equals the target's argmax; sampling accepts token k with probability p_t^k(x_k)
@@ -71,8 +68,7 @@ class NGramLookup:
     never runs past the committed text). The first n that matches wins, so a longer context is preferred.
 
     The committed text only grows: :meth:`update` takes the whole committed sequence each round (as transformers'
-    assisted loop passes ``input_ids``) and indexes only its new tail. A sequence that is not an extension of the
-    one seen so far is an error (one ``NGramLookup`` per generated sequence).
+    assisted loop passes ``input_ids``) and reads only its new tail; one ``NGramLookup`` per generated sequence.
 
     Args:
         max_ngram: longest suffix n matched (≥ min_ngram; transformers' default is 2).

@@ -38,10 +38,8 @@ class _Layout:
 
 
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention over per-request caches for a packed ``[1, B]`` query (see the module doc).
-
-    Without a layout (a plain call while the engine's implementation is switched on) it is ordinary SDPA.
-    """
+    """Attention over per-request caches for a packed ``[1, B]`` query (see the module doc); without a layout (a
+    plain call while the engine's implementation is switched on), ordinary SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = kwargs.get("dspark_layout")

@@ -18,22 +18,12 @@ the CLI); :meth:`Policy.start` gives the :class:`PolicyRun` one run uses (a clas
 
 A round asks the run three things (:mod:`dspark.generation.round` tells the round's steps):
 
-1. :meth:`PolicyRun.plan`, before anything is drafted: the round's :class:`RoundPlan`, a frozen value (how much of
-   each lookup chain is verified, which requests draft and how many slots at most, and for a priced round the base
-   B and τ* and the drafting seconds that Algorithm 1 prices the drafts against). The special cases of a priced round
-   are decided there, in :meth:`_Scheduler.plan`, one line of reason each (``lagged`` adds its budget's cold start and
-   K = 0 in :meth:`_Lagged.plan`; how a round's outcome updates the estimators is
-   :func:`dspark.generation.round.record`'s);
+1. :meth:`PolicyRun.plan`, before anything is drafted: the round's :class:`RoundPlan` (a priced round's special
+   cases are decided in :meth:`_Scheduler.plan`, one line of reason each; ``lagged``'s in :meth:`_Lagged.plan`);
 2. :meth:`PolicyRun.lengths`, in the drafting round before sampling slot k, on the ``[R, γ']`` confidence table with
-   c_{r,1..k} known: how many drafts of each request are verified. ``scheduler`` runs Algorithm 1 with its early
-   STOP over the known entries, pricing a verify of B tokens at the learned verify time plus the (now spent) drafting
-   time, so whether x_{r,k} is verified never depends on x_{r,k} itself (non-anticipation, docs/method.md §4): the
-   output stays lossless whatever the policy;
-3. :meth:`PolicyRun.end_round`, after the verify: ``lagged`` turns this round's confidences into the verify budget
-   of LAG rounds later, and a priced run counts the rounds since it last took a plain step or a multi-token verify
-   (its :class:`Exploration`).
-
-Θ(B) = τ*(B) / seconds(B), committed tokens per second (Algorithm 1's τ* · SPS(B) with seconds = 1 / SPS).
+   c_{r,1..k} known: how many drafts of each request are verified, so whether x_{r,k} is verified never depends on
+   x_{r,k} itself (non-anticipation, docs/method.md §4): the output stays lossless whatever the policy;
+3. :meth:`PolicyRun.end_round`, after the verify.
 """
 
 from __future__ import annotations
@@ -147,10 +137,9 @@ class RoundPlan:
 
 @dataclass
 class Exploration:
-    """When a priced run measures the action it has not been taking (decision state, kept beside the run's prices
-    so that runs sharing the prices share it): a plain step after :data:`PLAIN_EVERY` rounds without one, a probe
-    after :data:`PROBE_EVERY` rounds without a multi-token verify. Rounds priced by an explicit SPS(B) table teach
-    nothing and are not counted.
+    """When a priced run measures the action it has not been taking (:data:`PLAIN_EVERY`, :data:`PROBE_EVERY`):
+    decision state, kept beside the run's prices so that runs sharing the prices share it. Rounds priced by an
+    explicit SPS(B) table teach nothing and are not counted.
 
     Attributes:
         since_plain: rounds since the last plain step (B = R).
@@ -271,8 +260,7 @@ class _Scheduler(PolicyRun):
         return lambda b: self.prices.verify_s(b, requests, context_len) + draft_s
 
     def plan(self, states, budgets, lookups, context_len):
-        """The priced round, its special cases in the order they apply (module doc of :mod:`dspark.generation.costs`
-        for the prices)."""
+        """The priced round, its special cases in the order they apply (:mod:`dspark.generation.costs` prices them)."""
         num = len(states)
         unpriced = super().plan(states, budgets, lookups, context_len)
         # nothing measured yet: verify every lookup match and every draft, so the first rounds are timed
@@ -292,8 +280,7 @@ class _Scheduler(PolicyRun):
             return RoundPlan(tuple(lookup.lengths), tuple(budgets), lookup.batch_tokens, lookup.expected_tokens,
                              draft_s, context_len, reason)
 
-        # the drafting time of every request that may draft (an untimed drafting round counts as free, so that it
-        # gets timed)
+        # the drafting time of every request that may draft (an untimed drafting round is free, so that it is timed)
         draft_s = self.prices.draft_s(sum(b > 0 for b in budgets)) or 0.0
         # a probe now and then: one draft token per request verified whatever it costs (PROBE_EVERY)
         if explore and self.exploration.since_verify >= PROBE_EVERY and self.prices.verified_several \
@@ -371,8 +358,7 @@ _RUNS = {"none": _None, "full": PolicyRun, "fixed": _Fixed, "threshold": _Thresh
 
 
 def _table(rows: list[list[float]]) -> tuple[torch.Tensor, list[int]]:
-    """Ragged rows (survivals, confidences) as a float64 ``[R, W]`` table (0 past each row's end) and their
-    lengths."""
+    """Ragged rows (survivals, confidences) as a float64 ``[R, W]`` table (0 past each row's end) and their lengths."""
     width = max((len(r) for r in rows), default=0)
     return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float64).view(len(rows), width), \
         [len(r) for r in rows]

@@ -140,10 +140,9 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
 
 def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], accepted: list[int],
            committed: list[int], t_verify_ms: float, block_size: int, *, priced: bool = True) -> None:
-    """Step 6 of the module doc: the policy's end of round, then each request's
-    :class:`~dspark.generation.stats.RoundStats` (each with its share of the round's drafting time) and acceptance
-    records, then the run's prices (verify time by batch tokens; drafting time, steady where every drafting request
-    caught up on at most one round, ≤ γ' + 1 positions).
+    """Step 6 of the module doc. Each :class:`~dspark.generation.stats.RoundStats` gets its share of the round's
+    drafting time; that time is a steady drafting price where every drafting request caught up on at most one round
+    (≤ γ' + 1 positions).
 
     Args:
         policy: the run's policy (its :class:`~dspark.generation.costs.Prices`, if priced).
@@ -160,9 +159,7 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
     for s, c, a, n in zip(states, chains, accepted, committed):
         ell = len(c.tokens)
         drafter_ran = c.ingested > 0
-        # a request the drafter ran for but whose policy verified none of its slots counts as a chain rejected at
-        # its first position: the plan prices what running the drafter yields, not only what verified chains did
-        refused = c.source == "" and drafter_ran
+        refused = c.source == "" and drafter_ran  # a chain rejected at its first position (costs' module doc)
         s.draft_record.update(ell if c.source == "draft" else (1 if refused else None), a)
         s.lookup_record.update(ell if c.source == "lookup" else None, a)
         s.stats.rounds.append(RoundStats(
@@ -177,6 +174,5 @@ def record(policy: PolicyRun, states: list[RequestState], chains: list[Chain], a
         policy.prices.observe_verify(batch_tokens, t_verify_ms / 1e3, len(chains))
     drafting = [c for c in chains if c.ingested]
     if drafting:
-        # a round that caught up on more than one skipped round's positions is not a steady round's price
         steady = all(c.ingested <= block_size + 1 for c in drafting)
         policy.prices.observe_draft(t_draft_ms / 1e3, len(drafting), steady=steady)

@@ -21,8 +21,6 @@ Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j firs
 non-increasing in j, every prefix of this order is prefix-closed per request (a valid ℓ vector) and, for its size,
 value-maximal. The pool holds every (r, j), including a_{r,j} = 0; with a non-increasing SPS(B) a zero-value entry
 can never raise Θ.
-
-Pure python/torch; no model imports.
 """
 
 from __future__ import annotations
@@ -37,22 +35,20 @@ import torch
 __all__ = ["ScheduleResult", "SPSLike", "MissingSPSEntry", "greedy_prefix", "fill"]
 
 SPSLike = Union[Mapping[int, float], Callable[[int], float]]
-"""SPS(B): verify batch size B (tokens, one slot per request included) ->
-target forward steps per second. A table (Mapping[int, float]) or a
-callable."""
+"""SPS(B): verify batch size B (tokens, one slot per request included) -> target forward steps per second. A table
+(Mapping[int, float]) or a callable."""
 
 @dataclass(frozen=True)
 class ScheduleResult:
     """Outcome of one scheduling decision.
 
     Attributes:
-        lengths: ℓ_r per request (R ints in 0..γ), the number of draft
-            tokens of request r to verify (the anchor slot is not counted).
-        theta: Θ = expected_tokens · SPS(batch_tokens), in committed tokens
-            per second.
+        lengths: ℓ_r per request (R ints in 0..γ), the number of draft tokens of request r to verify (the anchor
+            slot is not counted).
+        theta: Θ = expected_tokens · SPS(batch_tokens), in committed tokens per second.
         batch_tokens: B = R + Σ ℓ_r, tokens in the verify batch.
-        expected_tokens: τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j}, expected tokens
-            committed this round (accepted + one resampled/bonus each).
+        expected_tokens: τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j}, expected tokens committed this round (accepted + one
+            resampled/bonus each).
     """
 
     lengths: list[int]
@@ -131,15 +127,13 @@ def greedy_prefix(a: torch.Tensor, limits, seconds: Callable[[int], float], *, b
     """The greedy of Algorithm 1 over valid survival rows, with the round's cost as a function of B.
 
     Entries (r, j) are admitted in the pooled order (module doc); admitting one adds a verify token and its
-    survival a_{r,j} to the expected tokens. Θ(B) = τ*(B) / seconds(B) (committed tokens per second). With
-    ``seconds(B) = 1 / SPS(B)``, ``base_tokens = R`` and ``base_expected = R`` this is Algorithm 1 exactly
-    (Θ = τ* · SPS(B)).
+    survival a_{r,j} to the expected tokens. Θ(B) = τ*(B) / seconds(B), committed tokens per second; with
+    ``seconds(B) = 1 / SPS(B)`` and ``base_tokens = base_expected = R`` this is Algorithm 1 exactly.
 
     Args:
         a: ``[R, W]`` float64 survivals a_{r,j} ∈ [0, 1], non-increasing along j (not validated here: the
             run's own values).
-        limits: per request the entries of its row in the pool (j ≤ limits[r]; the rest are unknown or past its
-            budget).
+        limits: per request the entries of its row in the pool (j ≤ limits[r]; the rest are unknown or past its budget).
         seconds: B -> the round's time (any unit) for a verify batch of B tokens (drafting included, if sunk).
         base_tokens, base_expected: B and τ* before any entry is admitted (the anchors, fixed chains).
         stop: STOP at the first entry that does not raise Θ (Algorithm 1, non-anticipating); False searches

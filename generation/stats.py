@@ -10,14 +10,13 @@ from .scoped import ScopedValue
 
 @dataclass
 class RoundStats:
-    """One speculative round. ``verified``, ``accepted``, ``confidences`` and ``draft_tokens`` are those of the chain
-    sent to the target (``source``); ``drafted`` counts the drafter's tokens whichever chain was sent.
+    """One speculative round; ``drafted`` counts the drafter's tokens whichever chain was sent (``source``).
 
     Attributes:
         drafted: draft tokens sampled this round (slots the policy admitted).
         verified: proposed tokens sent to the target: the lookup chain's length in a lookup round, else the drafts
             the policy admitted (= drafted: drafting stops where verification stops).
-        accepted: draft tokens the target accepted (n in the paper).
+        accepted: proposed tokens the target accepted (n in the paper).
         committed: tokens appended this round (accepted + the resampled/bonus token; may be cut by EOS/length).
         confidences: calibrated c_k of the verified positions (empty without a confidence head).
         draft_tokens: the proposed token ids: the drafter's drafted ids, or the verified lookup tokens.
