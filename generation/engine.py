@@ -45,7 +45,6 @@ def accept_greedy(drafts: Sequence[int], predicted: Sequence[int]) -> int:
     return n
 
 
-# ---------------------------------------------------------------------------------------------- records
 @dataclass
 class RequestOutput:
     """A finished request.
@@ -271,7 +270,6 @@ class DSparkEngine:
         self._next_id = 0
         self.stats = EngineStats()
 
-    # ------------------------------------------------------------------ public API
     def add_request(self, prompt_ids, max_new_tokens: int = 128) -> int:
         """Queue a request; it joins the batch at the next :meth:`step`. Returns its id.
 
@@ -340,15 +338,12 @@ class DSparkEngine:
         return sorted(done, key=lambda o: o.request_id)
 
     def _round(self, reqs: list[_Request]) -> None:
-        """One speculative round over the running requests ``reqs``: propose → verify → accept → record (module
-        doc), with the waiting requests that fit admitted after the proposal and prefilled in the same forward; not
-        beside a round that measures a price (a plain step, a probe, or before any price is known)."""
+        """One round over the running ``reqs`` (:mod:`dspark.generation.round`); waiting requests that fit are admitted
+        after the proposal, prefilled in its forward, unless :meth:`~.policies.PolicyRun.measures` the round."""
         chains = propose(self.drafter, self.policy, reqs, [r.prompt + r.output for r in reqs],
                          [r.remaining - 1 for r in reqs], self.block_size) if reqs else []
-        measures = reqs and (chains[0].plan.reason in ("plain step", "probe") or self.policy.prices is not None
-                             and not self.policy.prices.known)
-        new = [] if measures else [self._waiting.popleft() for _ in range(min(len(self._waiting),
-                                                                             self.max_batch_size - len(reqs)))]
+        room = 0 if reqs and self.policy.measures(chains[0].plan) else self.max_batch_size - len(reqs)
+        new = [self._waiting.popleft() for _ in range(min(len(self._waiting), room))]
         t1 = time.perf_counter()
         segments = [(r.kv, [r.output[-1]] + c.tokens) for r, c in zip(reqs, chains)]
         starts = [r.kv.length for r in reqs]
@@ -373,11 +368,9 @@ class DSparkEngine:
         if not reqs:
             self.stats.prefill_ms += (t2 - t1) * 1e3
             return
-        # a forward that also prefilled is no verify price: its time is recorded, not learned from
         record(self.policy, reqs, chains, accepted, committed, (t2 - t1) * 1e3, self.block_size, priced=not new)
         self.stats.rounds.append(EngineRound([r.stats.rounds[-1] for r in reqs]))
 
-    # ------------------------------------------------------------------ bookkeeping
     def _start(self, reqs: list[_Request], logits: torch.Tensor, feats: torch.Tensor | None, admitted: float) -> None:
         """Start the requests just prefilled from the target's ``logits [ΣP, V]`` and features ``feats [1, ΣP, m·H]``
         at their prompts' positions, in order: their first token (the argmax), their drafter's context and their

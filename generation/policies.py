@@ -210,9 +210,13 @@ class PolicyRun:
         """
         return list(plan.budgets)
 
-    def end_round(self, plan: RoundPlan, confidences: list[list[float]], batch_tokens: int, timed: bool = True) -> None:
+    def measures(self, plan: RoundPlan) -> bool:
+        """Whether the round is taken to time the target, so nothing else may share its verify forward: never here."""
+        return False
+
+    def end_round(self, plan: RoundPlan, confidences: list[list[float]], batch_tokens: int, priced=True) -> None:
         """After the verify (step 3 of the module doc), with per request the confidences its slots reached, the
-        verify's B and whether its time was a price (an untimed round is not counted by :class:`Exploration`)."""
+        verify's B and whether its time was a price (a round that was not is not counted by :class:`Exploration`)."""
 
 
 def _limits(plan: RoundPlan, conf: torch.Tensor, known: list[int] | None) -> list[int]:
@@ -309,8 +313,11 @@ class _Scheduler(PolicyRun):
             return list(plan.budgets)
         return self._best(plan, conf, _limits(plan, conf, known), stop=True).lengths
 
-    def end_round(self, plan, confidences, batch_tokens, timed=True):
-        if self.prices.sps is None and timed:
+    def measures(self, plan):
+        return plan.reason in ("plain step", "probe") or not self.prices.known  # exploration, or the first rounds
+
+    def end_round(self, plan, confidences, batch_tokens, priced=True):
+        if self.prices.sps is None and priced:
             self.exploration.observe(batch_tokens, len(confidences))
 
 
@@ -340,8 +347,8 @@ class _Lagged(_Scheduler):
         a = conf[:, :width].masked_fill(torch.arange(width)[None, :] >= torch.tensor(limits)[:, None], 0.0)
         return fill(a.cumprod(dim=1), [width] * len(limits), self._budget)
 
-    def end_round(self, plan, confidences, batch_tokens, timed=True):
-        super().end_round(plan, confidences, batch_tokens, timed)
+    def end_round(self, plan, confidences, batch_tokens, priced=True):
+        super().end_round(plan, confidences, batch_tokens, priced)
         if not self.prices.known:  # unpriced: the budgets it drafted
             self._budgets.append(sum(plan.budgets))
             return
