@@ -51,16 +51,9 @@ else
   T_LOSSLESS=120; T_DEFAULT=210; T_PLD=120
 fi
 
-: > "$WORK/steps.log"
-step() {  # step NAME SECONDS CMD...: run with a time limit, record rc and seconds, keep the output
-  local name=$1 limit=$2 t0 rc
-  shift 2
-  t0=$(date +%s)
-  echo "=== $name: $*" >> "$WORK/all.log"
-  timeout -k 10 "$limit" "$@" >> "$WORK/all.log" 2>&1
-  rc=$?
-  echo "$name rc=$rc seconds=$(( $(date +%s) - t0 )) limit=$limit" | tee -a "$WORK/steps.log"
-}
+STEP_LOG=$WORK/steps.log
+: > "$STEP_LOG"
+source "$REPO/scripts/gpu_steps.sh"
 
 mkdir -p "$WORK/results"
 "$PYTHON" - > "$WORK/results/env.json" 2>>"$WORK/all.log" <<'EOF'

@@ -73,16 +73,9 @@ if [ "$MODE" != gpu ]; then  # the prompt plan and the calibration prompts, wher
 fi
 
 mkdir -p "$OUTDIR" "$WORK/results"
-: > "$WORK/results/steps.log"
-step() {  # step NAME SECONDS CMD...
-  local name=$1 limit=$2 t0 rc
-  shift 2
-  t0=$(date +%s)
-  echo "=== $name: $*" >> "$WORK/all.log"
-  timeout -k 10 "$limit" "$@" >> "$WORK/all.log" 2>&1
-  rc=$?
-  echo "$name rc=$rc seconds=$(( $(date +%s) - t0 )) limit=$limit" | tee -a "$WORK/results/steps.log"
-}
+STEP_LOG=$WORK/results/steps.log
+: > "$STEP_LOG"
+source "$REPO/scripts/gpu_steps.sh"
 cp -r "$PREP/data" "$WORK/data"  # resumed from the carried plan: the GPU needs no data package
 step data "$T_DATA" "${DSPARK[@]}" data build --out-dir "$WORK/data" "${DATA_ARGS[@]}" --device "$DEVICE" \
   --threads "$THREADS"
