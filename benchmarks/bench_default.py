@@ -14,6 +14,9 @@ the sign test over repetitions. Request i asks for 24 + (37·i mod 49) new token
 ``--engine-tokens``, so that plain decoding admits and retires the requests in lock-step waves while speculation
 staggers them (the drain at the end then runs with few requests in flight).
 
+``--background-load N`` runs N single-threaded busy loops beside the whole benchmark (a machine where another job
+takes cores, as a user's often is): both arms share the same load, and the measured prices are as noisy as they get.
+
     python benchmarks/bench_default.py --target SmolLM2-135M-Instruct --per-domain 8 --max-new-tokens 96 \\
         --dtypes float32,bfloat16 --engine-requests 1,4,16 --out benchmarks/results/default/smollm2.json
 
@@ -52,11 +55,28 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="engine repetitions (default: 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: cpu)")
+    p.add_argument("--background-load", type=int, default=0,
+                   help="busy-loop processes running beside the benchmark (default: 0)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.engine_tokens < 2 or args.engine_waves < 1:
         p.error("--engine-tokens must be >= 2 and --engine-waves >= 1")
     return args
+
+
+def _busy_loop() -> None:
+    while True:
+        pass
+
+
+def start_background_load(num: int) -> list:
+    """Start ``num`` daemon processes that each keep one core busy until the benchmark exits."""
+    import multiprocessing
+
+    procs = [multiprocessing.Process(target=_busy_loop, daemon=True) for _ in range(num)]
+    for proc in procs:
+        proc.start()
+    return procs
 
 
 def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
@@ -208,9 +228,11 @@ def main(argv=None) -> int:
               "settings": {"per_domain": args.per_domain, "offset": args.offset,
                            "max_new_tokens": args.max_new_tokens, "engine_tokens": args.engine_tokens,
                            "engine_waves": args.engine_waves, "engine_equal_lengths": args.engine_equal_lengths,
-                           "repeats": args.repeats, "prompt_ids": {d: [p["id"] for p in ps]
+                           "repeats": args.repeats, "background_load": args.background_load,
+                           "prompt_ids": {d: [p["id"] for p in ps]
                                                                    for d, ps in prompts.items()}},
               "runs": []}
+    load = start_background_load(args.background_load)
     for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
         target, tok, drafter = load_models(args.target, drafter_spec, dt, args.device)
@@ -220,6 +242,8 @@ def main(argv=None) -> int:
                                        args.engine_waves, args.engine_equal_lengths)
         result["runs"].append(run)
         del target, drafter
+    for proc in load:
+        proc.terminate()
     write_result(result, markdown(result), args.out)
     return 0
 
