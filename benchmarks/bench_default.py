@@ -14,8 +14,8 @@ the sign test over repetitions. Request i asks for 24 + (37·i mod 49) new token
 ``--engine-tokens``, so that plain decoding admits and retires the requests in lock-step waves while speculation
 staggers them (the drain at the end then runs with few requests in flight).
 
-``--background-load N`` runs N single-threaded busy loops beside the whole benchmark (a machine where another job
-takes cores, as a user's often is): both arms share the same load, and the measured prices are as noisy as they get.
+``--background-load N`` runs N single-threaded busy-loop processes beside the whole benchmark (another job holding
+cores): both arms share the load, and the policy's measured prices see the contention of a shared machine.
 
     python benchmarks/bench_default.py --target SmolLM2-135M-Instruct --per-domain 8 --max-new-tokens 96 \\
         --dtypes float32,bfloat16 --engine-requests 1,4,16 --out benchmarks/results/default/smollm2.json
@@ -26,6 +26,7 @@ Writes JSON to ``--out`` and prints a markdown table; names the processor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.stats import paired, paired_ratios  # noqa: E402  (after the path: run as a script)
 from benchmarks.common import (  # noqa: E402
-    KERNEL_LIMITS, device_name, load_domain_prompts, result_header, usable_cores, write_result)
+    device_name, load_domain_prompts, result_header, usable_cores, write_result)
 
 
 def parse_args(argv=None):
@@ -56,11 +57,13 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
     p.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: cpu)")
     p.add_argument("--background-load", type=int, default=0,
-                   help="busy-loop processes running beside the benchmark (default: 0)")
+                   help="single-threaded busy-loop processes, each keeping one core busy during the run (default: 0)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.engine_tokens < 2 or args.engine_waves < 1:
         p.error("--engine-tokens must be >= 2 and --engine-waves >= 1")
+    if args.background_load < 0:
+        p.error("--background-load must be >= 0")
     return args
 
 
@@ -69,14 +72,21 @@ def _busy_loop() -> None:
         pass
 
 
-def start_background_load(num: int) -> list:
-    """Start ``num`` daemon processes that each keep one core busy until the benchmark exits."""
+@contextlib.contextmanager
+def background_load(num: int):
+    """``num`` daemon processes, each keeping one core busy, for the duration of the ``with`` block."""
     import multiprocessing
 
     procs = [multiprocessing.Process(target=_busy_loop, daemon=True) for _ in range(num)]
-    for proc in procs:
-        proc.start()
-    return procs
+    try:
+        for proc in procs:
+            proc.start()
+        yield
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
 
 
 def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
@@ -172,8 +182,10 @@ def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: 
 
 
 def markdown(result: dict) -> str:
-    limit = "; kernels limited by " + ", ".join(f"{k}={v}" for k, v in result["isa_limit"].items()) \
-        if result.get("isa_limit") else ""
+    limits = result.get("machine", {}).get("kernel_limits") or result.get("isa_limit")  # older results: isa_limit
+    limit = "; kernels limited by " + ", ".join(f"{k}={v}" for k, v in limits.items()) if limits else ""
+    load = result["settings"].get("background_load")
+    limit += f"; {load} busy-loop process(es) beside the run" if load else ""
     lines = [f"Processor: {result['processor']}{limit}; torch threads {result['threads']}; target {result['target']}, "
              f"drafter {result['drafter']}; {result['settings']['per_domain']} prompts per domain × "
              f"{result['settings']['max_new_tokens']} new tokens, greedy.", "",
@@ -220,8 +232,7 @@ def main(argv=None) -> int:
     drafter_spec = args.drafter or str(shipped_drafter_for(args.target))
     prompts = load_domain_prompts(args.per_domain, args.offset)
     levels = [int(x) for x in args.engine_requests.split(",") if x.strip()]
-    isa_limit = {k: os.environ[k] for k in KERNEL_LIMITS if os.environ.get(k)}  # kernels held below the processor's
-    result = {**result_header("default", argv, threads), "processor": cpu_model(), "isa_limit": isa_limit,
+    result = {**result_header("default", argv, threads), "processor": cpu_model(),
               "device": device_name(args.device),
               "threads": threads,
               "target": args.target, "drafter": drafter_spec,
@@ -232,18 +243,16 @@ def main(argv=None) -> int:
                            "prompt_ids": {d: [p["id"] for p in ps]
                                                                    for d, ps in prompts.items()}},
               "runs": []}
-    load = start_background_load(args.background_load)
-    for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
-        print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
-        target, tok, drafter = load_models(args.target, drafter_spec, dt, args.device)
-        run = {"dtype": dt, "generate": generate_arm(target, tok, drafter, prompts, args.max_new_tokens)}
-        if levels:
-            run["engine"] = engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats,
-                                       args.engine_waves, args.engine_equal_lengths)
-        result["runs"].append(run)
-        del target, drafter
-    for proc in load:
-        proc.terminate()
+    with background_load(args.background_load):
+        for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+            print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
+            target, tok, drafter = load_models(args.target, drafter_spec, dt, args.device)
+            run = {"dtype": dt, "generate": generate_arm(target, tok, drafter, prompts, args.max_new_tokens)}
+            if levels:
+                run["engine"] = engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats,
+                                           args.engine_waves, args.engine_equal_lengths)
+            result["runs"].append(run)
+            del target, drafter
     write_result(result, markdown(result), args.out)
     return 0
 

@@ -251,3 +251,21 @@ def test_bench_transformers_smoke(tmp_path):
             vs = x[f"dspark_vs_{arm}"]
             assert vs["faster"] in (0, 1) and (vs["sign_p"] == pytest.approx(1.0) or math.isnan(vs["sign_p"]))
     assert "| float32 | math |" in result["markdown"]
+
+
+def test_background_load_runs_only_inside_its_block():
+    """bench_default's --background-load: the busy processes run inside the block and are gone after it, also when
+    the block raises."""
+    import multiprocessing
+
+    bench = load("bench_default")
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="inside"):
+        with bench.background_load(1):
+            started = set(multiprocessing.active_children()) - before
+            assert len(started) == 1 and all(p.is_alive() for p in started)
+            raise RuntimeError("inside")
+    assert not any(p.is_alive() for p in started)
+    assert bench.parse_args(["--out", "x.json", "--background-load", "2"]).background_load == 2
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x.json", "--background-load", "-1"])
