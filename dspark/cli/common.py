@@ -64,11 +64,11 @@ def add_dtype_option(p, default: str = "auto") -> None:
                         f"(default: {default})")
 
 
-def add_model_options(p, dtype: str = "auto") -> None:
-    """``--dtype``, ``--device`` and ``--threads``, in that order."""
+def add_model_options(p, dtype: str = "auto", idle: bool = False) -> None:
+    """``--dtype``, ``--device`` and ``--threads`` (``idle``: as :func:`add_threads_option`), in that order."""
     add_dtype_option(p, dtype)
     add_device_option(p)
-    add_threads_option(p)
+    add_threads_option(p, idle)
 
 
 def add_device_option(p) -> None:
@@ -87,10 +87,12 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def add_threads_option(p) -> None:
-    """``--threads N``, N >= 1 (apply with :func:`set_threads`)."""
+def add_threads_option(p, idle: bool = False) -> None:
+    """``--threads N``, N >= 1 (apply with :func:`set_threads`); ``idle``: the command's default is
+    :func:`idle_threads`, not torch's setting."""
+    default = "the cores idle when the job starts" if idle else "torch's setting, one per core"
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
-                   help="torch CPU threads (default: torch's setting, one per core)")
+                   help=f"torch CPU threads (default: {default})")
 
 
 _FROM_DRAFTER = "the drafter's target if it is a packaged target or a local directory, else SmolLM2-135M-Instruct"
@@ -227,6 +229,29 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *
         exact = "" if name == "float32" else "; --dtype float32 for token-exact output"
         print(f"{announce}: dtype {name} ({why}{exact})", file=sys.stderr)
     return name
+
+
+def idle_threads(announce: str | None = None, interval: float = 0.2) -> int:
+    """Torch threads for a CPU job starting now: the cores this process may use less the CPU time other processes
+    take on them over ``interval`` seconds (psutil), at least 1; ``announce`` prints the choice when it is below the
+    usable cores.
+
+    With more threads than idle cores, every parallel region waits for a thread that shares its core: on the 2-core
+    EPYC of docs/benchmarks.md, with one busy loop beside, plain SmolLM2 `generate()` ran 6.4 tok/s with 2 threads and
+    16.1 with 1.
+    """
+    import os
+
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    percent = psutil.cpu_percent(interval=interval, percpu=True)
+    busy = sum(percent[c] for c in cores if c < len(percent)) / 100.0
+    threads = max(1, len(cores) - round(busy))
+    if announce and threads < len(cores):
+        print(f"{announce}: {threads} torch thread(s): other processes kept {busy:.1f} of this job's {len(cores)} "
+              "cores busy at the start (--threads N to choose)", file=sys.stderr)
+    return threads
 
 
 def set_threads(n: int | None) -> None:

@@ -32,6 +32,7 @@ from .common import (
     check_policy,
     check_target,
     drafter_dir,
+    idle_threads,
     load_models,
     reports_cli_errors,
     resolve_device,
@@ -85,7 +86,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="sample from the K most likely tokens; needs --do-sample (default: 0 = off)")
     samp.add_argument("--seed", type=int, default=None,
                       help="set before every sampled generate() call; needs --do-sample (default: 0)")
-    add_model_options(p)
+    add_model_options(p, idle=True)
     p.add_argument("--compare", action="store_true",
                    help="also run plain generate() on the same prompt and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (JSON lines)")
@@ -246,7 +247,7 @@ def run(args) -> int:
     args.target = target_for_drafter(args.target, drafter_spec)
     policy = check_policy(args.policy) if args.policy is not None and drafter_spec is not None else None
     device = resolve_device(args.device)
-    set_threads(args.threads)
+    set_threads(args.threads if args.threads is not None or device != "cpu" else idle_threads("dspark generate"))
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
