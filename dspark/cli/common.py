@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -232,25 +233,26 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *
 
 
 def idle_threads(announce: str | None = None, interval: float = 0.2) -> int:
-    """Torch threads for a CPU job starting now: the cores this process may use less the CPU time other processes
-    take on them over ``interval`` seconds (psutil), at least 1; ``announce`` prints the choice when it is below the
-    usable cores.
-
-    With more threads than idle cores, every parallel region waits for a thread that shares its core: on the 2-core
-    EPYC of docs/benchmarks.md, with one busy loop beside, plain SmolLM2 `generate()` ran 6.4 tok/s with 2 threads and
-    16.1 with 1.
-    """
-    import os
-
+    """Torch threads for a CPU job starting now: torch's setting less the logical CPUs of this process's affinity that
+    other work keeps busy (CPU time over ``interval`` seconds, psutil), at least 1; torch's setting where
+    ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set it or psutil cannot map the CPU ids. ``announce`` prints a lower
+    choice. A thread sharing its core stalls every parallel region: with one of 2 cores busy, plain SmolLM2
+    `generate()` ran 6.4 tok/s with 2 threads, 16.1 with 1 (docs/benchmarks.md)."""
     import psutil
+    import torch
 
+    current = torch.get_num_threads()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS") or len(cores) < 2:
+        return current
     percent = psutil.cpu_percent(interval=interval, percpu=True)
-    busy = sum(percent[c] for c in cores if c < len(percent)) / 100.0
-    threads = max(1, len(cores) - round(busy))
-    if announce and threads < len(cores):
-        print(f"{announce}: {threads} torch thread(s): other processes kept {busy:.1f} of this job's {len(cores)} "
-              "cores busy at the start (--threads N to choose)", file=sys.stderr)
+    if max(cores) >= len(percent):
+        return current
+    busy = sum(percent[c] for c in cores) / 100.0
+    threads = max(1, min(current, len(cores) - int(busy + 0.5)))
+    if announce and threads < current:
+        print(f"{announce}: {threads} torch thread(s): other work kept {busy:.1f} of this job's {len(cores)} CPUs "
+              "busy at the start (--threads N to choose)", file=sys.stderr)
     return threads
 
 

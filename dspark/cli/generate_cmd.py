@@ -247,7 +247,8 @@ def run(args) -> int:
     args.target = target_for_drafter(args.target, drafter_spec)
     policy = check_policy(args.policy) if args.policy is not None and drafter_spec is not None else None
     device = resolve_device(args.device)
-    set_threads(args.threads if args.threads is not None or device != "cpu" else idle_threads("dspark generate"))
+    on_cpu = args.threads is None and device.split(":")[0] == "cpu"
+    set_threads(idle_threads("dspark generate") if on_cpu else args.threads)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
