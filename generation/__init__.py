@@ -1,11 +1,8 @@
-"""DSpark inference: the drafting round, the round's decisions, verify policies, Algorithm 1, `generate()`
-integration, the batched engine and statistics (SPS(B) tables are measured by :mod:`dspark.evaluation.profiling`).
+"""DSpark inference: the drafting round, the round's decisions, verify policies, Algorithm 1, `generate()` integration,
+the batched engine and statistics (SPS(B) tables are measured by :mod:`dspark.evaluation.profiling`). Never imports the
+model package (`modeling_dspark`: a drafter is known by the methods called on it), training or evaluation code."""
 
-Never imports the model package (`modeling_dspark`: a drafter is known by the methods called on it), training or
-evaluation code.
-"""
-
-if __name__ == "generation":  # the folder imported under its old top-level name: a second, unconnected copy
+if __name__ == "generation":  # the folder imported as a top-level package: a second, unconnected copy
     raise ImportError("this package is dspark.generation: import dspark.generation (top-level 'generation' is "
                       "not dspark's, and a second copy would not share its options or statistics)")
 

@@ -1,18 +1,15 @@
 """`DSparkCandidateGenerator`: the DSpark drafter as a transformers `CandidateGenerator` (R = 1).
 
-Each round queues the target features of the newly committed positions (``output_hidden_states`` of the assisted
-loop) for the drafter's context and runs :func:`dspark.generation.round.propose` for one request; transformers then
-verifies the candidates in one target forward and accepts or rejects them (greedy match, or rejection sampling with
-residual resampling), which keeps the output lossless.
+Each round queues the target features of the newly committed positions (``output_hidden_states`` of the assisted loop)
+for the drafter's context and runs :func:`dspark.generation.round.propose` for one request; transformers then verifies
+the candidates in one target forward and accepts or rejects them (greedy match, or rejection sampling with residual
+resampling), which keeps the output lossless, also for a chain of the n-gram lookup (:mod:`dspark.generation.lookup`),
+which comes without candidate logits: a point mass.
 
-The n-gram lookup proposer (:mod:`dspark.generation.lookup`, on unless ``dspark_options(lookup=False)``) returns
-its chain without candidate logits: a point mass, which transformers verifies losslessly (that module's doc tells how).
-
-Stop strings: transformers' assisted loop checks its stopping criteria once per round, on the last committed token,
-so a stop string completed by an accepted draft token inside the block would go unseen. When the call has stop
-strings, the draft is cut before the first token whose acceptance would complete one, so a stop string can only
-complete at a round's last committed token (the target's own token), where the criteria see it.
-"""
+Stop strings: transformers' assisted loop checks its stopping criteria once per round, on the last committed token, so a
+stop string completed by an accepted draft inside the block would go unseen. With stop strings, the draft is cut before
+the first token whose acceptance would complete one: a stop string completes only at a round's last token (the target's
+own), where the criteria see it."""
 
 from __future__ import annotations
 
@@ -87,17 +84,15 @@ def _start_policy(drafter, target, policy: Policy | None, block_size: int, sps) 
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
-    """Candidate generator for `target.generate(ids, assistant_model=drafter)` with a DSpark drafter.
-
-    State for one `generate()` call lives here (the request's :class:`~dspark.generation.round.RequestState`, the
-    started policy); the drafter holds only weights.
+    """Candidate generator for `target.generate(ids, assistant_model=drafter)` with a DSpark drafter. State for one
+    `generate()` call lives here (the request's :class:`~dspark.generation.round.RequestState`, the started policy); the
+    drafter holds only weights.
 
     Args:
         drafter: a :class:`DSparkDraftModel` bound to ``target``.
         target: the target causal LM.
         generation_config: the call's generation config (``do_sample``, ``max_length``, ``stop_strings``).
-        logits_processor: the call's processors (incl. temperature / top-k / top-p warpers when sampling); applied
-            to the draft logits exactly as the target's logits are processed.
+        logits_processor: the call's processors (warpers included), applied to the draft logits as to the target's.
         input_ids: ``[1, P]`` prompt ids.
         policy: a verify policy spec or :class:`~dspark.generation.policies.Policy`; None:
             :func:`~dspark.generation.policies.default_policy`'s.

@@ -1,15 +1,13 @@
-"""The transformers releases dspark is tested with, every transformers internal it touches, and the check that
-enforces the range.
+"""The transformers releases dspark is tested with, every transformers internal it touches, and the check of the range.
 
-`target.generate(ids, assistant_model=drafter)` reaches DSpark through transformers' generation internals. Each one
-is listed in :data:`INTERNALS` with how dspark reaches it on each supported release; a release outside
+`target.generate(ids, assistant_model=drafter)` reaches DSpark through transformers' generation internals. Each one is
+listed in :data:`INTERNALS` with how dspark reaches it on each supported release; a release outside
 :func:`supported_transformers` may have changed any of them, so `generate()` with a DSpark drafter refuses it
 (:func:`check_transformers`) and pyproject.toml declares the same range. CI tests both ends (`.ci/run` at the lowest,
-`scripts/test_versions.sh` at the highest).
-
-The one seam that is not a transformers interface, the hook on ``GenerationMixin._get_candidate_generator``, is
-told in :mod:`dspark.generation.integration`. Everything a round needs from the target (its hidden states at the
-drafter's layers, the committed ids) comes through the candidate-generator interface of the assisted loop.
+`scripts/test_versions.sh` at the highest). The two seams that are not transformers interfaces, the hook on
+``GenerationMixin._get_candidate_generator`` and the wrapper of ``_assisted_decoding``, are told in
+:mod:`dspark.generation.integration` and :mod:`modeling_dspark`. Everything a round needs from the target (its hidden
+states at the drafter's layers, the committed ids) comes through the candidate-generator interface of the assisted loop.
 """
 
 from __future__ import annotations
@@ -35,8 +33,11 @@ class Internal(NamedTuple):
 
 INTERNALS: tuple[Internal, ...] = (
     Internal("GenerationMixin._get_candidate_generator",
-             "choose DSpark's candidate generator for a DSpark assistant (the hook, the one seam)",
+             "choose DSpark's candidate generator for a DSpark assistant (the hook)",
              {"5.24": "private method, wrapped once at class level; same signature in 5.25"}),
+    Internal("GenerationMixin._assisted_decoding", "run the assisted loop inside products.few_row_products",
+             {"5.24": "private method, found by getattr(type(model), name); generate() reads its signature "
+                      "(inputs_tensor) through __wrapped__; same in 5.25"}),
     Internal("generation.candidate_generator.CandidateGenerator.get_candidates",
              "one round: called with (input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)",
              {"5.24": "the assisted loop passes the target's last outputs when requires_model_outputs is set"}),

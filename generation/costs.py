@@ -1,32 +1,30 @@
 """What a round costs on this machine and what each proposer is expected to yield, learned from the rounds.
 
-The scheduler prices every round (Algorithm 1 with a drafting-cost term, docs/method.md §4): a verify of B tokens
-costs ``Prices.verify_s(B)`` seconds and a drafting round ``Prices.draft_s(n)`` seconds; a proposer's chain is expected
-to survive to position j with probability p^j, p from its :class:`AcceptanceRecord`. All three are measured by the
-rounds themselves (every round already times its verify and its drafting), so they follow the machine as it is, a
-busy one included, and nothing is stored: a new process starts from the priors. They decide only how many proposed
-tokens are verified, never the output (:mod:`dspark.generation.round`).
+The scheduler prices every round (Algorithm 1 with a drafting-cost term, docs/method.md §4): a verify of B tokens costs
+``Prices.verify_s(B)`` seconds and a drafting round ``Prices.draft_s(n)`` seconds; a proposer's chain is expected to
+survive to position j with probability p^j, p from its :class:`AcceptanceRecord`. All three are measured by the rounds
+themselves (every round already times its verify and its drafting), so they follow the machine as it is, a busy one
+included, and nothing is stored: a new process starts from the priors. They decide how many tokens are verified, never
+the output.
 
-* verify: a plain step (B = R, every request its anchor alone) is priced by a running average of plain steps, and a
-  verify of more tokens by a least-squares line t(B) = t_0 + b·B through the recent such rounds' (B, seconds), each
-  weighted by :data:`VERIFY_DECAY` ^ age, never below the plain step. Two prices, since a one-token step and a
-  multi-token forward take different kernels (matrix-vector and matrix-matrix products): on the EPYC with
-  AVX512-BF16 in float32 a 2-token verify of SmolLM2 cost 1.5 steps and a 9-token one about the same, while across
-  CPUs a 9-token verify measured 1.1 to 6.7 steps. The slope is shrunk toward the prior
-  :data:`PRIOR_SLOPE` until the rounds have shown B values spread enough to measure it. An explicit
-  SPS(B) table (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
-* drafting: per number of drafting requests n, an exponential average of drafting rounds that caught up on at most
-  one round of committed positions (a round after skipped rounds ingests more, which is not the price of drafting
-  every round: it may only lower it); a count not timed yet takes the nearest timed count's price. One price for
-  every n would misprice the engine: on the Xeon with AMX a drafting round of 16 requests took twice one of a few.
-* when to measure again the action not being taken (a plain step, a probe) is the scheduler's decision
-  (:class:`dspark.generation.policies.Exploration`), not an estimator's.
-* acceptance: per proposer, decayed counts of accepted and tried chain positions with a prior of
-  :data:`PRIOR_STRENGTH` pseudo-trials at :data:`PRIOR_ACCEPT`; the counts decay every round, also when the proposer
-  did not run, so a proposer priced out of the rounds drifts back to the prior and is tried again. A drafting round
-  whose policy verified nothing counts as a chain rejected at its first position: otherwise a drafter whose
-  confidences keep refusing every slot would keep its record at the prior and be run, and paid for, every round.
-"""
+* verify: a plain step (B = R: the anchors alone) is priced by a running average of plain steps, and a verify of more
+  tokens by a least-squares line t(B) = t_0 + b·B through the recent such rounds' (B, seconds), each weighted by
+  :data:`VERIFY_DECAY` ^ age, never below the plain step. Two prices, since a one-token step and a multi-token forward
+  take different kernels (matrix-vector and matrix-matrix products): on the EPYC with AVX512-BF16 in float32 a 2-token
+  verify of SmolLM2 cost 1.5–1.9 steps by torch's own BLAS call (a 9-token one about the same) and 1.0 by
+  :mod:`.products`' choice, while across CPUs a 9-token verify measured 1.1 to 6.7 steps. The slope is shrunk toward the
+  prior :data:`PRIOR_SLOPE` until the rounds' B values spread enough to measure it. An explicit SPS(B) table
+  (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
+* drafting: per number of drafting requests n, an exponential average of drafting rounds that caught up on at most one
+  round of committed positions (a round after skipped rounds ingests more, which is not the price of drafting every
+  round: it may only lower it); a count not timed yet takes the nearest timed count's price. One price for every n would
+  misprice the engine: on the Xeon with AMX a drafting round of 16 requests took twice one of a few.
+* the scheduler, not an estimator, decides when to measure an untaken action again (:class:`~.policies.Exploration`).
+* acceptance: per proposer, decayed counts of accepted and tried chain positions with a prior of :data:`PRIOR_STRENGTH`
+  pseudo-trials at :data:`PRIOR_ACCEPT`; the counts decay every round, also when the proposer did not run, so a proposer
+  priced out of the rounds drifts back to the prior and is tried again. A drafting round whose policy verified nothing
+  counts as a chain rejected at its first position: otherwise a drafter whose confidences keep refusing every slot would
+  keep its record at the prior and be run, and paid for, every round."""
 
 from __future__ import annotations
 
@@ -76,9 +74,8 @@ class Prices:
     """The round's prices on this machine (module doc): verify seconds by batch tokens B, drafting seconds.
 
     Args:
-        sps: an explicit SPS(B) (steps/s; a mapping ``{B: steps/s}``, a callable, or an
-            :class:`~dspark.evaluation.profiling.SPSProfile`, whose curve for the round's R and mean context is
-            used); None learns the verify line from the rounds.
+        sps: an explicit SPS(B): ``{B: steps/s}``, a callable or an :class:`~dspark.evaluation.profiling.SPSProfile`
+            (steps/s; its curve for the round's R and mean context is used); None: the line is learned from the rounds.
     """
 
     def __init__(self, sps=None):

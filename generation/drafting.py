@@ -102,8 +102,7 @@ class DraftResult:
             stopped; empty without a confidence head).
         logits: per request, ``[len(tokens), V]`` float32 processed logits the tokens were drawn from, or None
             (greedy without a :class:`Sampler`).
-        ingested: per request, the target positions ingested into its context this round (0: the drafter did not
-            run for it).
+        ingested: per request, target positions ingested into its context this round (0: the drafter did not run).
     """
 
     tokens: list[list[int]]
@@ -114,11 +113,8 @@ class DraftResult:
 
 
 def check_drafter(drafter: Drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
-    """Bind an unbound drafter to ``target`` (and move it to the target's device) and check that it serves this
-    request; return the block size γ'.
-
-    The same checks for `generate()` (:func:`dspark.generation.candidate_generator.validate_request`) and
-    :class:`~dspark.generation.engine.DSparkEngine`.
+    """Bind an unbound drafter to ``target`` (moving it to the target's device) and check that it serves this request,
+    for `generate()` and :class:`~dspark.generation.engine.DSparkEngine` alike; return the block size γ'.
 
     Raises:
         ValueError: a drafter bound to a different target instance (re-binding would change it for every other
@@ -145,13 +141,10 @@ def check_drafter(drafter: Drafter, target, block_size: int | None = None, polic
 
 
 class _BatchedDraftContext:
-    """Duck-typed cache for ONE batched drafter forward over A requests with per-request context caches.
-
-    The drafter's attention calls ``update(k_new [A, kvh, S_max, d], v_new, layer)`` with the K/V of the new context
-    rows (right-padded to S_max); this writes each request's ``counts[a]`` valid rows into its own
-    :class:`RequestKV` and returns the full contexts right-padded to the longest (``[A, kvh, L_max, d]``); the
-    attention mask hides the padding.
-    """
+    """Duck-typed cache for ONE batched drafter forward over A requests with per-request context caches: the drafter's
+    attention calls ``update(k_new [A, kvh, S_max, d], v_new, layer)`` with the K/V of the new context rows
+    (right-padded to S_max); this writes each request's ``counts[a]`` valid rows into its own :class:`RequestKV` and
+    returns the full contexts right-padded to the longest (``[A, kvh, L_max, d]``); the mask hides the padding."""
 
     def __init__(self, caches: list[RequestKV], counts: list[int]):
         self.caches, self.counts = caches, counts
@@ -217,7 +210,7 @@ def draft_round(
     block_size: int,
     sampler: Sampler | None = None,
 ) -> DraftResult:
-    """Draft for R requests and choose their verify lengths ℓ_r (module doc).
+    """Draft for R requests and choose their verify lengths ℓ_r (module doc); returns a :class:`DraftResult`.
 
     Args:
         drafter: a :class:`Drafter` bound to the target (a :class:`~modeling_dspark.DSparkDraftModel`).
@@ -228,9 +221,6 @@ def draft_round(
         policy: the run's verify policy, which made ``plan``.
         block_size: γ' ≤ γ, the drafts of the block forward.
         sampler: R = 1 with logits processors or sampling (None: greedy argmax, no logits kept).
-
-    Returns:
-        :class:`DraftResult`.
     """
     num = len(contexts)
     assert sampler is None or num == 1, "a Sampler drafts for one request"

@@ -1,18 +1,16 @@
 """Batched speculative decoding with continuous batching: :class:`DSparkEngine` (greedy).
 
-transformers' assisted decoding is batch size 1. This engine serves R concurrent requests with a DSpark drafter.
-Its round (:meth:`DSparkEngine._round`) runs the steps :mod:`dspark.generation.round` tells (the same decisions as
-`generate()`'s), verifying in ONE packed target forward over B = Σ_r (1 + ℓ_r) tokens
-(:class:`~dspark.generation.packed_target.PackedTarget`) and accepting by :func:`accept_greedy` (rejected tokens are
-cropped from each request's K/V cache, the features of its committed positions queued for its drafter).
+transformers' assisted decoding is batch size 1; this engine serves R concurrent requests with a DSpark drafter. Its
+round (:meth:`DSparkEngine._round`) runs the steps of :mod:`dspark.generation.round` (the decisions `generate()` makes),
+verifies in ONE packed target forward over B = Σ_r (1 + ℓ_r) tokens
+(:class:`~dspark.generation.packed_target.PackedTarget`) and accepts by :func:`accept_greedy`, cropping rejected tokens
+from each request's K/V cache and queuing the features of its committed positions for its drafter. Waiting requests join
+at the next :meth:`DSparkEngine.step` while at most ``max_batch_size`` run, prefilled in that step's verify forward
+(replacing a request that finished costs no extra forward); each finishes on EOS or ``max_new_tokens``.
 
-Waiting requests join at the next :meth:`DSparkEngine.step` while at most ``max_batch_size`` run, prefilled in that
-step's verify forward (a request that finishes early costs no extra forward to replace); requests finish
-independently (EOS or ``max_new_tokens``).
-
-Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token
-for token in float32; no logits processors). Not thread-safe (see :mod:`dspark.generation.packed_target`).
-This engine is the reference for the scheduler on one machine; serving at scale belongs to vLLM / SGLang.
+Greedy only: each request's output equals ``target.generate(prompt, max_new_tokens=n, do_sample=False)`` (token for
+token in float32; no logits processors). Not thread-safe (see :mod:`dspark.generation.packed_target`). This engine is
+the reference for the scheduler on one machine; serving at scale belongs to vLLM / SGLang.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from .lookup import NUM_TOKENS as LOOKUP_TOKENS, NGramLookup
 from .kv import RequestKV
 from .packed_target import PackedTarget
 from .policies import Policy, default_policy, parse_policy
+from .products import few_row_products
 from .round import RequestState, propose, record
 from .stats import GenerationStats, RoundStats
 
@@ -81,12 +80,10 @@ class RequestOutput:
 @dataclass
 class EngineRound:
     """One engine round (prefill-only steps are not rounds): the :class:`~dspark.generation.stats.RoundStats` of each
-    request verified in it, in the round's order, and the per-round views of them below.
-
-    Views: ``requests`` (R), ``batch_tokens`` (B = Σ_r (1 + ℓ_r), the tokens verified), and per request
-    ``lengths`` (ℓ_r, the chain verified beside the anchor), ``drafted``, ``accepted``, ``committed`` and ``sources``
-    (``"draft"``, ``"lookup"`` or ``""``); ``t_draft_ms`` (the round's propose time) and ``t_verify_ms`` (ms).
-    """
+    request verified in it, in the round's order, and views of them: ``requests`` (R), ``batch_tokens``
+    (B = Σ_r (1 + ℓ_r), the tokens verified), per request ``lengths`` (ℓ_r, the chain verified beside the anchor),
+    ``drafted``, ``accepted``, ``committed`` and ``sources`` (``"draft"``, ``"lookup"`` or ``""``); ``t_draft_ms`` (the
+    round's propose time) and ``t_verify_ms`` (ms)."""
 
     members: list[RoundStats]
 
@@ -166,8 +163,7 @@ class EngineStats:
 
 @dataclass(kw_only=True)
 class _Request(RequestState):
-    """Engine-internal state of one request: its round state (drafter context, lookup, statistics), K/V cache and
-    output."""
+    """One engine request: its round state (drafter context, lookup, statistics), K/V cache and output."""
 
     id: int
     prompt: list[int]
@@ -219,9 +215,8 @@ class DSparkEngine:
             default: verify prices learned from the rounds.
         max_batch_size: at most this many requests run at once; more wait in a queue (FIFO).
         eos_token_id: int or list; default the target's ``generation_config.eos_token_id``.
-        lookup: run the n-gram lookup proposer (:mod:`dspark.generation.lookup`); with policy ``none`` it is the only
-            proposer (``lookup=False`` and ``policy="none"``: plain decoding). It proposes up to γ' tokens (10
-            without a drafter).
+        lookup: run the n-gram lookup proposer (:mod:`dspark.generation.lookup`; up to γ' tokens, 10 without a
+            drafter), the only proposer with policy ``none`` (``lookup=False`` too: plain decoding).
 
     Raises:
         ValueError: a bad policy, ``lookup`` or ``max_batch_size``, a policy that needs a drafter without one, or
@@ -317,15 +312,12 @@ class DSparkEngine:
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """One speculative round over the running requests, with the waiting requests that fit prefilled in its
-        forward (they run from the next step on).
-
-        Returns:
-            the requests that finished during this step.
-        """
+        """One speculative round over the running requests, with the waiting requests that fit prefilled in its forward
+        (they run from the next step on); returns the requests that finished during this step."""
         t0 = time.perf_counter()
         if self._running or self._waiting:
-            self._round(self._running)
+            with few_row_products(self.target, self.drafter):  # the faster BLAS call for few rows, measured
+                self._round(self._running)
         done = self._retire()
         self.stats.step_time_s += time.perf_counter() - t0
         return done
@@ -333,8 +325,9 @@ class DSparkEngine:
     def run(self) -> list[RequestOutput]:
         """Step until no request is running or waiting; return the outputs finished meanwhile, sorted by id."""
         done: list[RequestOutput] = []
-        while self.has_unfinished():
-            done += self.step()
+        with few_row_products(self.target, self.drafter):  # once for all steps (each step's own block then nests)
+            while self.has_unfinished():
+                done += self.step()
         return sorted(done, key=lambda o: o.request_id)
 
     def _round(self, reqs: list[_Request]) -> None:
@@ -410,9 +403,8 @@ def generate_batch(
     max_new_tokens: int | Sequence[int] = 128,
     **engine_kwargs,
 ) -> list[RequestOutput]:
-    """Run all ``prompts`` (token-id lists / tensors) through one :class:`DSparkEngine`; outputs in prompt order.
-
-    ``max_new_tokens`` is one int or one per prompt; other keyword arguments go to :class:`DSparkEngine`.
+    """Run all ``prompts`` (token-id lists / tensors) through one :class:`DSparkEngine` (other keyword arguments go to
+    it); ``max_new_tokens`` is one int or one per prompt. Returns the outputs in prompt order.
 
     Raises:
         ValueError: as :class:`DSparkEngine`, or a ``max_new_tokens`` list of the wrong length.

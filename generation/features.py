@@ -1,7 +1,6 @@
 """The target features the drafter conditions on (docs/method.md §2, eq. 2): which hidden states to ask the target
-for, and their concatenation. Used at inference (the `generate()` adapter, the engine) and in training (the
-trainer and its feature cache read the same rows).
-"""
+for, and their concatenation. Used at inference (the `generate()` adapter, the engine) and in training (the trainer
+and its feature cache read the same rows)."""
 
 from __future__ import annotations
 
@@ -11,10 +10,8 @@ __all__ = ["context_features", "hidden_state_indices"]
 
 
 def hidden_state_indices(target_layer_ids) -> list[int]:
-    """Indices into ``outputs.hidden_states`` for the raw outputs of decoder layers ``target_layer_ids``.
-
-    transformers puts the embeddings at index 0, so layer ``l`` is index ``l + 1`` (docs/method.md §2, eq. 2).
-    """
+    """Indices into ``outputs.hidden_states`` for the raw outputs of decoder layers ``target_layer_ids``:
+    transformers puts the embeddings at index 0, so layer ``l`` is index ``l + 1``."""
     return [int(i) + 1 for i in target_layer_ids]
 
 

@@ -1,20 +1,17 @@
 """Wiring DSpark into `target.generate(ids, assistant_model=drafter)`.
 
 transformers (5.24 and 5.25) picks a candidate generator in a fixed chain inside
-`GenerationMixin._get_candidate_generator`, which no model or config can extend; this is dspark's one seam into
-transformers' internals (the others it uses are interfaces: :mod:`dspark.generation.compat` lists them). Importing
-:mod:`modeling_dspark` wraps that method once, at class level (:func:`modeling_dspark.install_generate_hook`):
-when the assistant is a `DSparkDraftModel` the wrapper calls :func:`dspark_candidate_generator`, which returns a
-:class:`DSparkCandidateGenerator`; every other assistant (draft models, prompt lookup, …) keeps transformers'
-behaviour. So any supported target loaded with `AutoModelForCausalLM` drafts with DSpark with no other call, also
-through ``pipeline("text-generation", model=target, assistant_model=drafter)``.
+`GenerationMixin._get_candidate_generator`, which no model or config can extend; this is dspark's seam into
+transformers' internals, beside a wrapper of the loop that only chooses BLAS calls (:mod:`.products`; :mod:`.compat`
+lists every internal). Importing :mod:`modeling_dspark` wraps that method once, at class level
+(:func:`modeling_dspark.install_generate_hook`): for a `DSparkDraftModel` assistant the wrapper returns the
+:class:`DSparkCandidateGenerator` of :func:`dspark_candidate_generator`; every other assistant (draft models, prompt
+lookup, …) keeps transformers' behaviour. So any supported target loaded with `AutoModelForCausalLM` drafts with DSpark
+with no other call, also through ``pipeline("text-generation", model=target, assistant_model=drafter)``.
 
-Per-call options (verify policy, block size, …) are set with :class:`dspark_options`, context-local so concurrent
-users never share them.
-
-The block size can also be given the transformers way, ``target.generate(..., num_assistant_tokens=4)``, except
-the value 20: transformers fills an unset ``num_assistant_tokens`` with its default 20 and does not record whether
-the caller passed it, so 20 reads as unset (the drafter's γ); ``dspark_options(block_size=20)`` asks for 20.
+Per-call options (verify policy, block size, …) are set with :class:`dspark_options`, context-local so concurrent users
+never share them. The block size may also be given as ``target.generate(..., num_assistant_tokens=4)``, except 20, which
+reads as unset (the drafter's γ; :func:`_assistant_options` tells why): ``dspark_options(block_size=20)`` asks for 20.
 """
 
 from __future__ import annotations
@@ -33,18 +30,15 @@ _options: contextvars.ContextVar[dict] = contextvars.ContextVar("dspark_options"
 
 
 class dspark_options(ScopedValue):
-    """Set, for `generate()` calls made inside a ``with`` block (this thread / task only): the verify policy (a spec
-    of :func:`dspark.generation.policies.parse_policy` or a :class:`~dspark.generation.policies.Policy`; default: the
-    scheduler when the drafter has a confidence head, else ``full``: :func:`dspark.generation.policies.default_policy`),
-    the block size γ', an explicit SPS(B) table for ``scheduler`` / ``lagged`` (e.g. from ``dspark profile``; None: the
-    rounds price themselves, :mod:`dspark.generation.costs`) and whether the n-gram lookup proposer runs beside the
-    drafter (:mod:`dspark.generation.lookup`; ``policy="none"`` with ``lookup=True`` is lookup alone)::
+    """Set, for `generate()` calls made inside a ``with`` block (this thread / task only): the verify policy (a spec of
+    :func:`dspark.generation.policies.parse_policy` or a :class:`~dspark.generation.policies.Policy`; default:
+    :func:`dspark.generation.policies.default_policy`), the block size γ', an explicit SPS(B) table for ``scheduler`` /
+    ``lagged`` (None: the rounds price themselves, :mod:`dspark.generation.costs`) and whether the n-gram lookup
+    proposer runs beside the drafter (:mod:`dspark.generation.lookup`; ``policy="none"`` with ``lookup=True`` is lookup
+    alone). Checked here, at the call, the options act only inside a ``with`` block::
 
         with dspark_options(policy="fixed:3", block_size=4):
             target.generate(ids, assistant_model=drafter)
-
-    The options are checked here, at the call, before any ``with``; they act only inside a ``with`` block, so an
-    object that is never entered warns when it is discarded (a plain call ``dspark_options(...)`` changes nothing).
 
     Raises:
         ValueError: a bad policy spec, ``block_size`` not an int ≥ 1 (its upper bound, the drafter's γ, is checked
@@ -76,11 +70,10 @@ def _transformers_default(name: str):
 
 def _assistant_options(generation_config, block_size: int | None, max_block_size: int) -> int | None:
     """The block size γ' asked for by ``num_assistant_tokens`` and/or ``dspark_options(block_size=...)`` (None = the
-    drafter's γ), after refusing the transformers assisted-decoding options DSpark cannot honour.
-
-    transformers fills unset options with its defaults before this point (``num_assistant_tokens`` 20,
-    ``num_assistant_tokens_schedule`` "constant", ``assistant_confidence_threshold`` 0.4) and keeps no record of
-    which ones the caller passed, so a value equal to the default reads as unset (``num_assistant_tokens``: module doc).
+    drafter's γ), after refusing the transformers assisted-decoding options DSpark cannot honour. transformers fills
+    unset options with its defaults before this point (``num_assistant_tokens`` 20, ``num_assistant_tokens_schedule``
+    "constant", ``assistant_confidence_threshold`` 0.4) and keeps no record of which ones the caller passed, so a value
+    equal to the default reads as unset.
 
     Raises:
         ValueError: ``num_assistant_tokens`` outside [1, ``max_block_size``] (the drafter's block size γ),
@@ -126,13 +119,11 @@ def _assistant_options(generation_config, block_size: int | None, max_block_size
 def dspark_candidate_generator(target, drafter, generation_config, input_ids, logits_processor,
                                model_kwargs, tokenizer=None) -> DSparkCandidateGenerator:
     """The candidate generator of one `target.generate(..., assistant_model=drafter)` call (called by the hook of
-    :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails
-    here, before any model compute.
-
-    An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``
+    :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails here,
+    before any model compute. An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``
     (:func:`~dspark.generation.drafting.check_drafter`); the block size γ' comes from ``num_assistant_tokens`` or
-    ``dspark_options(block_size=...)`` (:func:`_assistant_options`); the policy and its SPS(B) table are resolved
-    by :class:`DSparkCandidateGenerator` (after its checks).
+    ``dspark_options(block_size=...)`` (:func:`_assistant_options`); the policy and its SPS(B) table are resolved by
+    :class:`DSparkCandidateGenerator` (after its checks).
 
     Raises:
         RuntimeError: the installed transformers is outside the supported range (:mod:`dspark.generation.compat`).

@@ -9,11 +9,8 @@ __all__ = ["RequestKV"]
 
 
 class RequestKV:
-    """Target K/V cache of one request: per layer a ``[1, kv_heads, capacity, head_dim]`` buffer.
-
-    ``length`` positions are valid. Buffers are allocated at the first write (dtype/device of the keys) with
-    ``capacity`` slots and grow by doubling if a write goes beyond it.
-    """
+    """K/V cache of one request: per layer a ``[1, kv_heads, capacity, head_dim]`` buffer whose first ``length``
+    positions are valid, allocated at the first write (the keys' dtype/device) and doubled when a write overflows it."""
 
     def __init__(self, num_layers: int, capacity: int = 256):
         self.keys: list[torch.Tensor | None] = [None] * num_layers

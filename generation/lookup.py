@@ -1,19 +1,16 @@
 """The n-gram lookup proposer: a second candidate chain beside the drafter, at no model cost.
 
-Lookup proposes the text that followed the most recent earlier occurrence of the last n committed tokens (prompt
-and generated text alike), as transformers' ``PromptLookupCandidateGenerator`` and vLLM's n-gram proposer do; it
-wins where the answer copies the prompt or itself (code, restated questions), the drafter where it must predict new
-text. :mod:`dspark.generation.round` tells how a round uses it (the rule of vLLM's hybrid proposer).
-
-The n-grams (n = min_ngram..max_ngram) of the committed text are indexed as the text grows (O(new tokens · max_ngram)
-dict updates per round, never a rescan of the prefix), each mapped to where its most recent occurrence ends.
+Lookup proposes the text that followed the most recent earlier occurrence of the last n committed tokens (prompt and
+generated text alike), as transformers' ``PromptLookupCandidateGenerator`` and vLLM's n-gram proposer do; it wins where
+the answer copies the prompt or itself (code, restated questions), the drafter where it must predict new text
+(:mod:`dspark.generation.round` tells how a round uses both). The n-grams, min_ngram ≤ n ≤ max_ngram, are indexed as the
+text grows (O(new tokens · max_ngram) dict updates per round, never a rescan of the prefix), each mapped to where its
+most recent occurrence ends. Pure Python (torch only to read tensors of token ids); no model imports.
 
 A lookup proposal is a point mass (its tokens are a function of the committed text), so verifying it is lossless:
 greedy accepts a token while it equals the target's argmax; sampling accepts token k with probability p_t^k(x_k)
 (transformers' match rule with candidate logits None: a target sample is drawn at every position and the candidate
 kept while they agree), and a rejected position commits a token drawn from the target's distribution without x_k.
-
-Pure Python (torch only to read tensors of token ids); no model imports.
 """
 
 from __future__ import annotations
@@ -61,14 +58,12 @@ class LookupProposal:
 
 
 class NGramLookup:
-    """n-gram lookup over the committed text (prompt and generated tokens).
+    """n-gram lookup over the committed text (prompt and generated tokens); one per generated sequence.
 
-    :meth:`propose` matches the last n committed tokens, n from ``max_ngram`` down to ``min_ngram``, against their most
-    recent earlier occurrence and proposes the up to K tokens that followed it (fewer when the text ends first; the copy
-    never runs past the committed text). The first n that matches wins, so a longer context is preferred.
-
-    The committed text only grows: :meth:`update` takes the whole committed sequence each round (as transformers'
-    assisted loop passes ``input_ids``) and reads only its new tail; one ``NGramLookup`` per generated sequence.
+    :meth:`propose` tries n from ``max_ngram`` down to ``min_ngram``: the first n whose suffix occurred before wins, so
+    a longer context is preferred, and the up to K tokens that followed its most recent earlier occurrence are proposed
+    (fewer when the committed text ends first). The committed text only grows: :meth:`update` takes the whole committed
+    sequence each round (as transformers' assisted loop passes ``input_ids``) and reads only its new tail.
 
     Args:
         max_ngram: longest suffix n matched (≥ min_ngram; transformers' default is 2).
@@ -118,15 +113,11 @@ class NGramLookup:
         self._indexed = max(self._indexed, last)
 
     def propose(self, max_tokens: int | None = None) -> LookupProposal:
-        """The continuation of the most recent earlier occurrence of the longest matching suffix.
+        """The :class:`LookupProposal` continuing the most recent earlier occurrence of the longest matching suffix
+        (empty when no suffix of length min_ngram..max_ngram occurred before).
 
         Args:
-            max_tokens: cap on the proposal's length this round (default K; e.g. the tokens left before
-                ``max_length``). 0 proposes nothing.
-
-        Returns:
-            :class:`LookupProposal`; ``tokens`` is empty when no suffix of length min_ngram..max_ngram occurred
-            before.
+            max_tokens: cap on this round's proposal (default K, e.g. the tokens left before ``max_length``; 0: none).
         """
         k = self.num_tokens if max_tokens is None else min(self.num_tokens, max_tokens)
         if k <= 0 or len(self.tokens) < 2:

@@ -1,14 +1,12 @@
 """The target's packed verify forward: R requests' new tokens in ONE forward, each request with its own K/V cache.
 
-A round concatenates the new tokens of all requests into one sequence of B = Σ_r (1 + ℓ_r) tokens (``[1, B]``,
-per-token position ids), so every linear layer and the LM head run once over B tokens, exactly the batch that the
-scheduler's SPS(B) table describes (no padding to the longest request). Attention is the only per-request part: a
-small attention function (registered with transformers' ``AttentionInterface`` and switched on only for the
-duration of the forward) writes each request's new K/V into its own :class:`RequestKV` and runs SDPA over that
-cache alone, causal inside the new tokens. Rejected draft tokens are dropped by cropping the cache length.
-
-Full-attention decoder families only; sliding-window layers are refused. Not thread-safe: while a packed forward
-runs, the target must not be used from another thread (its attention implementation is switched for the call).
+A round concatenates the new tokens of all requests into one sequence of B = Σ_r (1 + ℓ_r) tokens (``[1, B]``, per-token
+position ids), so every linear layer and the LM head run once over B tokens, exactly the batch that the scheduler's
+SPS(B) table describes (no padding to the longest request). Attention is the only per-request part: a small attention
+function (registered with transformers' ``AttentionInterface``, switched on for the forward only) writes each request's
+new K/V into its own :class:`RequestKV` and runs SDPA over that cache alone, causal inside the new tokens. Rejected
+draft tokens are dropped by cropping the cache. Full-attention decoder families only; sliding-window layers are refused.
+Not thread-safe: no other thread may use the target during a packed forward, which switches its attention function.
 """
 
 from __future__ import annotations
@@ -108,16 +106,12 @@ class PackedTarget:
 
     @torch.no_grad()
     def forward(self, segments: Sequence[tuple[RequestKV, torch.Tensor]], output_hidden_states: bool = False):
-        """One packed forward.
+        """One packed forward; returns ``(logits [B, V], hidden_states | None)`` with the segments' tokens in order.
 
         Args:
-            segments: per request ``(cache, new_ids [q])``; the new tokens take positions
-                ``cache.length .. cache.length + q - 1``. Afterwards ``cache.length`` has grown by q (crop it to drop
-                rejected tokens).
+            segments: per request ``(cache, new_ids [q])``, the new tokens at positions ``cache.length`` on;
+                afterwards ``cache.length`` has grown by q (crop it to drop rejected tokens).
             output_hidden_states: also return the hidden states tuple (index 0 = embeddings), each ``[1, B, H]``.
-
-        Returns:
-            ``(logits [B, V], hidden_states | None)`` with the segments' tokens in order.
         """
         if not segments:
             raise ValueError("PackedTarget.forward needs at least one segment")

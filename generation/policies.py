@@ -12,11 +12,9 @@ One vocabulary, one parser (:func:`parse_policy`), used by `generate()`, the bat
                     earlier, filled by the current round's a_{r,j} ranking
 ==================  =====================================================================================
 
-A :class:`Policy` is the parsed spec, checked once where the user hands it over (``dspark_options``, the engine,
-the CLI); :meth:`Policy.start` gives the :class:`PolicyRun` one run uses (a class per rule), with the run's
-:class:`~dspark.generation.costs.Prices`.
-
-A round asks the run three things (:mod:`dspark.generation.round` tells the round's steps):
+A :class:`Policy` is the parsed spec, checked once where the user hands it over (``dspark_options``, the engine, the
+CLI); :meth:`Policy.start` gives the :class:`PolicyRun` of one run (a class per rule), with its prices. A round asks the
+run three things (:mod:`dspark.generation.round` tells the round's steps):
 
 1. :meth:`PolicyRun.plan`, before anything is drafted: the round's :class:`RoundPlan` (a priced round's special
    cases are decided in :meth:`_Scheduler.plan`, one line of reason each; ``lagged``'s in :meth:`_Lagged.plan`);
@@ -106,8 +104,7 @@ class RoundPlan:
 
     Attributes:
         lookup_lengths: per request the lookup tokens it verifies (0: none; such a request does not draft).
-        budgets: per request the most draft tokens it may verify (0: it does not draft; its committed features wait
-            for its next drafting round).
+        budgets: per request the most draft tokens it may verify (0: it does not draft).
         base_tokens: B of the verify before any draft token is admitted (anchors and lookup chains).
         base_expected: τ* before any draft token (one per anchor plus the lookup chains' expected survivals).
         draft_s: the drafting seconds Algorithm 1 charges to the round (0 where unknown or unpriced).
@@ -156,8 +153,7 @@ class Exploration:
 
 
 class PolicyRun:
-    """The policy of one run: ``full`` as is (every budgeted slot verified, every lookup match whole), the base of
-    the others.
+    """The policy of one run: ``full`` as is (every budgeted slot verified, every lookup match whole), the others' base.
 
     Attributes:
         spec: the :class:`Policy`.
@@ -180,16 +176,14 @@ class PolicyRun:
         return self.spec.name
 
     def plan(self, states, budgets: list[int], lookups: list[list[int]], context_len: float) -> RoundPlan:
-        """Step 1 of the module doc: the round's :class:`RoundPlan`.
+        """Step 1 of the module doc: the round's :class:`RoundPlan`; here (unpriced) every lookup match is verified
+        whole and every other request drafts its budget.
 
         Args:
             states: per request its :class:`~dspark.generation.round.RequestState` (its acceptance records).
             budgets: per request the most draft tokens it may verify (0: it cannot draft).
             lookups: per request the lookup's proposed tokens (empty: no match).
             context_len: mean committed tokens per request.
-
-        Returns:
-            Here (unpriced): every lookup match verified whole; every other request drafts its budget.
         """
         lookup_lengths = tuple(len(t) for t in lookups)
         return RoundPlan(lookup_lengths, tuple(0 if n else b for n, b in zip(lookup_lengths, budgets)),
@@ -197,16 +191,14 @@ class PolicyRun:
                          context_len=context_len)
 
     def lengths(self, plan: RoundPlan, conf: torch.Tensor, known: list[int] | None = None) -> list[int]:
-        """ℓ_r for every request from the confidences known so far (step 2 of the module doc).
+        """ℓ_r for every request (R ints, 0 ≤ ℓ_r ≤ ``plan.budgets[r]``; here every budget) from the confidences known
+        so far (step 2 of the module doc).
 
         Args:
             plan: the round's plan.
             conf: ``[R, W]`` float64 calibrated c_{r,k} (the run's own values, not validated); entries past
                 ``known[r]`` are not drafted yet and are not read.
             known: per request the confidences known (default: all W).
-
-        Returns:
-            R ints, 0 ≤ ℓ_r ≤ plan.budgets[r]: here every budget.
         """
         return list(plan.budgets)
 
@@ -248,13 +240,8 @@ class _Threshold(PolicyRun):
 
 
 class _Scheduler(PolicyRun):
-    """``scheduler``: every round priced (:meth:`plan`); in the drafting round Algorithm 1 with its early STOP over
-    the known confidences.
-
-    Attributes:
-        prices: the run's :class:`~dspark.generation.costs.Prices` (estimators).
-        exploration: the run's :class:`Exploration` (when to measure what is not being done).
-    """
+    """``scheduler``: every round priced (:meth:`plan`) by the run's ``prices`` and :class:`Exploration`; in a drafting
+    round Algorithm 1 with its early STOP over the known confidences."""
 
     def __init__(self, spec: Policy, prices: Prices, exploration: Exploration):
         super().__init__(spec)

@@ -16,15 +16,13 @@ docs refer here for the order:
    meanwhile wait for its next drafting round;
 4. **draft**: one drafting round for the drafting requests (:func:`~dspark.generation.drafting.draft_round`), which
    asks the policy, slot by slot, how many drafts of each request are verified given the confidences so far;
-5. **verify** (the caller): one target forward over every request's anchor and chain; greedy or rejection-sampling
-   acceptance;
+5. **verify** (the caller): one target forward over every request's anchor and chain, greedy or rejection sampling;
 6. **record**: the policy's end of round (:meth:`~dspark.generation.policies.PolicyRun.end_round`), then each
    request's :class:`~dspark.generation.stats.RoundStats`, its proposers' acceptance records and the run's prices
    (:mod:`dspark.generation.costs`).
 
 Every decision reads only the committed text, earlier rounds and the confidences known before a token is sampled,
-so none can change the output (greedy: token for token; sampling: the same distribution).
-"""
+so none can change the output (greedy: token for token; sampling: the same distribution)."""
 
 from __future__ import annotations
 
@@ -96,7 +94,7 @@ class Chain:
 
 def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: list, rooms: list[int], block_size: int,
             sampler: Sampler | None = None) -> list[Chain]:
-    """Steps 1–4 of the module doc: each request's chain for this round.
+    """Steps 1–4 of the module doc: each request's :class:`Chain` for this round, at most ``rooms[r]`` tokens long.
 
     Args:
         drafter: the :class:`~modeling_dspark.DSparkDraftModel` (None only when no state has a drafter context).
@@ -106,9 +104,6 @@ def propose(drafter, policy: PolicyRun, states: list[RequestState], committed: l
         rooms: per request the most tokens it may verify beside the anchor (≥ 0).
         block_size: γ', the most draft tokens per request and round (≤ the drafter's γ).
         sampler: R = 1 with sampling or logits processors (:class:`~dspark.generation.drafting.Sampler`).
-
-    Returns:
-        R :class:`Chain` s, each at most ``rooms[r]`` tokens long.
     """
     t0 = time.perf_counter()
     num = len(states)

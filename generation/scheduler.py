@@ -20,8 +20,7 @@ with the tests that compare against them (tests/algorithm1.py).
 Ordering rule used everywhere: a_{r,j} descending, ties broken by smaller j first, then smaller r. Since a_{r,j} is
 non-increasing in j, every prefix of this order is prefix-closed per request (a valid ℓ vector) and, for its size,
 value-maximal. The pool holds every (r, j), including a_{r,j} = 0; with a non-increasing SPS(B) a zero-value entry
-can never raise Θ.
-"""
+can never raise Θ."""
 
 from __future__ import annotations
 
@@ -35,20 +34,17 @@ import torch
 __all__ = ["ScheduleResult", "SPSLike", "MissingSPSEntry", "greedy_prefix", "fill"]
 
 SPSLike = Union[Mapping[int, float], Callable[[int], float]]
-"""SPS(B): verify batch size B (tokens, one slot per request included) -> target forward steps per second. A table
-(Mapping[int, float]) or a callable."""
+"""SPS(B), a table or a callable: verify batch size B (tokens, one slot per request included) -> target steps/s."""
 
 @dataclass(frozen=True)
 class ScheduleResult:
     """Outcome of one scheduling decision.
 
     Attributes:
-        lengths: ℓ_r per request (R ints in 0..γ), the number of draft tokens of request r to verify (the anchor
-            slot is not counted).
+        lengths: ℓ_r per request (R ints in 0..γ), draft tokens of request r to verify (the anchor slot not counted).
         theta: Θ = expected_tokens · SPS(batch_tokens), in committed tokens per second.
         batch_tokens: B = R + Σ ℓ_r, tokens in the verify batch.
-        expected_tokens: τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j}, expected tokens committed this round (accepted + one
-            resampled/bonus each).
+        expected_tokens: τ* = R + Σ_r Σ_{j≤ℓ_r} a_{r,j}, tokens expected to commit (accepted + a resampled/bonus each).
     """
 
     lengths: list[int]
@@ -58,12 +54,9 @@ class ScheduleResult:
 
 
 def _ranked_entries(a: torch.Tensor, limits) -> list[tuple[int, int, float]]:
-    """Pool E = {(r, j) : j ≤ limits[r]} (j 1-based) sorted by a_{r,j} desc, then j asc, then r asc.
-
-    ``a`` is ``[R, W]`` float64 survivals; entries past a row's limit (not drafted yet, or beyond its budget) are
-    not in the pool. The pool holds at most R·γ entries, so one Python sort of the table's values is cheaper than
-    a chain of tensor operations.
-    """
+    """Pool E = {(r, j) : j ≤ limits[r]} (j 1-based) of ``[R, W]`` float64 survivals ``a`` in the module doc's order;
+    entries past a row's limit (not drafted yet, or beyond its budget) are left out. The pool holds at most R·γ entries,
+    so one Python sort of the table's values is cheaper than a chain of tensor operations."""
     entries = [(r, j + 1, v) for r, (row, n) in enumerate(zip(a.tolist(), limits)) for j, v in enumerate(row[:n])]
     entries.sort(key=lambda e: (-e[2], e[1], e[0]))
     return entries
@@ -124,7 +117,8 @@ class _SPSLookup:
 
 def greedy_prefix(a: torch.Tensor, limits, seconds: Callable[[int], float], *, base_tokens: int,
                   base_expected: float, stop: bool = True) -> ScheduleResult:
-    """The greedy of Algorithm 1 over valid survival rows, with the round's cost as a function of B.
+    """The greedy of Algorithm 1 over valid survival rows, with the round's cost as a function of B; returns the
+    :class:`ScheduleResult` of the best prefix (``lengths`` ℓ_r, Θ, B, τ*).
 
     Entries (r, j) are admitted in the pooled order (module doc); admitting one adds a verify token and its
     survival a_{r,j} to the expected tokens. Θ(B) = τ*(B) / seconds(B), committed tokens per second; with
@@ -138,9 +132,6 @@ def greedy_prefix(a: torch.Tensor, limits, seconds: Callable[[int], float], *, b
         base_tokens, base_expected: B and τ* before any entry is admitted (the anchors, fixed chains).
         stop: STOP at the first entry that does not raise Θ (Algorithm 1, non-anticipating); False searches
             every prefix of the order (only for values fixed before the round: planned or lagged).
-
-    Returns:
-        :class:`ScheduleResult` of the best prefix (``lengths`` ℓ_r, Θ, B, τ*).
     """
     lengths = [0] * a.shape[0]
     batch, expected = base_tokens, float(base_expected)

@@ -88,8 +88,6 @@ class collect_stats(ScopedValue):
         with collect_stats() as runs:
             target.generate(ids, assistant_model=drafter)
         print(runs[-1].tau)
-
-    It collects only inside a ``with`` block: an object that is never entered warns when it is discarded.
     """
 
     def __init__(self):

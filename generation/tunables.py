@@ -1,8 +1,7 @@
 """Every tunable of decoding, named and explained in one place (the modules that read them import them from here).
 
-Each value was chosen as its docstring says; changing one changes decisions (how much is verified, when the
-drafter runs), never the output: every decision reads only the committed text and earlier rounds.
-"""
+Each value was chosen as its docstring says; changing one changes decisions (how much is verified, when the drafter
+runs), never the output: every decision reads only the committed text and earlier rounds."""
 
 from __future__ import annotations
 

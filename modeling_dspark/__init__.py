@@ -4,20 +4,25 @@ Importing this package
 
 - registers `DSparkConfig` / `DSparkDraftModel` with `AutoConfig` / `AutoModel`, so `AutoModel.from_pretrained(dir)`
   works without `trust_remote_code`;
-- installs one class-level hook on transformers' `GenerationMixin._get_candidate_generator`, so
+- installs a class-level hook on transformers' `GenerationMixin._get_candidate_generator`, so
   `target.generate(ids, assistant_model=drafter)` (and `pipeline("text-generation", model=target,
   assistant_model=drafter)`) drafts with DSpark for any target when ``drafter`` is a `DSparkDraftModel`, and
-  defers to transformers unchanged for every other assistant (draft models, prompt lookup, early exit, …).
+  defers to transformers unchanged for every other assistant (draft models, prompt lookup, early exit, …);
+- wraps `GenerationMixin._assisted_decoding` so that, with a DSpark assistant, the loop's products of few rows
+  take the faster BLAS call (:func:`dspark.generation.products.few_row_products`); other assistants run it as is.
 
 The model sits above decoding, as transformers' models sit above `transformers.generation`: this package imports
 `generation` (the hook's candidate generator, the target features of eq. 2) and `generation` never imports this
 package, so neither imports the other in a circle.
 """
 
-from transformers import AutoConfig, AutoModel
-from transformers.generation.utils import GenerationMixin
+import contextlib
+import inspect
 
 from dspark.generation.integration import dspark_candidate_generator
+from dspark.generation.products import few_row_products
+from transformers import AutoConfig, AutoModel
+from transformers.generation.utils import GenerationMixin
 
 from .configuration_dspark import DSparkConfig, default_target_layer_ids
 from .modeling_dspark import DSparkDraftModel, DSparkOutput
@@ -32,7 +37,10 @@ def install_generate_hook() -> None:
     Replaces `GenerationMixin._get_candidate_generator` by a wrapper that, when the assistant is a
     `DSparkDraftModel`, returns :func:`dspark.generation.integration.dspark_candidate_generator`'s generator (which
     validates the request and binds an unbound drafter to the target), and otherwise calls transformers' own
-    method with the same arguments. Installing twice keeps a single wrapper.
+    method with the same arguments; and wraps `GenerationMixin._assisted_decoding` (the assisted loop, reached by
+    ``getattr(type(model), ...)`` in `generate()`) to run inside
+    :func:`dspark.generation.products.few_row_products` of the target and the drafter when the assistant is a
+    `DSparkDraftModel`. Installing twice keeps single wrappers.
     """
     transformers_method = GenerationMixin._get_candidate_generator
     if getattr(transformers_method, "_dspark_hook", False):
@@ -51,6 +59,20 @@ def install_generate_hook() -> None:
     _get_candidate_generator.__wrapped__ = transformers_method
     _get_candidate_generator.__doc__ = transformers_method.__doc__
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+
+    transformers_loop = GenerationMixin._assisted_decoding
+    loop_signature = inspect.signature(transformers_loop)
+
+    def _assisted_decoding(self, *args, **kwargs):
+        assistant = loop_signature.bind_partial(self, *args, **kwargs).arguments.get("assistant_model")
+        with few_row_products(self, assistant) if isinstance(assistant, DSparkDraftModel) else contextlib.nullcontext():
+            return transformers_loop(self, *args, **kwargs)
+
+    # generate() reads the loop's parameters with inspect.signature (whether it takes inputs_tensor), which follows
+    # __wrapped__ to transformers' own method
+    _assisted_decoding.__wrapped__ = transformers_loop
+    _assisted_decoding.__doc__ = transformers_loop.__doc__
+    GenerationMixin._assisted_decoding = _assisted_decoding
 
 
 install_generate_hook()
