@@ -70,15 +70,15 @@ def few_row_products(*models: nn.Module | None):
     (also when the block raises) unless replaced meanwhile; a module with an instance ``forward`` (accelerate's hooks,
     an enclosing block) is left as it is, so blocks nest."""
     routed = []  # (module, the forward set on it)
-    with _routing:
-        for model in models:
-            for module in () if model is None else model.modules():
-                if type(module) is nn.Linear and "forward" not in vars(module) and module.weight.device.type == "cpu" \
-                        and module.weight.dtype == torch.float32 \
-                        and (module.bias is None or module.bias.dtype == torch.float32):
-                    module.forward = types.MethodType(_forward, module)
-                    routed.append((module, module.forward))
     try:
+        with _routing:
+            for model in models:
+                for module in () if model is None else model.modules():
+                    if type(module) is nn.Linear and "forward" not in vars(module) \
+                            and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu" \
+                            and (module.bias is None or module.bias.dtype == torch.float32):
+                        module.forward = types.MethodType(_forward, module)
+                        routed.append((module, module.forward))
         yield
     finally:
         with _routing:
