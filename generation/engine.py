@@ -325,9 +325,8 @@ class DSparkEngine:
     def run(self) -> list[RequestOutput]:
         """Step until no request is running or waiting; return the outputs finished meanwhile, sorted by id."""
         done: list[RequestOutput] = []
-        with few_row_products(self.target, self.drafter):  # once for all steps (each step's own block then nests)
-            while self.has_unfinished():
-                done += self.step()
+        while self.has_unfinished():
+            done += self.step()
         return sorted(done, key=lambda o: o.request_id)
 
     def _round(self, reqs: list[_Request]) -> None:

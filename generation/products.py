@@ -74,14 +74,15 @@ def few_row_products(*models: nn.Module | None):
         with _routing:
             for model in models:
                 for module in () if model is None else model.modules():
-                    if type(module) is nn.Linear and "forward" not in vars(module) \
-                            and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu" \
-                            and (module.bias is None or module.bias.dtype == torch.float32):
-                        module.forward = types.MethodType(_forward, module)
-                        routed.append((module, module.forward))
+                    state, weight, bias = vars(module), module._parameters.get("weight"), module._parameters.get("bias")
+                    if type(module) is nn.Linear and "forward" not in state and weight.dtype == torch.float32 \
+                            and weight.device.type == "cpu" and (bias is None or bias.dtype == torch.float32):
+                        # set and removed in __dict__, as nn.Module.__setattr__ would, without its checks
+                        state["forward"] = types.MethodType(_forward, module)
+                        routed.append((module, state["forward"]))
         yield
     finally:
         with _routing:
             for module, forward in routed:
                 if vars(module).get("forward") is forward:
-                    del module.forward
+                    del vars(module)["forward"]

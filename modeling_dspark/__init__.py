@@ -19,10 +19,11 @@ package, so neither imports the other in a circle.
 import contextlib
 import inspect
 
-from dspark.generation.integration import dspark_candidate_generator
-from dspark.generation.products import few_row_products
 from transformers import AutoConfig, AutoModel
 from transformers.generation.utils import GenerationMixin
+
+from dspark.generation.integration import dspark_candidate_generator
+from dspark.generation.products import few_row_products
 
 from .configuration_dspark import DSparkConfig, default_target_layer_ids
 from .modeling_dspark import DSparkDraftModel, DSparkOutput

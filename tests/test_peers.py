@@ -16,13 +16,13 @@ import unittest.mock
 
 import pytest
 import torch
-from dspark.generation import products
-from dspark.generation.integration import dspark_options
-from dspark.generation.stats import collect_stats
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import modeling_dspark as md
+from dspark.generation import products
+from dspark.generation.integration import dspark_options
+from dspark.generation.stats import collect_stats
 from modeling_dspark import export, formats
 
 pytestmark = pytest.mark.usefixtures("one_thread")

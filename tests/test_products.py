@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dspark.generation import products
-from dspark.generation.products import few_row_products, swapped_linear
 from torch import nn
 from torch.nn import functional as F
 from transformers.generation.utils import GenerationMixin
 
 import modeling_dspark
+from dspark.generation import products
+from dspark.generation.products import few_row_products, swapped_linear
 from tests.conftest import make_drafter, tiny_target
 
 pytestmark = pytest.mark.core

@@ -108,7 +108,6 @@ def serve(engine, prompts: list[dict], num_requests: int, concurrency: int, max_
         serve, is left out).
     """
     from dspark.generation.engine import EngineStats
-    from dspark.generation.products import few_row_products
 
     engine.max_batch_size = concurrency
     engine.stats = EngineStats()
@@ -116,12 +115,11 @@ def serve(engine, prompts: list[dict], num_requests: int, concurrency: int, max_
         engine.add_request(prompts[(first + i) % len(prompts)]["ids"], max_new)
     t0 = time.perf_counter()
     outs, steady = [], None
-    with few_row_products(engine.target, engine.drafter):  # once for all steps (each step's own block nests)
-        while engine.has_unfinished():
-            outs += engine.step()
-            if steady is None and engine.num_waiting == 0 and engine.num_running < concurrency:
-                # every request admitted so far got its first token from its prefill, the rest from rounds
-                steady = (_committed(engine) + num_requests, time.perf_counter() - t0)
+    while engine.has_unfinished():
+        outs += engine.step()
+        if steady is None and engine.num_waiting == 0 and engine.num_running < concurrency:
+            # every request admitted so far got its first token from its prefill, the rest from rounds
+            steady = (_committed(engine) + num_requests, time.perf_counter() - t0)
     wall = time.perf_counter() - t0
     outs.sort(key=lambda o: o.request_id)
     tokens = sum(o.num_tokens for o in outs)
