@@ -7,14 +7,14 @@ themselves (every round already times its verify and its drafting), so they foll
 included, and nothing is stored: a new process starts from the priors. They decide how many tokens are verified, never
 the output.
 
-* verify: a plain step (B = R: the anchors alone) is priced by a running average of plain steps, and a verify of more
-  tokens by a least-squares line t(B) = t_0 + b·B through the recent such rounds' (B, seconds), each weighted by
-  :data:`VERIFY_DECAY` ^ age, never below the plain step. Two prices, since a one-token step and a multi-token forward
-  take different kernels (matrix-vector and matrix-matrix products): on the EPYC with AVX512-BF16 in float32 a 2-token
-  verify of SmolLM2 cost 1.5–1.9 steps by torch's own BLAS call (a 9-token one about the same) and 1.0 by
-  :mod:`.products`' choice, while across CPUs a 9-token verify measured 1.1 to 6.7 steps. The slope is shrunk toward the
-  prior :data:`PRIOR_SLOPE` until the rounds' B values spread enough to measure it. An explicit SPS(B) table
-  (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
+* verify: per request count R, a plain step (B = R: the anchors alone) is priced by a running average of plain steps,
+  and a verify of more tokens by a least-squares line t(B) = t_0 + b·B through the recent such rounds' (B, seconds),
+  each weighted by :data:`VERIFY_DECAY` ^ age, never below the plain step; an R without a line takes the nearest R's at
+  the same B − R, shifted by the two plain steps' difference (one line for all R priced 16 requests' first extra token
+  as the engine's few-request rounds taught it: free, against 55 ms measured). Two prices, since a one-token step and a
+  multi-token forward take different kernels: across CPUs a 9-token verify measured 1.1 to 6.7 steps
+  (docs/benchmarks.md). The slope is shrunk toward the prior :data:`PRIOR_SLOPE` until the rounds' B values spread
+  enough to measure it. An explicit SPS(B) table (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
 * drafting: per number of drafting requests n, an exponential average of drafting rounds that caught up on at most one
   round of committed positions (a round after skipped rounds ingests more, which is not the price of drafting every
   round: it may only lower it); a count not timed yet takes the nearest timed count's price. One price for every n would
@@ -81,20 +81,20 @@ class Prices:
     def __init__(self, sps=None):
         self.sps = sps
         self._curves: dict = {}
-        self._sums = [0.0] * 5  # decayed Σw, Σw·B, Σw·B², Σw·t, Σw·B·t
-        self._first: tuple[int, float] | None = None  # the first multi-token verify: (B, seconds)
+        self._sums: dict[int, list[float]] = {}  # R -> decayed Σw, Σw·B, Σw·B², Σw·t, Σw·B·t
+        self._first: dict[int, tuple[int, float]] = {}  # R -> its first multi-token verify: (B, seconds)
         self.plain: dict[int, float] = {}  # R -> seconds of a plain step of R requests (B = R), running average
         self.draft: dict[int, float] = {}  # n drafting requests -> seconds of a drafting round, running average
 
     @property
     def verified_several(self) -> bool:
         """Whether a verify of more than the anchors has been observed (the line has a point of its own)."""
-        return self._first is not None
+        return bool(self._first)
 
     @property
     def known(self) -> bool:
         """Whether a verify price exists (a table, or at least one observed round)."""
-        return self.sps is not None or self._first is not None or bool(self.plain)
+        return self.sps is not None or bool(self._first) or bool(self.plain)
 
     def verify_s(self, batch_tokens: int, requests: int = 1, context_len: float | None = None) -> float:
         """Seconds of a verify forward over B = ``batch_tokens`` tokens (R = ``requests``; mean context, tokens).
@@ -108,19 +108,21 @@ class Prices:
         plain = self.plain.get(requests)
         if batch_tokens == requests and plain is not None:
             return plain
-        if self._first is None:  # no multi-token verify seen yet: the prior line through the plain step
+        if not self._first:  # no multi-token verify seen yet: the prior line through the plain step
             if not self.plain:
                 raise RuntimeError("no verify price yet: observe a round first")
             if plain is None:  # no plain step of R requests yet: the nearest request count's (the larger on a tie)
                 plain = self.plain[min(self.plain, key=lambda n: (abs(n - requests), -n))]
             return plain * (1 + PRIOR_SLOPE * (batch_tokens - requests))
-        n, sb, sbb, st, sbt = self._sums
+        r = min(self._first, key=lambda n: (abs(n - requests), -n))  # R's line, else the nearest R's, shifted
+        shift = plain - self.plain[r] if r != requests and plain is not None and r in self.plain else 0.0
+        n, sb, sbb, st, sbt = self._sums[r]
         mean_b, mean_t = sb / n, st / n
-        b0, t0 = self._first  # the prior line t(B) = t_1 · (1 + PRIOR_SLOPE · (B − 1)) through the first verify
-        prior = PRIOR_SLOPE * t0 / (1 + PRIOR_SLOPE * (b0 - 1))
+        b0, t0 = self._first[r]  # the prior line t(B) = t_R · (1 + PRIOR_SLOPE · (B − R)) through the first verify
+        prior = PRIOR_SLOPE * t0 / (1 + PRIOR_SLOPE * (b0 - r))
         sxx, sxy = sbb - n * mean_b**2, sbt - n * mean_b * mean_t  # weighted spread of B, co-spread with t
         slope = max(0.0, (sxy + PRIOR_WEIGHT * prior) / (sxx + PRIOR_WEIGHT))  # least squares shrunk to the prior
-        return max(MIN_VERIFY_S, mean_t + slope * (batch_tokens - mean_b), plain or 0.0)
+        return max(MIN_VERIFY_S, mean_t + slope * (batch_tokens - requests + r - mean_b) + shift, plain or 0.0)
 
     def _curve(self, requests: int, context_len: float | None) -> Callable[[int], float]:
         sps = self.sps
@@ -144,10 +146,9 @@ class Prices:
             last = self.plain.get(requests)
             self.plain[requests] = seconds if last is None else PLAIN_DECAY * last + (1 - PLAIN_DECAY) * seconds
             return
-        if self._first is None:
-            self._first = (batch_tokens, seconds)
-        b = float(batch_tokens)
-        self._sums = [VERIFY_DECAY * s + x for s, x in zip(self._sums, (1.0, b, b * b, seconds, b * seconds))]
+        self._first.setdefault(requests, (batch_tokens, seconds))
+        b, sums = float(batch_tokens), self._sums.get(requests, [0.0] * 5)
+        self._sums[requests] = [VERIFY_DECAY * s + x for s, x in zip(sums, (1.0, b, b * b, seconds, b * seconds))]
 
     def draft_s(self, requests: int = 1) -> float | None:
         """Seconds of a drafting round of ``requests`` drafting requests: their running average, else the nearest

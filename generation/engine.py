@@ -249,14 +249,8 @@ class DSparkEngine:
         self.max_batch_size = int(max_batch_size)
         self.packed = PackedTarget(target)
         self.policy = policy.start(sps=sps)
-        if eos_token_id is None:
-            eos_token_id = target.generation_config.eos_token_id
-        if eos_token_id is None:
-            self.eos = frozenset()
-        elif isinstance(eos_token_id, int):
-            self.eos = frozenset([eos_token_id])
-        else:
-            self.eos = frozenset(int(e) for e in eos_token_id)
+        eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos = frozenset([] if eos is None else [int(eos)] if isinstance(eos, int) else map(int, eos))
         self.layer_ids = list(drafter.config.target_layer_ids) if self.drafter is not None else []
         self.lookup_tokens = (block_size or LOOKUP_TOKENS) if lookup else 0
         self._waiting: deque[_Request] = deque()
@@ -339,8 +333,8 @@ class DSparkEngine:
         t1 = time.perf_counter()
         segments = [(r.kv, [r.output[-1]] + c.tokens) for r, c in zip(reqs, chains)]
         starts = [r.kv.length for r in reqs]
-        logits, hidden = self.packed.forward(segments + [(r.kv, r.prompt) for r in new],
-                                             output_hidden_states=self.drafter is not None)  # verify and prefill
+        logits, hidden = self.packed.forward(segments + [(r.kv, r.prompt) for r in new],  # verify and prefill
+                                             output_hidden_states=self.drafter is not None, last_only=len(new))
         n_round = sum(1 + len(c.tokens) for c in chains)  # the round's tokens; the prompts follow
         predicted = logits[:n_round].argmax(dim=-1).tolist()
         feats = context_features(hidden, self.layer_ids, 0, None) if self.drafter is not None else None  # [1, B, m·H]
@@ -364,16 +358,16 @@ class DSparkEngine:
         self.stats.rounds.append(EngineRound([r.stats.rounds[-1] for r in reqs]))
 
     def _start(self, reqs: list[_Request], logits: torch.Tensor, feats: torch.Tensor | None, admitted: float) -> None:
-        """Start the requests just prefilled from the target's ``logits [ΣP, V]`` and features ``feats [1, ΣP, m·H]``
-        at their prompts' positions, in order: their first token (the argmax), their drafter's context and their
-        admission time ``admitted`` (``time.perf_counter()`` seconds)."""
+        """Start the requests just prefilled from the target's ``logits [R, V]`` at their prompts' last positions and
+        features ``feats [1, ΣP, m·H]`` at all, in order: their first token (the argmax), their drafter's context and
+        their admission time ``admitted`` (``time.perf_counter()`` seconds)."""
         off, now = 0, time.perf_counter()
-        for r in reqs:
+        for i, r in enumerate(reqs):
             p, r.t_admitted = len(r.prompt), admitted
             if feats is not None:
                 cache = RequestKV(self.drafter.config.num_draft_layers, p + r.max_new + 2)
                 r.draft = DraftContext(cache, [feats[:, off : off + p].clone()])
-            r.commit([int(logits[off + p - 1].argmax())], self.eos)
+            r.commit([int(logits[i].argmax())], self.eos)
             r.t_first = now
             off += p
         self.stats.prefill_tokens += off

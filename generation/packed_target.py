@@ -105,19 +105,22 @@ class PackedTarget:
         return RequestKV(self.num_layers, capacity)
 
     @torch.no_grad()
-    def forward(self, segments: Sequence[tuple[RequestKV, torch.Tensor]], output_hidden_states: bool = False):
-        """One packed forward; returns ``(logits [B, V], hidden_states | None)`` with the segments' tokens in order.
+    def forward(self, segments: Sequence[tuple[RequestKV, torch.Tensor]], output_hidden_states: bool = False,
+                last_only: int = 0):
+        """One packed forward; returns ``(logits [B', V], hidden_states | None)`` with the segments' tokens in order.
 
         Args:
             segments: per request ``(cache, new_ids [q])``, the new tokens at positions ``cache.length`` on;
                 afterwards ``cache.length`` has grown by q (crop it to drop rejected tokens).
             output_hidden_states: also return the hidden states tuple (index 0 = embeddings), each ``[1, B, H]``.
+            last_only: the last this many segments (prefills) get logits at their last token only, so B' is the
+                other segments' tokens plus ``last_only``: the LM head skips the prompt positions nobody reads.
         """
         if not segments:
             raise ValueError("PackedTarget.forward needs at least one segment")
         device = self.device
-        ids, pos, layout = [], [], []
-        for kv, new_ids in segments:
+        ids, pos, layout, keep = [], [], [], []
+        for i, (kv, new_ids) in enumerate(segments):
             new_ids = torch.as_tensor(new_ids, dtype=torch.long, device=device).reshape(-1)
             q, start = new_ids.numel(), kv.length
             if q == 0:
@@ -126,6 +129,8 @@ class PackedTarget:
                 mask = torch.ones(q, start + q, dtype=torch.bool, device=device).tril(diagonal=start)[None, None]
             else:  # q == 1: sees all; prefill of an empty cache: is_causal
                 mask = None
+            off = sum(map(len, ids))
+            keep += [off + q - 1] if i >= len(segments) - last_only else range(off, off + q)
             ids.append(new_ids)
             pos.append(torch.arange(start, start + q, device=device))
             layout.append((kv, start, q, mask))
@@ -136,6 +141,7 @@ class PackedTarget:
                 use_cache=False,
                 output_hidden_states=output_hidden_states,
                 dspark_layout=_Layout(layout),
+                logits_to_keep=torch.tensor(keep, device=device) if last_only else 0,
             )
         for kv, _, q, _ in layout:
             kv.length += q

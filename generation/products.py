@@ -1,17 +1,15 @@
 """Float32 products of few rows on the CPU, each by the faster of two BLAS calls, measured: :func:`few_row_products`.
 
-A verify forward multiplies B rows (γ' + 1 at most for one request, Σ(1 + ℓ_r) in the engine) by every weight of the
-target. torch's ``F.linear(x, W)``, one BLAS call x·Wᵀ, can be several times slower for a few rows than the swapped
-call (W·xᵀ)ᵀ (AMD EPYC, MKL: 527 µs against 143 µs for 2 rows of a 1536 × 576 weight; docs/benchmarks.md), depending
-on the processor, the shape and the rows, and only with weights that come from memory, as in a forward. So per (weight
-shape, rows, threads) the first :data:`TRIALS` products of each call are timed in the forwards (A B B A: each of two
-same-shaped layers run in turn gets both), and the swapped call is kept for the process if its median is below
-:data:`KEEP_BELOW` × torch's. Both compute the same product, the sums in another order, as any two kernels do: the
-verification is unchanged and float32 greedy output stayed plain decoding's in every run measured, but floats (so, at
-an exact near-tie, a token) can differ in the last bits between the trial rounds and later ones, or across processes.
-Float32 without autocast only: bfloat16 goes to oneDNN, where torch's call was the faster, and there last bits part
-outputs at near-ties. Only exact ``nn.Linear`` modules with float32 CPU weights are routed, inside the ``with`` block
-(for another thread using the same model meanwhile too)."""
+A verify multiplies B rows by every weight of the target. torch's ``F.linear(x, W)`` (x·Wᵀ) can be several times slower
+for a few rows than the swapped call (W·xᵀ)ᵀ (AMD EPYC, MKL: 527 against 143 µs for 2 rows of a 1536 × 576 weight;
+docs/benchmarks.md), by processor, shape and rows, and only with weights that come from memory, as in a forward. So per
+(weight shape, rows, threads) the first :data:`TRIALS` products of each call are timed in the forwards (A B B A: two
+same-shaped layers run in turn each get both), and the swapped call is kept for the process if its median is below
+:data:`KEEP_BELOW` × torch's. Both compute the same product, the sums in another order, as any two kernels do: float32
+greedy output stayed plain decoding's in every run measured, but floats (at an exact near-tie, a token) can differ in
+the last bits between the trial rounds and later ones, or across processes. Float32 without autocast only: bfloat16
+goes to oneDNN, where torch's call was the faster. Only exact ``nn.Linear`` modules with float32 CPU weights are
+routed, inside the ``with`` block (for another thread using the same model meanwhile too)."""
 
 from __future__ import annotations
 

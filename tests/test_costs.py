@@ -87,6 +87,26 @@ def test_a_verify_of_another_request_count_is_priced_before_any_multi_token_veri
         Prices().verify_s(1)
 
 
+def test_each_request_count_has_its_own_line():
+    """Few-request rounds, whose extra tokens cost little, do not price the extra tokens of 16 requests (which jump
+    after the plain step); a count without a line takes the nearest count's at the same B − R, shifted by the two
+    plain steps' difference."""
+    p = Prices()
+    for _ in range(40):
+        p.observe_verify(1, 0.050)
+        for b in (2, 5, 9):  # R = 1: 1 ms per extra token
+            p.observe_verify(b, 0.050 + 0.001 * (b - 1))
+        p.observe_verify(16, 0.130, requests=16)
+        for b in (25, 40):  # R = 16: 150 ms after the jump, then 3 ms per token
+            p.observe_verify(b, 0.150 + 0.003 * (b - 17), requests=16)
+    p.observe_verify(12, 0.110, requests=12)
+    assert p.verify_s(3) == pytest.approx(0.052, rel=0.03)
+    assert p.verify_s(17, requests=16) == pytest.approx(0.150, rel=0.03)
+    assert p.verify_s(16, requests=16) == pytest.approx(0.130)
+    # R = 12 has no line of its own: R = 16's at B − R = 4, less the 20 ms between the two plain steps
+    assert p.verify_s(16, requests=12) == pytest.approx(0.150 + 0.003 * 3 - 0.020, rel=0.03)
+
+
 def test_draft_price_is_a_running_average_per_request_count():
     p = Prices()
     assert p.draft_s() is None

@@ -95,7 +95,7 @@ def test_requests_admitted_beside_a_round(tiny):
         engine.step()  # the first round: unpriced, nothing admitted beside it
         late = [engine.add_request(prompts[0], 1), engine.add_request(prompts[3], max_new[3])]
         prices = engine.policy.prices
-        before = (dict(prices.plain), list(prices._sums), dataclasses.replace(engine.policy.exploration))
+        before = (dict(prices.plain), {r: list(x) for r, x in prices._sums.items()}, dataclasses.replace(engine.policy.exploration))
         n = len(forwards)
         engine.step()
         assert len(forwards) == n + 1 and engine.num_running == 2  # one forward; the 1-token request finished
@@ -238,6 +238,15 @@ def test_packed_forward_matches_separate_forwards(tiny):
             torch.testing.assert_close(logits[off : off + len(n)], ref, rtol=1e-4, atol=1e-5)
             assert kv.length == len(p) + len(n)
             off += len(n)
+        # two prompts prefilled beside a verify: logits at their last tokens only, the verify's at all of its tokens
+        fresh = [packed.new_cache(8) for _ in prompts[:2]]
+        logits, _ = packed.forward([(caches[0], torch.tensor([15, 16]))] + [(kv, torch.tensor(p)) for kv, p in
+                                                                             zip(fresh, prompts[:2])], last_only=2)
+        assert logits.shape[0] == 2 + 2 and [kv.length for kv in fresh] == [len(p) for p in prompts[:2]]
+        ref = target(torch.tensor([prompts[0] + new[0] + [15, 16]])).logits[0, -2:]
+        torch.testing.assert_close(logits[:2], ref, rtol=1e-4, atol=1e-5)
+        for row, p in zip(logits[2:], prompts[:2]):
+            torch.testing.assert_close(row, target(torch.tensor([p])).logits[0, -1], rtol=1e-4, atol=1e-5)
     assert target.config._attn_implementation != "dspark_packed"  # restored after the forward
 
 
