@@ -9,12 +9,13 @@ the output.
 
 * verify: per request count R, a plain step (B = R: the anchors alone) is priced by a running average of plain steps,
   and a verify of more tokens by a least-squares line t(B) = t_0 + b·B through the recent such rounds' (B, seconds),
-  each weighted by :data:`VERIFY_DECAY` ^ age, never below the plain step; an R without a line takes the nearest R's at
-  the same B − R, shifted by the two plain steps' difference (one line for all R priced 16 requests' first extra token
-  as the engine's few-request rounds taught it: free, against 55 ms measured). Two prices, since a one-token step and a
-  multi-token forward take different kernels: across CPUs a 9-token verify measured 1.1 to 6.7 steps
-  (docs/benchmarks.md). The slope is shrunk toward the prior :data:`PRIOR_SLOPE` until the rounds' B values spread
-  enough to measure it. An explicit SPS(B) table (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
+  each weighted by :data:`VERIFY_DECAY` ^ age, never below the plain step. An R without a line takes the nearest R's
+  line at the same B − R, shifted by the two plain steps' difference (a plain step not seen: that line at B = R). One
+  line for all R priced 16 requests' first extra token as the engine's few-request rounds taught it: free, against 55
+  ms measured. Two prices, since a one-token step and a multi-token forward take different kernels: across CPUs a
+  9-token verify measured 1.1 to 6.7 steps (docs/benchmarks.md). The slope is shrunk toward the prior
+  :data:`PRIOR_SLOPE` until the rounds' B values spread enough to measure it. An explicit SPS(B) table
+  (``dspark_options(sps=...)``, ``dspark profile``) replaces the line.
 * drafting: per number of drafting requests n, an exponential average of drafting rounds that caught up on at most one
   round of committed positions (a round after skipped rounds ingests more, which is not the price of drafting every
   round: it may only lower it); a count not timed yet takes the nearest timed count's price. One price for every n would
@@ -115,14 +116,15 @@ class Prices:
                 plain = self.plain[min(self.plain, key=lambda n: (abs(n - requests), -n))]
             return plain * (1 + PRIOR_SLOPE * (batch_tokens - requests))
         r = min(self._first, key=lambda n: (abs(n - requests), -n))  # R's line, else the nearest R's, shifted
-        shift = plain - self.plain[r] if r != requests and plain is not None and r in self.plain else 0.0
         n, sb, sbb, st, sbt = self._sums[r]
         mean_b, mean_t = sb / n, st / n
         b0, t0 = self._first[r]  # the prior line t(B) = t_R · (1 + PRIOR_SLOPE · (B − R)) through the first verify
         prior = PRIOR_SLOPE * t0 / (1 + PRIOR_SLOPE * (b0 - r))
         sxx, sxy = sbb - n * mean_b**2, sbt - n * mean_b * mean_t  # weighted spread of B, co-spread with t
         slope = max(0.0, (sxy + PRIOR_WEIGHT * prior) / (sxx + PRIOR_WEIGHT))  # least squares shrunk to the prior
-        return max(MIN_VERIFY_S, mean_t + slope * (batch_tokens - requests + r - mean_b) + shift, plain or 0.0)
+        base = self.plain.get(r, mean_t + slope * (r - mean_b))  # r's plain step, else its line at B = r
+        own = base if plain is None else plain
+        return max(MIN_VERIFY_S, mean_t + slope * (batch_tokens - requests + r - mean_b) + (own - base), own)
 
     def _curve(self, requests: int, context_len: float | None) -> Callable[[int], float]:
         sps = self.sps

@@ -358,9 +358,9 @@ class DSparkEngine:
         self.stats.rounds.append(EngineRound([r.stats.rounds[-1] for r in reqs]))
 
     def _start(self, reqs: list[_Request], logits: torch.Tensor, feats: torch.Tensor | None, admitted: float) -> None:
-        """Start the requests just prefilled from the target's ``logits [R, V]`` at their prompts' last positions and
-        features ``feats [1, ΣP, m·H]`` at all, in order: their first token (the argmax), their drafter's context and
-        their admission time ``admitted`` (``time.perf_counter()`` seconds)."""
+        """Start the requests just prefilled from the target's ``logits [len(reqs), V]`` at their prompts' last
+        positions and features ``feats [1, ΣP, m·H]`` at all, in order: their first token (the argmax), their drafter's
+        context and their admission time ``admitted`` (``time.perf_counter()`` seconds)."""
         off, now = 0, time.perf_counter()
         for i, r in enumerate(reqs):
             p, r.t_admitted = len(r.prompt), admitted
@@ -373,8 +373,7 @@ class DSparkEngine:
         self.stats.prefill_tokens += off
 
     def _retire(self) -> list[RequestOutput]:
-        out, keep = [], []
-        now = time.perf_counter()
+        out, keep, now = [], [], time.perf_counter()
         for req in self._running:
             if req.finish_reason is None:
                 keep.append(req)

@@ -1,12 +1,13 @@
 """The target's packed verify forward: R requests' new tokens in ONE forward, each request with its own K/V cache.
 
 A round concatenates the new tokens of all requests into one sequence of B = Σ_r (1 + ℓ_r) tokens (``[1, B]``, per-token
-position ids), so every linear layer and the LM head run once over B tokens, exactly the batch that the scheduler's
-SPS(B) table describes (no padding to the longest request). Attention is the only per-request part: a small attention
-function (registered with transformers' ``AttentionInterface``, switched on for the forward only) writes each request's
-new K/V into its own :class:`RequestKV` and runs SDPA over that cache alone, causal inside the new tokens. Rejected
-draft tokens are dropped by cropping the cache. Full-attention decoder families only; sliding-window layers are refused.
-Not thread-safe: no other thread may use the target during a packed forward, which switches its attention function.
+position ids), so every linear layer runs once over B tokens (the LM head too, but at a prefilled prompt's last token
+only), the batch that the scheduler's SPS(B) table describes (no padding). Attention is the only per-request part: a
+small attention function (registered with transformers' ``AttentionInterface``, switched on for the forward only)
+writes each request's new K/V into its own :class:`RequestKV` and runs SDPA over that cache alone, causal inside the
+new tokens. Rejected draft tokens are dropped by cropping the cache. Full-attention decoder families only (sliding-window
+layers are refused). Not thread-safe: no other thread may use the target during a packed forward (it switches its
+attention function).
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ class PackedTarget:
             last_only: the last this many segments (prefills) get logits at their last token only, so B' is the
                 other segments' tokens plus ``last_only``: the LM head skips the prompt positions nobody reads.
         """
-        if not segments:
-            raise ValueError("PackedTarget.forward needs at least one segment")
+        if not segments or not 0 <= last_only <= len(segments):
+            raise ValueError(f"PackedTarget.forward needs segments and 0 <= last_only <= {len(segments)}; got {last_only}")
         device = self.device
         ids, pos, layout, keep = [], [], [], []
         for i, (kv, new_ids) in enumerate(segments):
@@ -125,10 +126,9 @@ class PackedTarget:
             q, start = new_ids.numel(), kv.length
             if q == 0:
                 raise ValueError("every segment needs at least one token")
-            if q > 1 and start > 0:  # causal inside the new tokens, everything before them visible
-                mask = torch.ones(q, start + q, dtype=torch.bool, device=device).tril(diagonal=start)[None, None]
-            else:  # q == 1: sees all; prefill of an empty cache: is_causal
-                mask = None
+            # causal inside the new tokens, all before them visible; q = 1 sees all, an empty cache's prefill is_causal
+            mask = torch.ones(q, start + q, dtype=torch.bool, device=device).tril(diagonal=start)[None, None] \
+                if q > 1 and start > 0 else None
             off = sum(map(len, ids))
             keep += [off + q - 1] if i >= len(segments) - last_only else range(off, off + q)
             ids.append(new_ids)

@@ -22,10 +22,10 @@ PROBE_TOKENS = 1
 
 # ---------------------------------------------------------------------------------------------- prices (costs.py)
 VERIFY_DECAY = 0.95
-"""Weight of a verify observation per later observation (the line follows ~20 recent rounds)."""
+"""Weight of a verify observation per later one of the same request count (a line follows ~20 such rounds)."""
 
 PRIOR_SLOPE = 0.25
-"""The prior per-token verify cost, as a fraction of a one-token verify (through the first observed round)."""
+"""The prior cost of a verified token beyond the anchors, as a fraction of a plain step (through the first round)."""
 
 PLAIN_DECAY = 0.8
 """Weight of the plain-step average per later plain step."""

@@ -95,7 +95,8 @@ def test_requests_admitted_beside_a_round(tiny):
         engine.step()  # the first round: unpriced, nothing admitted beside it
         late = [engine.add_request(prompts[0], 1), engine.add_request(prompts[3], max_new[3])]
         prices = engine.policy.prices
-        before = (dict(prices.plain), {r: list(x) for r, x in prices._sums.items()}, dataclasses.replace(engine.policy.exploration))
+        before = (dict(prices.plain), {r: list(x) for r, x in prices._sums.items()},
+                  dataclasses.replace(engine.policy.exploration))
         n = len(forwards)
         engine.step()
         assert len(forwards) == n + 1 and engine.num_running == 2  # one forward; the 1-token request finished
