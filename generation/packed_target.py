@@ -5,9 +5,9 @@ position ids), so every linear layer runs once over B tokens (the LM head too, b
 only), the batch that the scheduler's SPS(B) table describes (no padding). Attention is the only per-request part: a
 small attention function (registered with transformers' ``AttentionInterface``, switched on for the forward only)
 writes each request's new K/V into its own :class:`RequestKV` and runs SDPA over that cache alone, causal inside the
-new tokens. Rejected draft tokens are dropped by cropping the cache. Full-attention decoder families only (sliding-window
-layers are refused). Not thread-safe: no other thread may use the target during a packed forward (it switches its
-attention function).
+new tokens. Rejected draft tokens are dropped by cropping the cache. Full-attention decoder families only
+(sliding-window layers are refused). Not thread-safe: no other thread may use the target during a packed forward (it
+switches its attention function).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class PackedTarget:
                 other segments' tokens plus ``last_only``: the LM head skips the prompt positions nobody reads.
         """
         if not segments or not 0 <= last_only <= len(segments):
-            raise ValueError(f"PackedTarget.forward needs segments and 0 <= last_only <= {len(segments)}; got {last_only}")
+            raise ValueError(f"forward needs segments and 0 <= last_only <= {len(segments)}, got {last_only}")
         device = self.device
         ids, pos, layout, keep = [], [], [], []
         for i, (kv, new_ids) in enumerate(segments):
