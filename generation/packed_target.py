@@ -129,8 +129,9 @@ class PackedTarget:
             # causal inside the new tokens, all before them visible; q = 1 sees all, an empty cache's prefill is_causal
             mask = torch.ones(q, start + q, dtype=torch.bool, device=device).tril(diagonal=start)[None, None] \
                 if q > 1 and start > 0 else None
-            off = sum(map(len, ids))
-            keep += [off + q - 1] if i >= len(segments) - last_only else range(off, off + q)
+            if last_only:  # the rows the LM head reads: all of the first segments', a prefill's last
+                off = sum(map(len, ids))
+                keep += [off + q - 1] if i >= len(segments) - last_only else range(off, off + q)
             ids.append(new_ids)
             pos.append(torch.arange(start, start + q, device=device))
             layout.append((kv, start, q, mask))
