@@ -40,6 +40,11 @@ from .tunables import (ACCEPT_DECAY, DRAFT_DECAY, MIN_VERIFY_S, PLAIN_DECAY, PRI
 __all__ = ["AcceptanceRecord", "Prices"]
 
 
+def _nearest(counts, requests: int) -> int:
+    """The request count among ``counts`` (those with a price) nearest ``requests``, the larger on a tie."""
+    return min(counts, key=lambda n: (abs(n - requests), -n))
+
+
 @dataclass
 class AcceptanceRecord:
     """A proposer's acceptance record: p = P(position j survives | j − 1 did), from decayed counts and a prior.
@@ -112,10 +117,9 @@ class Prices:
         if not self._first:  # no multi-token verify seen yet: the prior line through the plain step
             if not self.plain:
                 raise RuntimeError("no verify price yet: observe a round first")
-            if plain is None:  # no plain step of R requests yet: the nearest request count's (the larger on a tie)
-                plain = self.plain[min(self.plain, key=lambda n: (abs(n - requests), -n))]
+            plain = self.plain[_nearest(self.plain, requests)] if plain is None else plain  # R unseen: nearest
             return plain * (1 + PRIOR_SLOPE * (batch_tokens - requests))
-        r = min(self._first, key=lambda n: (abs(n - requests), -n))  # R's line, else the nearest R's, shifted
+        r = _nearest(self._first, requests)  # R's line, else the nearest R's, shifted
         n, sb, sbb, st, sbt = self._sums[r]
         mean_b, mean_t = sb / n, st / n
         b0, t0 = self._first[r]  # the prior line t(B) = t_R · (1 + PRIOR_SLOPE · (B − R)) through the first verify
@@ -140,9 +144,7 @@ class Prices:
     def observe_verify(self, batch_tokens: int, seconds: float, requests: int = 1) -> None:
         """Fold one round's verify time (forward and acceptance, seconds) for B tokens of R requests into the line;
         with an explicit table there is nothing to learn."""
-        if self.sps is not None:
-            return
-        if not (math.isfinite(seconds) and seconds > 0):
+        if self.sps is not None or not (math.isfinite(seconds) and seconds > 0):
             return
         if batch_tokens == requests:
             last = self.plain.get(requests)
@@ -155,9 +157,7 @@ class Prices:
     def draft_s(self, requests: int = 1) -> float | None:
         """Seconds of a drafting round of ``requests`` drafting requests: their running average, else the nearest
         timed count's (the larger on a tie); None before any drafting round was timed."""
-        if not self.draft:
-            return None
-        return self.draft[min(self.draft, key=lambda n: (abs(n - requests), -n))]
+        return self.draft[_nearest(self.draft, requests)] if self.draft else None
 
     def observe_draft(self, seconds: float, requests: int = 1, steady: bool = True) -> None:
         """Fold one drafting round's time (seconds) of ``requests`` drafting requests into its price; a round that
