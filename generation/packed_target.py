@@ -120,7 +120,7 @@ class PackedTarget:
         if not segments or not 0 <= last_only <= len(segments):
             raise ValueError(f"forward needs segments and 0 <= last_only <= {len(segments)}, got {last_only}")
         device = self.device
-        ids, pos, layout, keep = [], [], [], []
+        ids, pos, layout, keep, off = [], [], [], [], 0  # off: the segment's first row in the packed tokens
         for i, (kv, new_ids) in enumerate(segments):
             new_ids = torch.as_tensor(new_ids, dtype=torch.long, device=device).reshape(-1)
             q, start = new_ids.numel(), kv.length
@@ -130,8 +130,8 @@ class PackedTarget:
             mask = torch.ones(q, start + q, dtype=torch.bool, device=device).tril(diagonal=start)[None, None] \
                 if q > 1 and start > 0 else None
             if last_only:  # the rows the LM head reads: all of the first segments', a prefill's last
-                off = sum(map(len, ids))
                 keep += [off + q - 1] if i >= len(segments) - last_only else range(off, off + q)
+            off += q
             ids.append(new_ids)
             pos.append(torch.arange(start, start + q, device=device))
             layout.append((kv, start, q, mask))
