@@ -3,6 +3,7 @@ by `huggingface_hub`."""
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -79,10 +80,13 @@ def resolve_pretrained_dir(
     shipped = shipped_drafter_dir(name)
     if shipped is not None:
         return _in_subfolder(shipped, subfolder, name)
+    close = difflib.get_close_matches(path.name, shipped_drafter_names(), n=1)
     hint = (f" (the shipped drafter of that name loads as {path.name!r})" if shipped_drafter_dir(path.name)
+            else f" (did you mean the shipped drafter {close[0]!r}?)" if close
             else f" (shipped drafters: {', '.join(shipped_drafter_names())})")
     if not is_hub_repo_id(name) or (path.parent != Path(".") and path.parent.is_dir()):
-        raise FileNotFoundError(f"drafter directory not found: {name!r} (looked in {path.resolve()}){hint}")
+        where = "" if str(path.resolve()) == name else f" (looked in {path.resolve()})"
+        raise FileNotFoundError(f"drafter directory not found: {name!r}{where}{hint}")
     from huggingface_hub import snapshot_download
 
     patterns = [f"{subfolder}/{p}" for p in DRAFTER_FILE_PATTERNS] if subfolder else DRAFTER_FILE_PATTERNS

@@ -298,7 +298,7 @@ def _fake_timing(monkeypatch, rates: dict[str, float]) -> list:
     """Replace the generate() timing with fixed tokens/s; returns the list of calls made."""
     calls = []
     monkeypatch.setattr(choice, "_time_generate", lambda *a: calls.append(a) or dict(rates))
-    monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
+    monkeypatch.setattr(choice, "_others_busy", lambda start: 0.0)  # a quiet machine
     return calls
 
 
@@ -323,7 +323,7 @@ def test_auto_dtype_picks_the_faster_measured_dtype_and_caches_it(monkeypatch, f
     assert dtype == expected and f"bfloat16 {bf16:.1f} tok/s, float32 {fp32:.1f}" in why
     assert len(calls) == 1 and calls[0][0] is None and calls[0][1] is None  # the default target, plain decoding
     assert choice.auto_dtype(None, None, threads=1) == (dtype, why.replace(
-        "measured on", "measured before on"))
+        "measured on", f"measured before ({time.strftime('%Y-%m-%d')}) on"))
     assert len(calls) == 1  # cached beside the SPS profiles
     data = json.loads(profiling.default_profile_path().read_text())
     (key, entry), = data["dtype"].items()
@@ -334,17 +334,30 @@ def test_auto_dtype_picks_the_faster_measured_dtype_and_caches_it(monkeypatch, f
 
 @pytest.mark.real_auto_dtype
 def test_auto_dtype_remeasures_on_another_processor_and_under_load(monkeypatch):
+    """A cache entry from another processor is measured again; a timing during which other work kept half a CPU or
+    more busy (a thread sharing its core stalls every step) is used once, never kept."""
     calls = _fake_timing(monkeypatch, {"float32": 10.0, "bfloat16": 20.0})
     choice.auto_dtype(threads=1)
     monkeypatch.setattr(choice, "device_model", lambda device: "Other CPU 9000")
     choice.auto_dtype(threads=1)
     assert len(calls) == 2  # a cache entry from another processor is not used
-    monkeypatch.setattr(choice.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(choice, "_others_busy", lambda start: 0.6)
     monkeypatch.setattr(choice, "device_model", lambda device: "Third CPU")
     dtype, why = choice.auto_dtype(threads=1)
-    assert dtype == torch.bfloat16 and "busy" in why and "not cached" in why
+    assert dtype == torch.bfloat16 and why.endswith("other work kept 0.6 CPUs busy meanwhile, so this is not cached")
     choice.auto_dtype(threads=1)
     assert len(calls) == 4  # a measurement under load is used once, never kept
+
+
+def test_others_busy_is_the_cpus_busy_seconds_less_this_process(monkeypatch):
+    """Other work's CPUs over an interval: the affinity's busy CPU seconds less this process's, over the wall
+    seconds (4 busy CPU-seconds in 2 s, 2 of them this process's: 1 CPU); a real reading is three floats >= 0."""
+    reading = choice._cpu_seconds()
+    assert len(reading) == 3 and min(reading) >= 0.0
+    clock = iter([(0.0, 10.0, 5.0), (2.0, 14.0, 7.0), (4.0, 14.0, 9.0)])
+    monkeypatch.setattr(choice, "_cpu_seconds", lambda: next(clock))
+    assert choice._others_busy(choice._cpu_seconds()) == pytest.approx(1.0)
+    assert choice._others_busy((0.0, 10.0, 5.0)) == 0.0  # this process alone: nothing is other work
 
 
 @pytest.mark.real_auto_dtype

@@ -175,9 +175,7 @@ def _gen_kwargs(args, tok) -> dict:
     if args.do_sample:
         kw.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    if pad is not None:
-        kw["pad_token_id"] = pad
-    return kw
+    return kw if pad is None else dict(kw, pad_token_id=pad)
 
 
 def _record(index, prompt, tok, new_ids, seconds, stats, drafter_spec) -> dict:
@@ -189,8 +187,7 @@ def _record(index, prompt, tok, new_ids, seconds, stats, drafter_spec) -> dict:
         "token_ids": new_ids,
         "text": tok.decode(new_ids, skip_special_tokens=True),
         "num_new_tokens": n,
-        "seconds": seconds,
-        "tokens_per_s": n / seconds if seconds > 0 else None,
+        "seconds": seconds, "tokens_per_s": n / seconds if seconds > 0 else None,
     }
     if stats is not None:
         s = stats.summary()
@@ -216,7 +213,9 @@ def _stats_line(rec: dict) -> str:
             parts.append("no speculative round")
     if "speedup" in rec:
         # under sampling the two runs draw differently (the same distribution), so differing outputs are expected
-        same = "identical" if rec["identical"] else ("differ (sampled)" if rec["do_sample"] else "DIFFER")
+        tie = " (bfloat16 parts at near-ties; --dtype float32 is token-exact)" if rec.get("dtype") == "bfloat16" else ""
+        same = "identical" if rec["identical"] else "differ (sampled)" if rec["do_sample"] else \
+            f"DIFFER from new token {rec['first_difference']}{tie}"
         parts.append(f"baseline {rec['baseline_tokens_per_s']:.1f} tok/s, speedup {rec['speedup']:.2f}x (one run), "
                      f"outputs {same}")
     return "[dspark] " + " | ".join(parts)
@@ -253,6 +252,7 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
+    from dspark.app_render import first_difference
     from dspark.evaluation.eval_sets import timed_generate
 
     hf_logging.disable_progress_bar()
@@ -285,12 +285,11 @@ def run(args) -> int:
         rec["dtype"], rec["do_sample"] = dtype, bool(args.do_sample)
         if args.compare:
             base_ids, base_secs, _ = timed_generate(target, ids, None, gen_kwargs, seed)
-            rec["baseline_tokens_per_s"] = len(base_ids) / base_secs if base_secs > 0 else None
-            rec["baseline_seconds"] = base_secs
-            rec["speedup"] = base_secs / secs if secs > 0 else None
-            rec["identical"] = base_ids == new_ids
-            if base_ids != new_ids:
-                rec["baseline_token_ids"] = base_ids
+            rec.update(baseline_tokens_per_s=len(base_ids) / base_secs if base_secs > 0 else None,
+                       baseline_seconds=base_secs, speedup=base_secs / secs if secs > 0 else None,
+                       identical=base_ids == new_ids)
+            if base_ids != new_ids:  # the baseline's ids, and the first new token (0-based) where the two part
+                rec.update(baseline_token_ids=base_ids, first_difference=first_difference(base_ids, new_ids))
         if args.json:
             print(json.dumps(rec, ensure_ascii=False), flush=True)
         else:

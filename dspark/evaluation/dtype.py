@@ -17,12 +17,14 @@ from dspark.evaluation.profiling import _read, _write, default_profile_path, dev
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPE_PROMPT", "DTYPE_MARGIN", "auto_dtype"]
+__all__ = ["DTYPE_PROMPT", "DTYPE_MARGIN", "OTHERS_BUSY", "auto_dtype"]
 
 DTYPE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, then explain how it works."
 """The prompt :func:`auto_dtype` times ``generate()`` on (chat template applied)."""
 DTYPE_MARGIN = 0.05
 """bfloat16 is chosen only when it runs more than this fraction faster than float32 (the token-exact mode)."""
+OTHERS_BUSY = 0.5
+"""A timing is cached only where other work kept fewer of the process's CPUs busy meanwhile (CPUs, psutil)."""
 
 
 def _dtype_key(target, drafter, threads: int, device) -> str:
@@ -65,24 +67,46 @@ def _time_generate(target, drafter, dtypes, max_new_tokens: int, repeats: int, d
     return best
 
 
+def _cpu_seconds() -> tuple[float, float, float]:
+    """Now: (wall seconds, busy seconds of this process's CPUs, this process's CPU seconds), by psutil; the whole
+    machine's where the affinity's CPU ids are not psutil's. :func:`_others_busy` takes the differences."""
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per = psutil.cpu_times(percpu=True)
+    times = [per[c] for c in cores] if cores and max(cores) < len(per) else [psutil.cpu_times()]
+    idle = ("idle", "iowait", "guest", "guest_nice")  # guest time is counted in user time already
+    busy = sum(sum(t) - sum(getattr(t, f, 0.0) for f in idle) for t in times)
+    own = psutil.Process().cpu_times()
+    return time.perf_counter(), busy, own.user + own.system
+
+
+def _others_busy(start: tuple[float, float, float]) -> float:
+    """CPUs of this process's affinity that other work (other processes, the hypervisor's steal) kept busy since
+    ``start`` (:func:`_cpu_seconds`): their busy seconds less this process's, over the wall seconds."""
+    wall, busy, own = (b - a for a, b in zip(start, _cpu_seconds()))
+    return max(0.0, busy - own) / max(wall, 1e-9)
+
+
 def _measure_dtypes(target, drafter, threads: int, device, max_new_tokens: int, repeats: int, path: Path,
                     key: str) -> tuple[dict, str]:
     """Time both dtypes with ``threads`` torch threads (:func:`_time_generate`) and cache the result under ``key``
-    in ``path``, unless every core was busy: ``(profile entry, busy note)``, the note empty when cached."""
+    in ``path``, unless other work kept :data:`OTHERS_BUSY` CPUs or more busy meanwhile: ``(profile entry, note)``,
+    the note empty when cached."""
     logger.warning("timing generate() in float32 and bfloat16 to pick the faster (%s; an explicit dtype skips "
-                   "this); kept in %s unless every core is busy",
+                   "this); kept in %s unless other work keeps a CPU busy meanwhile",
                    "plain decoding" if drafter is None else f"drafter {drafter}", path)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    old = torch.get_num_threads()
+    old, start = torch.get_num_threads(), _cpu_seconds()
     torch.set_num_threads(threads)
     try:
         rates = _time_generate(target, drafter, (torch.float32, torch.bfloat16), max_new_tokens, repeats, device)
     finally:
         torch.set_num_threads(old)
+    others = _others_busy(start)
     entry = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}, "cpu_model": device_model(device),
              "max_new_tokens": max_new_tokens, "repeats": repeats, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if load >= (os.cpu_count() or 1):  # other programs held every core: a measurement to use once, not keep
-        return entry, f"; the CPU was busy (load average {load:.1f}), so this is not cached"
+    if others >= OTHERS_BUSY:  # a thread that shares its core stalls every step: a timing to use once, not keep
+        return entry, f"; other work kept {others:.1f} CPUs busy meanwhile, so this is not cached"
     data = _read(path)  # re-read: keep what another process wrote meanwhile
     data.setdefault("dtype", {})[key] = entry
     _write(path, data)
@@ -110,7 +134,8 @@ def auto_dtype(
     the token-exact mode). The tokens/s are cached in the SPS profile file (:func:`default_profile_path`, section
     ``"dtype"``, keyed by target, drafter, threads and device type, with the processor): measured once, a few
     seconds for a small target; a cache entry from another processor is measured again, and a measurement taken
-    while other programs kept every core busy (load average >= cores) is used once and not cached.
+    while other work kept :data:`OTHERS_BUSY` CPUs or more busy is used once and not cached (with one of 2 cores
+    busy, plain SmolLM2 ran 2.2–2.8× slower on 2 threads: such a timing says little about the processor).
 
     Args:
         target: a target directory, a packaged target's name, or None for the default target.
@@ -136,13 +161,14 @@ def auto_dtype(
     data = _read(path)
     entry = data.setdefault("dtype", {}).get(key)
     cached = entry is not None and entry.get("cpu_model") == here
-    busy = ""
+    note = ""
     if not cached:
-        entry, busy = _measure_dtypes(target, drafter, threads, device, max_new_tokens, repeats, path, key)
+        entry, note = _measure_dtypes(target, drafter, threads, device, max_new_tokens, repeats, path, key)
     fp32, bf16 = entry["tokens_per_s"]["float32"], entry["tokens_per_s"]["bfloat16"]
     dtype = torch.bfloat16 if bf16 > fp32 * (1 + DTYPE_MARGIN) else torch.float32
     job = "plain generate()" if drafter is None else "generate() with this drafter"
-    why = (f"{'measured' if not cached else 'measured before'} on this CPU for {job}: bfloat16 {bf16:.1f} tok/s, "
-           f"float32 {fp32:.1f}" + ("; float32 is the token-exact dtype" if dtype == torch.bfloat16 else
-                                    f"; bfloat16 is not more than {DTYPE_MARGIN:.0%} faster") + busy)
+    when = f"measured before ({entry.get('date', 'undated')[:10]})" if cached else "measured"
+    why = (f"{when} on this CPU for {job}: bfloat16 {bf16:.1f} tok/s, float32 {fp32:.1f}"
+           + ("; float32 is the token-exact dtype" if dtype == torch.bfloat16 else
+              f"; bfloat16 is not more than {DTYPE_MARGIN:.0%} faster") + note)
     return dtype, why
