@@ -67,8 +67,8 @@ def resolve_pretrained_dir(
     Raises:
         FileNotFoundError: ``name_or_path`` is none of these, is a missing directory under an existing one, or is a
             repository id that could not be fetched (not in the cache when offline, unknown repository or revision,
-            no network); the message names the local path it also tried and the shipped drafters, never only a
-            network error.
+            no network); the message names the local path it also tried (where it differs from the input) and the
+            shipped drafters (the closest first, for a bare name like one of them), never only a network error.
         NotADirectoryError: ``name_or_path`` is an existing file.
     """
     path = Path(name_or_path).expanduser()
@@ -80,10 +80,10 @@ def resolve_pretrained_dir(
     shipped = shipped_drafter_dir(name)
     if shipped is not None:
         return _in_subfolder(shipped, subfolder, name)
-    close = difflib.get_close_matches(path.name, shipped_drafter_names(), n=1)
+    close = difflib.get_close_matches(name, shipped_drafter_names(), n=1) if "/" not in name else []  # a bare name
     hint = (f" (the shipped drafter of that name loads as {path.name!r})" if shipped_drafter_dir(path.name)
-            else f" (did you mean the shipped drafter {close[0]!r}?)" if close
-            else f" (shipped drafters: {', '.join(shipped_drafter_names())})")
+            else f" ({f'did you mean {close[0]!r}? ' if close else ''}shipped drafters: "
+                 f"{', '.join(shipped_drafter_names())})")
     if not is_hub_repo_id(name) or (path.parent != Path(".") and path.parent.is_dir()):
         where = "" if str(path.resolve()) == name else f" (looked in {path.resolve()})"
         raise FileNotFoundError(f"drafter directory not found: {name!r}{where}{hint}")

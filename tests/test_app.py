@@ -250,7 +250,7 @@ def test_auto_dtype_follows_the_timing(monkeypatch, tmp_path):
     from dspark.evaluation import dtype as choice
 
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path))
-    monkeypatch.setattr(choice, "_others_busy", lambda start: 0.0)
+    monkeypatch.setattr(choice, "_contention", lambda start, threads: 0.0)
     monkeypatch.setattr(choice, "_time_generate", lambda *a: {"float32": 10.0, "bfloat16": 15.0})
     assert app.auto_dtype()[0] == "bfloat16" and app.validate_request("Hi", dtype="auto").dtype == "bfloat16"
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path / "other"))

@@ -267,7 +267,7 @@ def test_auto_dtype_is_announced(monkeypatch, capsys, tmp_path):
     from dspark.evaluation import dtype as choice
 
     monkeypatch.setenv("DSPARK_PROFILE_DIR", str(tmp_path))
-    monkeypatch.setattr(choice, "_others_busy", lambda start: 0.0)
+    monkeypatch.setattr(choice, "_contention", lambda start, threads: 0.0)
     monkeypatch.setattr(choice, "_time_generate", lambda *a: {"float32": 10.0, "bfloat16": 15.0})
     assert resolve_dtype("auto", "cpu", announce="dspark generate") == "bfloat16"
     err = capsys.readouterr().err
@@ -382,9 +382,9 @@ def test_stats_line_says_what_it_measured():
                lookup_rounds=1, plain_rounds=1)
     assert "tau=2.00" in _stats_line(rec) and "outputs differ (sampled)" in _stats_line(rec)
     assert "policy scheduler (default): 3 rounds (1 drafted, 1 lookup, 1 plain step)" in _stats_line(rec)
-    greedy = dict(rec, do_sample=False, first_difference=19)
-    assert "DIFFER from new token 19 (bfloat16 parts at near-ties" in _stats_line(dict(greedy, dtype="bfloat16"))
-    assert _stats_line(dict(greedy, dtype="float32")).endswith("outputs DIFFER from new token 19")
+    greedy = dict(rec, do_sample=False, first_difference=19)  # 0-based in --json (it indexes token_ids)
+    assert "DIFFER from new token 20 (bfloat16 parts at near-ties" in _stats_line(dict(greedy, dtype="bfloat16"))
+    assert _stats_line(dict(greedy, dtype="float32")).endswith("outputs DIFFER from new token 20")
 
 
 def test_every_environment_variable_is_documented():

@@ -294,8 +294,10 @@ def test_relative_paths_resolve_as_paths(tiny, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"drafter directory not found: 'someorg/absent'.*shipped drafters: "
                                                 r"qwen2.5-coder-0.5b-dspark, smollm2-135m-dspark"):
         md.DSparkDraftModel.from_pretrained("someorg/absent")
-    with pytest.raises(FileNotFoundError, match=r"did you mean the shipped drafter 'smollm2-135m-dspark'\?"):
+    with pytest.raises(FileNotFoundError, match=r"did you mean 'smollm2-135m-dspark'\? shipped drafters: qwen"):
         md.DSparkDraftModel.from_pretrained("smollm2-135m-dspak", local_files_only=True)
+    with pytest.raises(FileNotFoundError, match=r"not found: '/absent/smollm2-135m-dspak' \(shipped drafters: "):
+        md.DSparkDraftModel.from_pretrained("/absent/smollm2-135m-dspak")  # a path: no guess, no "looked in" echo
 
 
 def test_shipped_drafters_load_by_name_from_any_directory(tmp_path, monkeypatch):

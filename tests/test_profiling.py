@@ -298,7 +298,8 @@ def _fake_timing(monkeypatch, rates: dict[str, float]) -> list:
     """Replace the generate() timing with fixed tokens/s; returns the list of calls made."""
     calls = []
     monkeypatch.setattr(choice, "_time_generate", lambda *a: calls.append(a) or dict(rates))
-    monkeypatch.setattr(choice, "_others_busy", lambda start: 0.0)  # a quiet machine
+    monkeypatch.setattr(choice, "_contention", lambda start, threads: 0.0)  # a quiet machine
+    monkeypatch.setattr(choice, "_contended", {})  # no timing of this process kept yet
     return calls
 
 
@@ -334,30 +335,35 @@ def test_auto_dtype_picks_the_faster_measured_dtype_and_caches_it(monkeypatch, f
 
 @pytest.mark.real_auto_dtype
 def test_auto_dtype_remeasures_on_another_processor_and_under_load(monkeypatch):
-    """A cache entry from another processor is measured again; a timing during which other work kept half a CPU or
-    more busy (a thread sharing its core stalls every step) is used once, never kept."""
+    """A cache entry from another processor is measured again; a timing during which other work took half a CPU or
+    more from its threads (a thread sharing its core stalls every step) is kept for this process only, not cached."""
     calls = _fake_timing(monkeypatch, {"float32": 10.0, "bfloat16": 20.0})
     choice.auto_dtype(threads=1)
     monkeypatch.setattr(choice, "device_model", lambda device: "Other CPU 9000")
     choice.auto_dtype(threads=1)
     assert len(calls) == 2  # a cache entry from another processor is not used
-    monkeypatch.setattr(choice, "_others_busy", lambda start: 0.6)
+    monkeypatch.setattr(choice, "_contention", lambda start, threads: 0.6)
     monkeypatch.setattr(choice, "device_model", lambda device: "Third CPU")
     dtype, why = choice.auto_dtype(threads=1)
-    assert dtype == torch.bfloat16 and why.endswith("other work kept 0.6 CPUs busy meanwhile, so this is not cached")
-    choice.auto_dtype(threads=1)
-    assert len(calls) == 4  # a measurement under load is used once, never kept
+    assert dtype == torch.bfloat16 and why.endswith("other work shared 0.6 of its CPUs meanwhile, so this is not "
+                                                    "cached")
+    dtype, why = choice.auto_dtype(threads=1)
+    assert len(calls) == 3 and why.endswith("timed earlier in this process beside other work, so not cached")
+    assert not any(k.endswith("|1|cpu") and v["cpu_model"] == "Third CPU"
+                   for k, v in json.loads(profiling.default_profile_path().read_text())["dtype"].items())
 
 
-def test_others_busy_is_the_cpus_busy_seconds_less_this_process(monkeypatch):
-    """Other work's CPUs over an interval: the affinity's busy CPU seconds less this process's, over the wall
-    seconds (4 busy CPU-seconds in 2 s, 2 of them this process's: 1 CPU); a real reading is three floats >= 0."""
-    reading = choice._cpu_seconds()
-    assert len(reading) == 3 and min(reading) >= 0.0
-    clock = iter([(0.0, 10.0, 5.0), (2.0, 14.0, 7.0), (4.0, 14.0, 9.0)])
-    monkeypatch.setattr(choice, "_cpu_seconds", lambda: next(clock))
-    assert choice._others_busy(choice._cpu_seconds()) == pytest.approx(1.0)
-    assert choice._others_busy((0.0, 10.0, 5.0)) == 0.0  # this process alone: nothing is other work
+def test_contention_is_other_work_beyond_the_cpus_the_threads_leave_free(monkeypatch):
+    """Other work's CPUs over an interval are the CPUs' busy seconds less this process's, over the wall seconds (4 busy
+    CPU-seconds in 2 s, 2 of them this process's: 1 CPU); on 2 CPUs that shares the CPUs of 2 threads, not of 1 (its
+    other CPU is free); this process alone is never contention. A real reading is four numbers, the count >= 1."""
+    wall, busy, own, cpus = choice._cpu_seconds()
+    assert min(wall, busy, own) >= 0.0 and cpus >= 1
+    readings = [(2.0, 14.0, 7.0, 2), (2.0, 14.0, 7.0, 2), (4.0, 14.0, 9.0, 2)]
+    monkeypatch.setattr(choice, "_cpu_seconds", lambda: readings.pop(0))
+    assert choice._contention((0.0, 10.0, 5.0, 2), threads=2) == pytest.approx(1.0)
+    assert choice._contention((0.0, 10.0, 5.0, 2), threads=1) == 0.0
+    assert choice._contention((0.0, 10.0, 5.0, 2), threads=2) == 0.0  # 4 busy CPU-seconds, all this process's
 
 
 @pytest.mark.real_auto_dtype

@@ -215,7 +215,7 @@ def _stats_line(rec: dict) -> str:
         # under sampling the two runs draw differently (the same distribution), so differing outputs are expected
         tie = " (bfloat16 parts at near-ties; --dtype float32 is token-exact)" if rec.get("dtype") == "bfloat16" else ""
         same = "identical" if rec["identical"] else "differ (sampled)" if rec["do_sample"] else \
-            f"DIFFER from new token {rec['first_difference']}{tie}"
+            f"DIFFER from new token {rec['first_difference'] + 1}{tie}"  # 1-based, as the demo page counts
         parts.append(f"baseline {rec['baseline_tokens_per_s']:.1f} tok/s, speedup {rec['speedup']:.2f}x (one run), "
                      f"outputs {same}")
     return "[dspark] " + " | ".join(parts)

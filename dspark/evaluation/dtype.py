@@ -24,7 +24,7 @@ DTYPE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, 
 DTYPE_MARGIN = 0.05
 """bfloat16 is chosen only when it runs more than this fraction faster than float32 (the token-exact mode)."""
 OTHERS_BUSY = 0.5
-"""A timing is cached only where other work kept fewer of the process's CPUs busy meanwhile (CPUs, psutil)."""
+"""A timing is cached only where other work took fewer CPUs than this from its threads meanwhile (psutil)."""
 
 
 def _dtype_key(target, drafter, threads: int, device) -> str:
@@ -67,9 +67,9 @@ def _time_generate(target, drafter, dtypes, max_new_tokens: int, repeats: int, d
     return best
 
 
-def _cpu_seconds() -> tuple[float, float, float]:
-    """Now: (wall seconds, busy seconds of this process's CPUs, this process's CPU seconds), by psutil; the whole
-    machine's where the affinity's CPU ids are not psutil's. :func:`_others_busy` takes the differences."""
+def _cpu_seconds() -> tuple[float, float, float, int]:
+    """Now: (wall seconds, busy seconds of this process's CPUs, this process's CPU seconds, those CPUs' count), by
+    psutil; the whole machine's where the affinity's CPU ids are not psutil's. :func:`_contention` takes differences."""
     import psutil
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -78,23 +78,29 @@ def _cpu_seconds() -> tuple[float, float, float]:
     idle = ("idle", "iowait", "guest", "guest_nice")  # guest time is counted in user time already
     busy = sum(sum(t) - sum(getattr(t, f, 0.0) for f in idle) for t in times)
     own = psutil.Process().cpu_times()
-    return time.perf_counter(), busy, own.user + own.system
+    return time.perf_counter(), busy, own.user + own.system, len(cores) if len(times) == len(cores) else len(per)
 
 
-def _others_busy(start: tuple[float, float, float]) -> float:
-    """CPUs of this process's affinity that other work (other processes, the hypervisor's steal) kept busy since
-    ``start`` (:func:`_cpu_seconds`): their busy seconds less this process's, over the wall seconds."""
-    wall, busy, own = (b - a for a, b in zip(start, _cpu_seconds()))
-    return max(0.0, busy - own) / max(wall, 1e-9)
+def _contention(start: tuple[float, float, float, int], threads: int) -> float:
+    """CPUs' worth of other work that shared the CPUs of ``threads`` torch threads since ``start``
+    (:func:`_cpu_seconds`): the CPUs other work kept busy (their busy seconds less this process's, over the wall
+    seconds; other processes, the hypervisor's steal) beyond those the threads left free."""
+    wall, busy, own = (b - a for a, b in zip(start[:3], _cpu_seconds()[:3]))
+    return max(0.0, max(0.0, busy - own) / max(wall, 1e-9) - max(0, start[3] - threads))
+
+
+_contended: dict[str, dict] = {}  # key -> this process's timing that other work shared CPUs with (not cached)
 
 
 def _measure_dtypes(target, drafter, threads: int, device, max_new_tokens: int, repeats: int, path: Path,
                     key: str) -> tuple[dict, str]:
     """Time both dtypes with ``threads`` torch threads (:func:`_time_generate`) and cache the result under ``key``
-    in ``path``, unless other work kept :data:`OTHERS_BUSY` CPUs or more busy meanwhile: ``(profile entry, note)``,
-    the note empty when cached."""
+    in ``path``, unless other work took :data:`OTHERS_BUSY` CPUs or more from the threads meanwhile (then it is kept
+    for this process only, and returned here again): ``(profile entry, note)``, the note empty when cached."""
+    if key in _contended and _contended[key]["cpu_model"] == device_model(device):
+        return _contended[key], "; timed earlier in this process beside other work, so not cached"
     logger.warning("timing generate() in float32 and bfloat16 to pick the faster (%s; an explicit dtype skips "
-                   "this); kept in %s unless other work keeps a CPU busy meanwhile",
+                   "this); kept in %s unless other work shares its CPUs meanwhile",
                    "plain decoding" if drafter is None else f"drafter {drafter}", path)
     old, start = torch.get_num_threads(), _cpu_seconds()
     torch.set_num_threads(threads)
@@ -102,11 +108,12 @@ def _measure_dtypes(target, drafter, threads: int, device, max_new_tokens: int, 
         rates = _time_generate(target, drafter, (torch.float32, torch.bfloat16), max_new_tokens, repeats, device)
     finally:
         torch.set_num_threads(old)
-    others = _others_busy(start)
+    shared = _contention(start, threads)
     entry = {"tokens_per_s": {k: round(v, 3) for k, v in rates.items()}, "cpu_model": device_model(device),
              "max_new_tokens": max_new_tokens, "repeats": repeats, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if others >= OTHERS_BUSY:  # a thread that shares its core stalls every step: a timing to use once, not keep
-        return entry, f"; other work kept {others:.1f} CPUs busy meanwhile, so this is not cached"
+    if shared >= OTHERS_BUSY:  # a thread that shares its core stalls every step: a timing for this process only
+        _contended[key] = entry
+        return entry, f"; other work shared {shared:.1f} of its CPUs meanwhile, so this is not cached"
     data = _read(path)  # re-read: keep what another process wrote meanwhile
     data.setdefault("dtype", {})[key] = entry
     _write(path, data)
@@ -133,9 +140,9 @@ def auto_dtype(
     times each, the fastest run kept; bfloat16 wins only when more than :data:`DTYPE_MARGIN` faster (float32 is
     the token-exact mode). The tokens/s are cached in the SPS profile file (:func:`default_profile_path`, section
     ``"dtype"``, keyed by target, drafter, threads and device type, with the processor): measured once, a few
-    seconds for a small target; a cache entry from another processor is measured again, and a measurement taken
-    while other work kept :data:`OTHERS_BUSY` CPUs or more busy is used once and not cached (with one of 2 cores
-    busy, plain SmolLM2 ran 2.2–2.8× slower on 2 threads: such a timing says little about the processor).
+    seconds for a small target; a cache entry from another processor is measured again, and a measurement during
+    which other work took :data:`OTHERS_BUSY` CPUs or more from its threads is kept for this process only (with one
+    of 2 cores busy, plain SmolLM2 ran 2.2–2.8× slower on 2 threads: such a timing says little about the processor).
 
     Args:
         target: a target directory, a packaged target's name, or None for the default target.
