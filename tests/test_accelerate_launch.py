@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -80,8 +81,14 @@ def test_train_cli_under_accelerate_launch_two_cpu_processes(tmp_path, one_threa
            "--num-draft-layers", "1", "--block-size", "4", "--markov-rank", "8", "--max-steps", "4",
            "--batch-size", "2", "--anchors-per-seq", "2", "--cpu", "--threads", "1", "--save-steps", "4",
            "--logging-steps", "1", "--output-dir", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    log = proc.stdout + proc.stderr
+    # its own process group, so a launch that runs too long is killed with both ranks, and its output is reported
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"accelerate launch ran past 400 s; its output:\n{proc.communicate()[0][-4000:]}")
     assert proc.returncode == 0, log[-4000:]
 
     # the Trainer saw 2 processes: global batch = 2 per device x 2
