@@ -74,11 +74,14 @@ def _cpu_seconds() -> tuple[float, float, float, int]:
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     per = psutil.cpu_times(percpu=True)
-    times = [per[c] for c in cores] if cores and max(cores) < len(per) else [psutil.cpu_times()]
+    if cores and max(cores) < len(per):
+        times, cpus = [per[c] for c in cores], len(cores)
+    else:
+        times, cpus = [psutil.cpu_times()], len(per)
     idle = ("idle", "iowait", "guest", "guest_nice")  # guest time is counted in user time already
     busy = sum(sum(t) - sum(getattr(t, f, 0.0) for f in idle) for t in times)
     own = psutil.Process().cpu_times()
-    return time.perf_counter(), busy, own.user + own.system, len(cores) if len(times) == len(cores) else len(per)
+    return time.perf_counter(), busy, own.user + own.system, cpus
 
 
 def _contention(start: tuple[float, float, float, int], threads: int) -> float:
