@@ -148,7 +148,8 @@ def engine_lengths(num: int, mean: int, equal: bool) -> list[int]:
 
 
 def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: int, repeats: int, waves: int = 4,
-               equal: bool = False) -> dict:
+               equal: bool = False):
+    """Yields ``(R, stats)`` for each R in ``levels``, in order, as each is measured."""
     from dspark.generation import DSparkEngine
     from modeling_dspark.target import apply_chat_template
 
@@ -161,7 +162,6 @@ def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: 
         outs = engine.run()
         return sum(o.num_tokens for o in outs) / (time.perf_counter() - t0)
 
-    out = {}
     for r in levels:
         engines = {"dspark": DSparkEngine(target, drafter, max_batch_size=r),
                    "plain": DSparkEngine(target, None, policy="none", lookup=False, max_batch_size=r)}
@@ -173,12 +173,11 @@ def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: 
             for name in (("plain", "dspark") if rep % 2 == 0 else ("dspark", "plain")):
                 rates[name].append(serve(engines[name], batch))
         test = paired(rates["dspark"], rates["plain"])
-        out[r] = {"plain_tok_s": rates["plain"], "dspark_tok_s": rates["dspark"],
-                  "ratios": paired_ratios(rates["plain"], rates["dspark"]),
-                  "ratio": sum(rates["dspark"]) / sum(rates["plain"]), "faster": test["won"], "sign_p": test["p"]}
         print(f"[bench] engine R={r}: plain {rates['plain']}, dspark {rates['dspark']} tok/s", file=sys.stderr,
               flush=True)
-    return out
+        yield r, {"plain_tok_s": rates["plain"], "dspark_tok_s": rates["dspark"],
+                  "ratios": paired_ratios(rates["plain"], rates["dspark"]),
+                  "ratio": sum(rates["dspark"]) / sum(rates["plain"]), "faster": test["won"], "sign_p": test["p"]}
 
 
 def markdown(result: dict) -> str:
@@ -248,10 +247,12 @@ def main(argv=None) -> int:
             print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
             target, tok, drafter = load_models(args.target, drafter_spec, dt, args.device)
             run = {"dtype": dt, "generate": generate_arm(target, tok, drafter, prompts, args.max_new_tokens)}
-            if levels:
-                run["engine"] = engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats,
-                                           args.engine_waves, args.engine_equal_lengths)
             result["runs"].append(run)
+            write_result(result, markdown(result), args.out, final=False)
+            for r, stats in engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats,
+                                       args.engine_waves, args.engine_equal_lengths):
+                run.setdefault("engine", {})[r] = stats
+                write_result(result, markdown(result), args.out, final=False)
             del target, drafter
     write_result(result, markdown(result), args.out)
     return 0

@@ -207,6 +207,7 @@ def main(argv=None) -> int:
         target, tok, drafter = load_models(args.target, drafter_spec, dt, args.device)
         result["runs"].append({"dtype": dt, **generate_arms(target, tok, drafter, prompts, args.max_new_tokens,
                                                             args.pld_tokens, args.arms)})
+        write_result(result, markdown(result), args.out, final=False)
         del target, drafter
     write_result(result, markdown(result), args.out)
     return 0

@@ -94,9 +94,10 @@ def result_header(benchmark: str, argv: list[str] | None, threads: int) -> dict:
     }
 
 
-def write_result(result: dict, table: str, out: str | os.PathLike) -> Path:
+def write_result(result: dict, table: str, out: str | os.PathLike, *, final: bool = True) -> Path:
     """Record the load average at the end, store ``table`` as ``result["markdown"]``, write ``result`` as JSON to
-    ``out`` (parents created) and print the table; returns the path."""
+    ``out`` (parents created) and, when ``final``, print the table; returns the path. Benchmarks also write after
+    each finished part (``final=False``), so a run stopped by a time limit keeps what it measured."""
     try:
         result["machine"]["load_average_at_end"] = os.getloadavg()
     except OSError:
@@ -105,8 +106,9 @@ def write_result(result: dict, table: str, out: str | os.PathLike) -> Path:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(table)
-    print(f"\nwritten to {path}", file=sys.stderr)
+    if final:
+        print(table)
+        print(f"\nwritten to {path}", file=sys.stderr)
     return path
 
 

@@ -362,12 +362,12 @@ class DSparkEngine:
         positions and features ``feats [1, ΣP, m·H]`` at all, in order: their first token (the argmax), their drafter's
         context and their admission time ``admitted`` (``time.perf_counter()`` seconds)."""
         off, now = 0, time.perf_counter()
-        for i, r in enumerate(reqs):
+        for r, first in zip(reqs, logits.argmax(-1).tolist()):  # one device-to-host copy for all
             p, r.t_admitted = len(r.prompt), admitted
             if feats is not None:
                 cache = RequestKV(self.drafter.config.num_draft_layers, p + r.max_new + 2)
                 r.draft = DraftContext(cache, [feats[:, off : off + p].clone()])
-            r.commit([int(logits[i].argmax())], self.eos)
+            r.commit([first], self.eos)
             r.t_first = now
             off += p
         self.stats.prefill_tokens += off

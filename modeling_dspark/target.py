@@ -257,14 +257,16 @@ def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> frozenset[str]:
 
 
 def fast_dtype(device="cpu", flags: frozenset[str] | None = None) -> torch.dtype:
-    """The faster of bf16 and fp32 for the target on ``device``: ``torch.bfloat16`` on CUDA and on a CPU with native
-    bf16 matrix instructions (``amx_bf16`` or ``avx512_bf16`` among ``flags``, default :func:`cpu_flags`), else
-    ``torch.float32`` (without them bf16 products are emulated and slower than fp32).
+    """The faster of bf16 and fp32 for the target on ``device``: ``torch.bfloat16`` on a GPU with native bf16 (CUDA
+    compute capability 8.0 or later) and on a CPU with native bf16 matrix instructions (``amx_bf16`` or
+    ``avx512_bf16`` among ``flags``, default :func:`cpu_flags`), else ``torch.float32`` (without them bf16 products
+    are emulated and slower than fp32).
 
     bf16 is fast but not token-exact: a batched verify rounds differently from a one-token step, so greedy output
     can part from plain decoding at a near-tie; fp32 is the token-exact mode.
     """
     if torch.device(device).type == "cuda":
-        return torch.bfloat16
+        old_gpu = torch.cuda.is_available() and torch.cuda.get_device_properties(device).major < 8
+        return torch.float32 if old_gpu else torch.bfloat16
     flags = cpu_flags() if flags is None else flags
     return torch.bfloat16 if any(f in flags for f in _BF16_MATRIX_FLAGS) else torch.float32

@@ -64,10 +64,12 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
 EOF
 step lossless "$T_LOSSLESS" "$PYTHON" scripts/gpu_tools.py lossless "${MODELS[@]}" --device "$DEVICE" \
   "${LOSSLESS[@]}" "${THREADS[@]}" --out "$WORK/results/lossless.json"
+# bfloat16 first: the GPU's dtype keeps its rows if a step runs out of time (each result file is written after
+# every finished part; float32's exactness is the lossless step's)
 step default "$T_DEFAULT" "$PYTHON" benchmarks/bench_default.py "${MODELS[@]}" --device "$DEVICE" "${SPEED[@]}" \
-  --dtypes float32,bfloat16 "${ENGINE[@]}" "${THREADS[@]}" --out "$WORK/results/default.json"
+  --dtypes bfloat16,float32 "${ENGINE[@]}" "${THREADS[@]}" --out "$WORK/results/default.json"
 step transformers "$T_PLD" "$PYTHON" benchmarks/bench_transformers.py "${MODELS[@]}" --device "$DEVICE" \
-  "${SPEED[@]}" --dtypes float32,bfloat16 "${THREADS[@]}" --out "$WORK/results/transformers.json"
+  "${SPEED[@]}" --dtypes bfloat16,float32 "${THREADS[@]}" --out "$WORK/results/transformers.json"
 cp "$WORK/steps.log" "$WORK/results/steps.log"
 "$PYTHON" scripts/gpu_tools.py summary --dir "$WORK/results" --out "$OUTDIR/gpu_check.json"
 tail -c 2000000 "$WORK/all.log" > "$OUTDIR/gpu_check.log"

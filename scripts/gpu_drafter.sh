@@ -52,6 +52,8 @@ if [ "$MODE" = dry ]; then
 elif [ "$MODE" = gpu ]; then
   eval "$("$PYTHON" scripts/lease_tree.py env)"
   [ -f .lease/ready.json ] || { echo "no .lease/ready.json: stage the target first (docs/gpu.md)" >&2; exit 2; }
+  "$PYTHON" -c "import json, sys; s = json.load(open('.lease/ready.json')).get('stack', {})
+sys.exit(0 if s.get('datasets_ok', True) else f'datasets does not work here: {s}')" || exit 2
   [ -f "$PREP/data/plan.json" ] || { echo "no $PREP: run --prepare here and carry .lease/drafter-prep" >&2; exit 2; }
   "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "torch sees no GPU" >&2; exit 2; }
 fi
@@ -88,9 +90,12 @@ print(f\"--block-size {c['block_size']} --markov-rank {c['markov_rank']} --num-d
 step train "$T_TRAIN" "${DSPARK[@]}" train --data "$WORK/data" "${TARGET[@]}" --out-dir "$WORK/run" \
   --init-from-drafter "$SHIPPED" "${ARCH[@]}" --batch-size "$TRAIN_BATCH" --max-steps "$STEPS" --lr "$LR" --dtype "$DTYPE" \
   --save-steps 200 --save-total-limit 1 --logging-steps 50 --device "$DEVICE" --threads "$THREADS"
-RUN=$WORK/run  # a run cut short by its time limit goes on from its last checkpoint
-if [ ! -f "$RUN/config.json" ]; then
-  RUN=$(ls -d "$WORK"/run/checkpoint-* 2>/dev/null | sort -V | tail -1); RUN=${RUN:-$WORK/run}
+# the finished run (training_manifest.json is written after its weights), else the newest whole checkpoint (a run
+# cut short by its time limit; trainer_state.json is written after a checkpoint's weights and optimizer)
+RUN=$WORK/run
+if [ ! -f "$RUN/training_manifest.json" ]; then
+  RUN=$(ls -d "$WORK"/run/checkpoint-*/trainer_state.json 2>/dev/null | sort -V | tail -1); RUN=${RUN%/*}
+  RUN=${RUN:-$WORK/run}
 fi
 step calibrate "$T_CAL" "${DSPARK[@]}" calibrate --drafter "$RUN" "${TARGET[@]}" --prompts "$PREP/calibration.jsonl" \
   --limit "$CAL" --max-new-tokens "$CAL_NEW" "${CAL_BIN[@]}" --dtype "$DTYPE" --device "$DEVICE" \

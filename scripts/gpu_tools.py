@@ -6,7 +6,8 @@
     lossless --out F.json    the lossless checks on --device: greedy generate() with the drafter token for token
                              against plain greedy (float32 must be identical; bfloat16 is counted, since a batched
                              verify may round differently at a near-tie), seeded sampling end to end, and the engine at
-                             R > 1 against plain greedy per request (float32)
+                             R > 1 against plain greedy per request (float32); where greedy outputs part, the
+                             target's top-1 minus top-2 logit there (a near-tie or not); written after each dtype
     calib-prompts --out F   held-out calibration prompts as JSON lines (`dspark calibrate --prompts F`), made where the
                              data packages are installed, excluding the prompts of --exclude-data builds
     summary --out F.json     gather the step results of one run (JSON files) into one small file with a markdown digest
@@ -58,7 +59,27 @@ def make_tiny(out: Path) -> dict:
     return {"target": str(out / "target"), "drafter": str(out / "drafter")}
 
 
-def lossless(args) -> dict:
+def top2_margin(target, ids, tokens: list[int]) -> float:
+    """The target's top-1 minus top-2 logit after ``ids`` (1, L) and ``tokens``: how near a tie the step is where two
+    greedy outputs part (a batched verify and a one-token step may round differently only at a near-tie)."""
+    import torch
+
+    x = torch.cat([ids, torch.tensor([tokens], dtype=ids.dtype, device=ids.device)], dim=1)
+    with torch.no_grad():
+        top = target(x).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def _passed(out: dict) -> bool:
+    """float32 greedy and engine outputs identical to plain, every sampled token in the vocabulary."""
+    f32 = out["dtypes"].get("float32")
+    return bool(f32) and f32["greedy_identical"] == f32["greedy_prompts"] and \
+        f32.get("engine_identical") == f32.get("engine_requests") and \
+        all(r["sampling_tokens_in_vocab"] for r in out["dtypes"].values())
+
+
+def lossless(args, save) -> dict:
+    """The checks of the module doc per dtype; ``save(result)`` after each dtype (a time limit keeps what ran)."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -85,12 +106,15 @@ def lossless(args) -> dict:
         plain = [timed_generate(target, x, None, gen)[0] for x in ids]
         greedy = [timed_generate(target, x, drafter, gen) for x in ids]
         same = [g[0] == p for g, p in zip(greedy, plain)]
-        first_diff = [next((i for i, (a, b) in enumerate(zip(g[0], p)) if a != b), min(len(g[0]), len(p)))
-                      for g, p in zip(greedy, plain) if g[0] != p]
+        differ = [(x, p, next((i for i, (a, b) in enumerate(zip(g[0], p)) if a != b), min(len(g[0]), len(p))))
+                  for x, g, p in zip(ids, greedy, plain) if g[0] != p]  # (prompt, plain output, first difference)
+        first_diff = [i for _, _, i in differ]
         sample = dict(gen, do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
         sampled = [timed_generate(target, x, drafter, sample, seed=i) for i, x in enumerate(ids)]
         vocab = target.config.vocab_size
+        margins = [top2_margin(target, x, p[:i]) for x, p, i in differ]
         row = {"greedy_identical": sum(same), "greedy_prompts": len(same), "greedy_first_difference": first_diff,
+               "greedy_first_difference_top2_margin": margins,
                "greedy_tau": sum(g[2].tau for g in greedy if g[2]) / max(1, sum(1 for g in greedy if g[2])),
                "sampling_ran": len(sampled), "sampling_tokens": sum(len(s[0]) for s in sampled),
                "sampling_tokens_in_vocab": all(0 <= t < vocab for s in sampled for t in s[0]),
@@ -106,12 +130,10 @@ def lossless(args) -> dict:
             row["engine_requests"] = len(rid)
         row["seconds"] = time.perf_counter() - t0
         out["dtypes"][dt] = row
+        out["pass"] = _passed(out)
+        save(out)
         print(f"[lossless] {dt}: {json.dumps(row)}", file=sys.stderr, flush=True)
         del target, drafter
-    f32 = out["dtypes"].get("float32")
-    out["pass"] = bool(f32) and f32["greedy_identical"] == f32["greedy_prompts"] and \
-        f32.get("engine_identical") == f32.get("engine_requests") and \
-        all(r["sampling_tokens_in_vocab"] for r in out["dtypes"].values())
     return out
 
 
@@ -179,11 +201,13 @@ def main(argv=None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        result = lossless(args)
-    else:
-        result = summary(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    def save(result):
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    result = lossless(args, save) if args.cmd == "lossless" else summary(args)
+    save(result)
     return 0 if result.get("pass", True) else 1
 
 

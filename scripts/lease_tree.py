@@ -359,9 +359,44 @@ def receive(repo: Path) -> int:
     for f in (bundle / "target-files").iterdir():
         shutil.copyfile(f, lease / "cache" / TARGET / f.name)
     result["files_taken_from_cpu_cache"] = result.pop("files_differing")
+    result["stack"] = stack_check(env, repo)
     ready.write_text(json.dumps(result) + "\n")
+    print(f"receive: stack {json.dumps(result['stack'])}")
+    if not result["stack"]["datasets_ok"]:
+        print("receive: datasets does not save and load here: gpu_drafter.sh will refuse (gpu_check.sh runs)",
+              file=sys.stderr)
     print("receive: target ready and exact; use `eval \"$(python3 scripts/lease_tree.py env)\"`")
     return 0
+
+
+STACK_CHECK = """
+import importlib.metadata as m, json, tempfile
+out = {}
+for name in ("torch", "transformers", "datasets", "pyarrow", "fsspec", "huggingface_hub", "tokenizers", "safetensors"):
+    try:
+        out[name] = m.version(name)
+    except m.PackageNotFoundError:
+        out[name] = None
+try:  # what `dspark data build` and `dspark train` do with datasets (installed with --no-deps here)
+    import datasets
+    with tempfile.TemporaryDirectory() as d:
+        datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}).save_to_disk(d)
+        out["datasets_ok"] = datasets.load_from_disk(d)["input_ids"] == [[1, 2], [3]]
+except Exception as err:
+    out["datasets_ok"], out["datasets_error"] = False, f"{type(err).__name__}: {err}"
+print(json.dumps(out))
+"""
+"""Run in the lease's environment by ``receive``: the versions of the stack, and a datasets save/load round trip (the
+carried datasets wheel meets the image's pyarrow and fsspec only there)."""
+
+
+def stack_check(env: dict, repo: Path) -> dict:
+    """:data:`STACK_CHECK`'s answer (``{"datasets_ok": False, ...}`` when it cannot run)."""
+    run = subprocess.run([sys.executable, "-c", STACK_CHECK], env=env, cwd=repo, capture_output=True, text=True)
+    try:
+        return json.loads(run.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"datasets_ok": False, "datasets_error": run.stderr[-2000:]}
 
 
 def lease_env(repo: Path) -> dict:

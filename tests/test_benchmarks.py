@@ -269,3 +269,39 @@ def test_background_load_runs_only_inside_its_block():
     assert bench.parse_args(["--out", "x.json", "--background-load", "2"]).background_load == 2
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "x.json", "--background-load", "-1"])
+
+
+def test_bench_default_keeps_each_finished_part(tmp_path, monkeypatch):
+    """bench_default writes its JSON after every finished part, so a run stopped before its end (a lease's time
+    limit) keeps what it measured: here the second dtype's load fails, and the first dtype's generate and engine
+    rows are on disk."""
+    import torch
+
+    import modeling_dspark.pairing as pairing
+
+    spec = importlib.util.spec_from_file_location("_gpu_tools", REPO / "scripts" / "gpu_tools.py")
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    tiny = tools.make_tiny(tmp_path / "tiny")
+    real, loads = pairing.load_models, []
+
+    def load_once(*args, **kwargs):
+        loads.append(args)
+        if len(loads) > 1:
+            raise KeyboardInterrupt("stopped")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pairing, "load_models", load_once)
+    out = tmp_path / "d.json"
+    threads = torch.get_num_threads()  # main() sets the process's torch threads
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            load("bench_default").main(["--target", tiny["target"], "--drafter", tiny["drafter"], "--per-domain", "1",
+                                        "--max-new-tokens", "6", "--dtypes", "float32,bfloat16", "--engine-requests",
+                                        "1,2", "--engine-tokens", "4", "--engine-waves", "1", "--repeats", "1",
+                                        "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["dtype"] == "float32" and set(run["engine"]) == {"1", "2"}
+    assert set(run["generate"]["domains"]) == {"math", "code", "chat"}

@@ -260,6 +260,27 @@ def test_fast_dtype_reads_the_cpu_flags(flags, expected, tmp_path, monkeypatch):
     assert cpu_flags(tmp_path / "missing") == frozenset()
 
 
+@pytest.mark.parametrize("major, expected", [(7, "float32"), (8, "bfloat16"), (9, "bfloat16")])
+def test_fast_dtype_on_a_gpu_follows_its_compute_capability(major, expected, monkeypatch):
+    """bf16 is native on CUDA from compute capability 8.0; --dtype auto picks float32 below it and says why."""
+    import types
+
+    import torch
+
+    monkeypatch.undo()  # the real auto_dtype (conftest pins it)
+
+    from dspark.cli.common import resolve_dtype
+    from dspark.evaluation.dtype import auto_dtype
+    from modeling_dspark.target import fast_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(major=major))
+    assert fast_dtype("cuda:0") == getattr(torch, expected)
+    dtype, why = auto_dtype(device="cuda")
+    assert dtype == getattr(torch, expected) and ("compute capability" in why) == (major < 8), why
+    assert resolve_dtype("auto", "cuda", measure=False) == expected
+
+
 @pytest.mark.real_auto_dtype
 def test_auto_dtype_is_announced(monkeypatch, capsys, tmp_path):
     import modeling_dspark.target as target_mod

@@ -40,12 +40,12 @@ def test_gpu_check_dry_run_writes_every_step(tmp_path):
     assert lossless["pass"] and set(lossless["dtypes"]) == {"float32", "bfloat16"}
     assert lossless["dtypes"]["float32"]["engine_identical"] == lossless["dtypes"]["float32"]["engine_requests"]
     default = result["steps"]["default"]
-    assert [r["dtype"] for r in default["runs"]] == ["float32", "bfloat16"] and default["device"] == "cpu"
+    assert [r["dtype"] for r in default["runs"]] == ["bfloat16", "float32"] and default["device"] == "cpu"
     assert all(set(r["engine"]) == {"1", "4"} and "tau" in next(iter(r["generate"]["domains"].values()))
                for r in default["runs"])
     assert "per_prompt" not in json.dumps(result)  # the results file stays small
     pld = result["steps"]["transformers"]
-    assert [r["dtype"] for r in pld["runs"]] == ["float32", "bfloat16"]
+    assert [r["dtype"] for r in pld["runs"]] == ["bfloat16", "float32"]
     assert "env" in result["steps"] and (out / "gpu_check.log").stat().st_size < 16 * 2**20
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log"]
 
@@ -113,3 +113,18 @@ def test_lease_tree_set_aside_status_restore_round_trip(tmp_path):
     assert not [line for line in flags.splitlines() if line.startswith("S ")]  # skip-worktree cleared
     assert json.loads(_lease_tree(clone, "status", "--json").stdout)["total"] == full["total"]
     assert _lease_tree(clone, "status").returncode == 3  # the whole tree is too large to travel
+
+
+def test_lease_stack_check_names_a_datasets_that_cannot_save(tmp_path):
+    """receive's stack check: here datasets saves and loads; a datasets that fails (a stand-in on PYTHONPATH) is
+    reported with its error, which gpu_drafter.sh refuses on."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_lease_tree", LEASE_TREE)
+    lease_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lease_tree)
+    ok = lease_tree.stack_check(dict(os.environ), REPO)
+    assert ok["datasets_ok"] is True and ok["transformers"] and ok["torch"], ok
+    (tmp_path / "datasets.py").write_text("raise ImportError('pyarrow too old')\n")
+    bad = lease_tree.stack_check(dict(os.environ, PYTHONPATH=str(tmp_path)), REPO)
+    assert bad["datasets_ok"] is False and "pyarrow too old" in bad["datasets_error"], bad

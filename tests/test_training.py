@@ -545,6 +545,30 @@ def test_data_build_into_another_build_names_out_dir(tmp_path, capsys):
     assert rc == 2 and "holds a build with different arguments" in err and "another --out-dir" in err, err
 
 
+def test_data_build_resumes_a_plan_without_the_source_packages(tmp_path, capsys, monkeypatch):
+    """A build whose plan.json exists resumes where the training-source packages are not installed (a GPU lease
+    carries the plan, not the packages): the plan is read, no source is."""
+    from dspark.training import data, prompts
+
+    tdir = saved_tiny_target(tmp_path)
+    cmd = ["data", "build", "--out-dir", tmp_path / "data", "--target", tdir, "--sources", "gsm_symbolic",
+           "--per-source", "2", "--max-new-tokens", "4", "--dtype", "float32", "--device", "cpu", "--threads", "1",
+           "--no-progress"]
+    rc, err = run_cli([*cmd, "--plan-only"], capsys)
+    assert rc == 0 and (tmp_path / "data" / "plan.json").is_file(), err
+    monkeypatch.setattr(prompts, "missing_source_data", lambda sources: ["gsm_symbolic reads x, not installed here"])
+
+    def no_source(*args, **kwargs):
+        raise AssertionError("a resume read the training sources")
+
+    monkeypatch.setattr(data, "_collect_prompts", no_source)
+    rc, err = run_cli(cmd, capsys)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "data" / "manifest.json").read_text())["generation"]["complete"]
+    rc, err = run_cli([*cmd[:2], "--out-dir", tmp_path / "new", *cmd[4:]], capsys)  # a new build still needs them
+    assert rc == 2 and "gsm_symbolic reads x, not installed here" in err, err
+
+
 def test_data_build_records_a_packaged_target_by_name(tmp_path, monkeypatch):
     """A build records a packaged target by name, not by the path of its cached copy, and resumes a build that
     recorded that path."""

@@ -223,8 +223,8 @@ def resolve_dtype(spec: str, device: str = "cpu", announce: str | None = None, *
             raise CLIError(f"--dtype auto could not time this drafter with this target: {err}") from None
     else:
         dtype = fast_dtype(device)
-        why = ("bf16 matrix instructions on this " + ("GPU" if device.startswith("cuda") else "CPU")
-               if dtype == torch.bfloat16 else "no native bf16 matrix instructions on this CPU")
+        why = ("" if dtype == torch.bfloat16 else "no native ") + "bf16 matrix instructions on this " + \
+            ("GPU" if device.startswith("cuda") else "CPU")
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     if announce:
         exact = "" if name == "float32" else "; --dtype float32 for token-exact output"

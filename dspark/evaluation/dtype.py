@@ -135,7 +135,7 @@ def auto_dtype(
 ) -> tuple[torch.dtype, str]:
     """The faster dtype for ``generate()`` of ``target`` (with ``drafter``, or plain decoding) here, and why.
 
-    bfloat16 on CUDA. On a CPU it depends on the processor and the job, with or without native bf16 matrix
+    bfloat16 on CUDA (float32 below compute capability 8.0). On a CPU it depends on the processor and the job, with or without native bf16 matrix
     instructions: a one-token step is bound by reading the weights, which bf16 halves, while a B-token verify is
     bound by the products, which a CPU without native bf16 emulates (a 9-token bf16 verify measured 6.7 one-token
     steps on an AVX2-only CPU, 3.1 in fp32). So both dtypes run the job itself — greedy ``generate()`` of
@@ -164,7 +164,10 @@ def auto_dtype(
     if max_new_tokens < 1 or repeats < 1:
         raise ValueError(f"max_new_tokens and repeats must be >= 1; got {max_new_tokens}, {repeats}")
     if torch.device(device).type == "cuda":
-        return torch.bfloat16, "a GPU"
+        from modeling_dspark.target import fast_dtype
+
+        dtype = fast_dtype(device)
+        return dtype, "a GPU" if dtype == torch.bfloat16 else "a GPU without native bf16 (compute capability < 8.0)"
     threads = int(threads or torch.get_num_threads())
     path = Path(path) if path is not None else default_profile_path()
     key, here = _dtype_key(target, drafter, threads, device), device_model(device)
