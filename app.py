@@ -148,11 +148,13 @@ def validate_request(prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, decoding="gr
     if dtype != "auto" and dtype not in DTYPES:
         raise AppError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}.")
     drafter = (drafter or "").strip() or "random"
-    if drafter != "random":
-        path = Path(drafter)
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise AppError(f"Drafter {drafter!r} is not a drafter directory (no config.json); "
-                           "give a directory saved by DSparkDraftModel.save_pretrained, or 'random'.")
+    if drafter != "random":  # a directory, a shipped drafter's name or a Hub id in the local cache
+        from modeling_dspark.pairing import InputError, drafter_dir
+
+        try:
+            drafter = drafter_dir(drafter)
+        except InputError as err:
+            raise AppError(f"Drafter: {err}; give a drafter's directory or shipped name, or 'random'.") from None
     if dtype == "auto":
         dtype = auto_dtype(drafter)[0]
     return Request(prompt, max_new_tokens, do_sample, temperature, top_p, seed, block_size, policy, dtype, drafter)

@@ -50,7 +50,7 @@ def validate_request(drafter, target, generation_config, input_ids=None, block_s
                 "transformers assisted decoding; for batches use dspark.generation.engine.DSparkEngine"
             )
         if input_ids.shape[1] == 0:
-            raise ValueError("empty prompt: input_ids has no tokens")
+            raise ValueError("empty prompt: input_ids has no tokens (a DSpark drafter reads ids, not inputs_embeds)")
     if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
         raise ValueError("assistant_ensemble_weight relaxes verification (not lossless); DSpark does not support it")
     return check_drafter(drafter, target, block_size, policy)

@@ -4,8 +4,9 @@
 listed in :data:`INTERNALS` with how dspark reaches it on each supported release; a release outside
 :func:`supported_transformers` may have changed any of them, so `generate()` with a DSpark drafter refuses it
 (:func:`check_transformers`) and pyproject.toml declares the same range. CI tests both ends (`.ci/run` at the lowest,
-`scripts/test_versions.sh` at the highest). The two seams that are not transformers interfaces, the hook on
-``GenerationMixin._get_candidate_generator`` and the wrapper of ``_assisted_decoding``, are told in
+`scripts/test_versions.sh` at the highest). The seams that are not transformers interfaces, the hook on
+``GenerationMixin._get_candidate_generator`` and the wrappers of ``_assisted_decoding`` and
+``_validate_generation_mode``, are told in
 :mod:`dspark.generation.integration` and :mod:`modeling_dspark`. Everything a round needs from the target (its hidden
 states at the drafter's layers, the committed ids) comes through the candidate-generator interface of the assisted loop.
 """
@@ -38,6 +39,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("GenerationMixin._assisted_decoding", "run the assisted loop inside products.few_row_products",
              {"5.24": "private method, found by getattr(type(model), name); generate() reads its signature "
                       "(inputs_tensor) through __wrapped__; same in 5.25"}),
+    Internal("GenerationMixin._validate_generation_mode, generation.configuration_utils.GenerationMode",
+             "refuse, for a DSpark assistant, a mode (beam search, …) or option the drafter cannot serve",
+             {"5.24": "private method, wrapped once at class level; called by generate() with (generation_mode, "
+                      "generation_config, generation_mode_kwargs) once the mode is chosen; same in 5.25"}),
     Internal("generation.candidate_generator.CandidateGenerator.get_candidates",
              "one round: called with (input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)",
              {"5.24": "the assisted loop passes the target's last outputs when requires_model_outputs is set"}),

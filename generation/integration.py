@@ -20,9 +20,11 @@ import contextvars
 from collections.abc import Mapping
 
 from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
 
 from .candidate_generator import DSparkCandidateGenerator
 from .compat import check_transformers
+from .drafting import check_drafter
 from .policies import Policy, parse_policy
 from .scoped import ScopedValue
 
@@ -116,6 +118,25 @@ def _assistant_options(generation_config, block_size: int | None, max_block_size
     return n
 
 
+def validate_generation_call(target, drafter, generation_mode, generation_config) -> None:
+    """Refuse a `generate()` call a DSpark drafter cannot serve, before any compute and before transformers' own checks
+    (the hook of :func:`modeling_dspark.install_generate_hook`, once transformers has chosen the decoding mode).
+
+    Raises:
+        ValueError: what :func:`_assistant_options` or :func:`~dspark.generation.drafting.check_drafter` refuses (a
+            drafter for another target: named here, not as transformers' "different tokenizers"); a mode that decodes
+            without the assistant (beam search, constraints, DoLa); ``output_hidden_states`` (the verify forwards
+            return only the layers the drafter reads).
+    """
+    _assistant_options(generation_config, _options.get().get("block_size"), drafter.config.block_size)
+    if generation_mode != GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(f"these generate() options select {generation_mode.value}, which decodes without "
+                         "assistant_model; a DSpark drafter drafts for greedy decoding and sampling (num_beams=1)")
+    if generation_config.output_hidden_states:
+        raise ValueError("output_hidden_states is not supported with a DSpark drafter; run the target on the output")
+    check_drafter(drafter, target)
+
+
 def dspark_candidate_generator(target, drafter, generation_config, input_ids, logits_processor,
                                model_kwargs, tokenizer=None) -> DSparkCandidateGenerator:
     """The candidate generator of one `target.generate(..., assistant_model=drafter)` call (called by the hook of
@@ -127,8 +148,14 @@ def dspark_candidate_generator(target, drafter, generation_config, input_ids, lo
 
     Raises:
         RuntimeError: the installed transformers is outside the supported range (:mod:`dspark.generation.compat`).
+        ValueError: a ``cache`` (``past_key_values``) already holding tokens (a previous turn's).
     """
     check_transformers()
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("a cache holding earlier tokens (cache= or past_key_values=) is not supported with a DSpark "
+                         "drafter: transformers' assisted decoding from a filled cache can part from plain generate() "
+                         "(its prompt lookup too); pass the whole conversation as input_ids and no cache")
     opts = _options.get()
     block_size = _assistant_options(generation_config, opts.get("block_size"), drafter.config.block_size)
     return DSparkCandidateGenerator(drafter, target, generation_config, logits_processor=logits_processor,

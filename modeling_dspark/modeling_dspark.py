@@ -307,6 +307,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         name = str(pretrained_model_name_or_path)
         if kwargs.get("config") is None:
             config_file = path / "config.json"
+            if (path / "adapter_config.json").is_file():
+                raise OSError(f"{str(path)!r} holds a LoRA adapter: dspark.training.peft_adapt.load_adapter loads it")
             if not config_file.is_file():
                 raise OSError(
                     f"drafter directory {str(path)!r} has no config.json: it holds the drafter's settings (block "

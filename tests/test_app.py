@@ -228,12 +228,19 @@ def test_summary_numbers_and_html():
     ({"dtype": "float16"}, "dtype"),
     ({"policy": "bogus"}, "verify policy"),
     ({"policy": "fixed:-1"}, "verify policy"),
-    ({"drafter": "/no/such/drafter"}, "not a drafter directory"),
+    ({"drafter": "/no/such/drafter"}, "drafter directory not found"),
 ])
 def test_validate_request_rejects_with_a_clear_message(kwargs, message):
     args = {"prompt": "Hi", **kwargs}
     with pytest.raises(app.AppError, match=message):
         app.validate_request(**args)
+
+
+def test_validate_request_resolves_a_shipped_drafter_by_name():
+    from modeling_dspark.hub import shipped_drafter_dir
+
+    assert app.validate_request("Hi", drafter="smollm2-135m-dspark").drafter == str(
+        shipped_drafter_dir("smollm2-135m-dspark"))
 
 
 def test_validate_request_accepts_page_values():

@@ -110,10 +110,13 @@ def test_other_assistants_still_use_transformers(tiny):
     assert runs == []
 
 
-def test_unbound_drafter_for_another_target_fails_before_compute(tiny, tmp_path):
+@pytest.mark.parametrize("vocab", [64, 80])
+def test_unbound_drafter_for_another_target_fails_before_compute(tiny, tmp_path, vocab):
+    """Named as a drafter/target mismatch, also where the vocabularies differ (transformers would otherwise ask for
+    two tokenizers, as for universal assisted decoding)."""
     target, _ = tiny
     other = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        "llama", vocab_size=vocab, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True))
     drafter = AutoModel.from_pretrained(_save_drafter(other, tmp_path / "d"))
     calls, handle = _count_forwards(target)
@@ -123,6 +126,29 @@ def test_unbound_drafter_for_another_target_fails_before_compute(tiny, tmp_path)
     finally:
         handle.remove()
     assert calls["n"] == 0 and not drafter._target
+
+
+def test_a_filled_cache_is_refused_before_compute(tiny):
+    """transformers' assisted loop from a cache holding earlier tokens can part from plain generate(): refused; an
+    empty cache passed in is fine."""
+    from transformers import DynamicCache
+
+    target, drafter_dir = tiny
+    drafter = AutoModel.from_pretrained(drafter_dir)
+    first = target.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4, do_sample=False,
+                            return_dict_in_generate=True)
+    ids = torch.cat([first.sequences, torch.tensor([[7, 11]])], dim=1)
+    calls, handle = _count_forwards(target)
+    try:
+        for name in ("cache", "past_key_values"):  # transformers 5.24 names it cache; past_key_values still works
+            with pytest.raises(ValueError, match=r"a cache holding earlier tokens .* is not supported"):
+                target.generate(ids, attention_mask=torch.ones_like(ids), **{name: first.past_key_values},
+                                assistant_model=drafter, max_new_tokens=8, do_sample=False)
+    finally:
+        handle.remove()
+    assert calls["n"] == 0
+    reference = _generate(target)
+    assert torch.equal(_generate(target, drafter, cache=DynamicCache(config=target.config)), reference)
 
 
 # ---------------------------------------------------------------------------------------------- generation options
@@ -146,6 +172,9 @@ def test_num_assistant_tokens_sets_the_block_size(tiny):
         ({"assistant_confidence_threshold": 0.7}, r"assistant_confidence_threshold=0.7 is not supported"),
         ({"prompt_lookup_num_tokens": 3}, r"prompt_lookup_num_tokens .*cannot be combined"),
         ({"assistant_ensemble_weight": 0.5}, r"assistant_ensemble_weight"),
+        ({"num_beams": 2}, r"select beam_search, which decodes without assistant_model"),
+        ({"num_beams": 2, "do_sample": True}, r"select beam_sample"),
+        ({"output_hidden_states": True, "return_dict_in_generate": True}, r"output_hidden_states is not supported"),
     ],
 )
 def test_generation_options_dspark_cannot_honour_fail_before_compute(tiny, kwargs, message):

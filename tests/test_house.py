@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 LIBRARY = ("modeling_dspark", "generation", "dspark/training", "dspark/evaluation")
 """The library's package folders (``generation/`` is the package ``dspark.generation``)."""
-PACKAGE_LINES = {"generation": 2728, "dspark/cli": 2600}
+PACKAGE_LINES = {"generation": 2760, "dspark/cli": 2600}
 """The most lines a package folder's modules may hold together."""
 MODULE_LINES = 600
 """The most lines of one library module."""

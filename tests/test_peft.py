@@ -198,6 +198,8 @@ def test_adapter_save_load_round_trip(target, base_dir, domain, tmp_path):
     cfg = json.loads((path / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["base_model_name_or_path"] == str(base_dir)
     assert read_adapter_info(path)["base_drafter"] == str(base_dir)
+    with pytest.raises(OSError, match=r"holds a LoRA adapter: dspark.training.peft_adapt.load_adapter loads it"):
+        md.DSparkDraftModel.from_pretrained(path)
     fresh = load_base(base_dir, target)
     base_out = outputs(fresh, target, batch)
     loaded = load_adapter(fresh, path)
@@ -326,3 +328,23 @@ def test_adapt_into_a_non_empty_out_dir_needs_resume(cli_inputs, tmp_path, capsy
     (tmp_path / "out" / "adapter_config.json").write_text("{}")
     assert main(cli_inputs) == 2
     assert "is not empty: pass --resume" in capsys.readouterr().err
+
+
+def test_a_peft_drafter_drafts_in_generate(target, base_dir, domain, tmp_path):
+    """A PeftModel of a drafter passed as assistant_model drafts with its LoRA layers (the same rounds as the merged
+    drafter) and gives plain greedy's output."""
+    from dspark.generation import collect_stats, dspark_options
+
+    model = add_lora(load_base(base_dir, target), r=4, alpha=8, train_heads=True)
+    trainer_for(tmp_path, target, model, domain, max_steps=3).train()
+    model.eval()
+    ids = torch.tensor([domain[0]["input_ids"][:4]])
+    kw = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 16, "do_sample": False}
+    reference = target.generate(ids, **kw)
+    accepted = {}
+    for name in ("peft", "merged"):  # the peft model first: merging unloads its LoRA layers
+        assistant = model if name == "peft" else merge_lora(model)
+        with dspark_options(policy="full", lookup=False), collect_stats() as runs:
+            assert torch.equal(target.generate(ids, assistant_model=assistant, **kw), reference), name
+        accepted[name] = [r.accepted for r in runs[-1].rounds]
+    assert accepted["peft"] and accepted["peft"] == accepted["merged"], accepted

@@ -590,3 +590,30 @@ def test_data_build_records_a_packaged_target_by_name(tmp_path, monkeypatch):
     tgt.config._name_or_path = str(tmp_path / "elsewhere")  # another target is still refused
     with pytest.raises(ValueError, match="different arguments"):
         build_dataset(tgt, tok, tmp_path / "a", **kw)
+
+
+def test_trainer_checks_its_collator_and_data_and_defaults_the_collator(tmp_path):
+    """A DSparkCollator of another block size (blocks cut short) and a data set without prompt_len are refused at
+    construction; without a data_collator the drafter's own is used and training runs; a reduced draft vocabulary
+    never chosen from data (still ids 0..N-1) is warned about."""
+    import warnings
+
+    from datasets import Dataset
+
+    target = make_target()
+    drafter, data = make_drafter(target), make_data()
+    with pytest.raises(ValueError, match=rf"block_size 2, the drafter {GAMMA}: its blocks would be cut short"):
+        DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data,
+                      data_collator=DSparkCollator(2))
+    bare = Dataset.from_dict({"input_ids": [[1, 2, 3]]})
+    with pytest.raises(ValueError, match=r"train_dataset needs the columns input_ids and prompt_len"):
+        DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=bare)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a full-vocabulary drafter: no warning
+        trainer = DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path, max_steps=1),
+                                train_dataset=data)
+    assert isinstance(trainer.data_collator, DSparkCollator) and trainer.data_collator.block_size == GAMMA
+    assert trainer.train().global_step == 1
+    reduced = make_drafter(target, draft_vocab_size=20)
+    with pytest.warns(UserWarning, match=r"draft vocabulary is token ids 0..19, as initialised"):
+        DSparkTrainer(model=reduced, target=target, args=make_args(tmp_path), train_dataset=data)

@@ -107,16 +107,15 @@ def _check_args(args) -> dict[str, int]:
 
     Raises:
         CLIError: a value out of its range, an unknown source, a data package or library that a source reads not
-            installed (unless --out-dir holds a build's plan.json, which a resume reads instead), a missing
-            --target, an --exclude-data directory without plan.json, an --out-dir that is a file.
+            installed (unless --out-dir holds a plan.json to resume), a missing --target, an --exclude-data
+            directory without plan.json, an --out-dir that is a file.
     """
     from pathlib import Path
 
     sources = parse_sources(args.sources, args.per_source)
     from dspark.training.prompts import missing_source_data
 
-    resuming = (Path(args.out_dir) / "plan.json").is_file()  # a resume reads the plan, not the sources
-    if not resuming and (missing := missing_source_data(sources)):
+    if not (Path(args.out_dir) / "plan.json").is_file() and (missing := missing_source_data(sources)):
         raise CLIError(f"reading the sources {', '.join(sources)} needs what is not installed: " + "; ".join(missing))
     check_min(args, {"max_new_tokens": 1, "batch_size": 1, "seed": 0, "shard_size": 1, "max_prompt_tokens": 1,
                      "overlap_threshold": 0})

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dspark.evaluation.profiling import _read, _write, default_profile_path, device_model, dtype_name, synchronize
+from modeling_dspark.target import fast_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -135,17 +136,17 @@ def auto_dtype(
 ) -> tuple[torch.dtype, str]:
     """The faster dtype for ``generate()`` of ``target`` (with ``drafter``, or plain decoding) here, and why.
 
-    bfloat16 on CUDA (float32 below compute capability 8.0). On a CPU it depends on the processor and the job, with or without native bf16 matrix
-    instructions: a one-token step is bound by reading the weights, which bf16 halves, while a B-token verify is
-    bound by the products, which a CPU without native bf16 emulates (a 9-token bf16 verify measured 6.7 one-token
-    steps on an AVX2-only CPU, 3.1 in fp32). So both dtypes run the job itself — greedy ``generate()`` of
-    :data:`DTYPE_PROMPT`, ``max_new_tokens`` tokens, with the drafter's default options — interleaved, ``repeats``
-    times each, the fastest run kept; bfloat16 wins only when more than :data:`DTYPE_MARGIN` faster (float32 is
-    the token-exact mode). The tokens/s are cached in the SPS profile file (:func:`default_profile_path`, section
-    ``"dtype"``, keyed by target, drafter, threads and device type, with the processor): measured once, a few
-    seconds for a small target; a cache entry from another processor is measured again, and a measurement during
-    which other work took :data:`OTHERS_BUSY` CPUs or more from its threads is kept for this process only (with one
-    of 2 cores busy, plain SmolLM2 ran 2.2–2.8× slower on 2 threads: such a timing says little about the processor).
+    bfloat16 on CUDA (float32 below compute capability 8.0). On a CPU it depends on the processor and the job, with or
+    without native bf16 matrix instructions: a one-token step is bound by reading the weights, which bf16 halves, while
+    a B-token verify is bound by the products, which a CPU without native bf16 emulates (a 9-token bf16 verify measured
+    6.7 one-token steps on an AVX2-only CPU, 3.1 in fp32). So both dtypes run the job itself — greedy ``generate()`` of
+    :data:`DTYPE_PROMPT`, ``max_new_tokens`` tokens, with the drafter's default options — interleaved, ``repeats`` times
+    each, the fastest run kept; bfloat16 wins only when more than :data:`DTYPE_MARGIN` faster (float32 is the
+    token-exact mode). The tokens/s are cached in the SPS profile file (:func:`default_profile_path`, section
+    ``"dtype"``, keyed by target, drafter, threads and device type, with the processor): measured once, a few seconds
+    for a small target; a cache entry from another processor is measured again, and a measurement during which other
+    work took :data:`OTHERS_BUSY` CPUs or more from its threads is kept for this process only (one of 2 cores busy made
+    plain SmolLM2 on 2 threads 2.2–2.8× slower).
 
     Args:
         target: a target directory, a packaged target's name, or None for the default target.
@@ -164,10 +165,8 @@ def auto_dtype(
     if max_new_tokens < 1 or repeats < 1:
         raise ValueError(f"max_new_tokens and repeats must be >= 1; got {max_new_tokens}, {repeats}")
     if torch.device(device).type == "cuda":
-        from modeling_dspark.target import fast_dtype
-
-        dtype = fast_dtype(device)
-        return dtype, "a GPU" if dtype == torch.bfloat16 else "a GPU without native bf16 (compute capability < 8.0)"
+        dtype = fast_dtype(device)  # bf16 from compute capability 8.0
+        return dtype, "a GPU" + ("" if dtype == torch.bfloat16 else " without native bf16 (compute capability < 8.0)")
     threads = int(threads or torch.get_num_threads())
     path = Path(path) if path is not None else default_profile_path()
     key, here = _dtype_key(target, drafter, threads, device), device_model(device)

@@ -22,6 +22,7 @@ masked out of the loss.
 from __future__ import annotations
 
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -131,6 +132,30 @@ class _EpochCallback(TrainerCallback):
 
 
 # --------------------------------------------------------------------------- trainer
+def _check_inputs(model, target, kwargs: dict) -> None:
+    """:class:`DSparkTrainer`'s checks of its keyword arguments, and the default ``data_collator`` (set in
+    ``kwargs``); warns where a reduced draft vocabulary was never chosen (``draft_vocab_ids`` still 0..N-1)."""
+    gamma, cfg = model.config.block_size, model.config
+    collator = kwargs.get("data_collator")
+    if collator is None:
+        text = target.config.get_text_config()
+        pad = text.pad_token_id if text.pad_token_id is not None else text.eos_token_id
+        kwargs["data_collator"] = DSparkCollator(gamma, pad_token_id=pad if isinstance(pad, int) else 0)
+    elif isinstance(collator, DSparkCollator) and collator.block_size != gamma:
+        raise ValueError(f"data_collator has block_size {collator.block_size}, the drafter {gamma}: its blocks would "
+                         "be cut short; give DSparkCollator the drafter's block_size")
+    for split in ("train_dataset", "eval_dataset"):
+        columns = getattr(kwargs.get(split), "column_names", None)
+        if columns is not None and not {"input_ids", "prompt_len"} <= set(columns):
+            raise ValueError(f"{split} needs the columns input_ids and prompt_len (prompt + response token ids, the "
+                             f"prompt's length); it has {columns}")
+    ids = getattr(model, "draft_vocab_ids", None)
+    if cfg.draft_vocab_size and ids is not None and torch.equal(ids.cpu(), torch.arange(len(ids))):
+        warnings.warn(f"the drafter's {len(ids)}-token draft vocabulary is token ids 0..{len(ids) - 1}, as "
+                      "initialised: choose it from the data first (drafter.draft_vocab_ids.copy_(select_draft_vocab("
+                      "dataset, size)))", stacklevel=3)
+
+
 class DSparkTrainer(Trainer):
     """``transformers.Trainer`` for a :class:`~modeling_dspark.DSparkDraftModel` against a frozen target.
 
@@ -142,11 +167,18 @@ class DSparkTrainer(Trainer):
         *args, **kwargs: as for ``Trainer`` (``args``, ``train_dataset``, ``data_collator`` …).
             ``args.remove_unused_columns`` is forced to False (the batch is not the drafter's forward signature), and
             ``args.ddp_find_unused_parameters`` defaults to False (the heads run outside the DDP-wrapped forward).
+            ``data_collator`` defaults to a :class:`DSparkCollator` of the drafter's block size (pad id: the target's
+            pad or EOS token); ``train_dataset`` rows hold ``input_ids`` and ``prompt_len`` (:func:`prepare_dataset`).
+
+    Raises:
+        ValueError: no target; a :class:`DSparkCollator` whose block size differs from the drafter's (its blocks
+            would be cut short); a dataset without the ``input_ids`` and ``prompt_len`` columns.
     """
 
     def __init__(self, model=None, *args, target=None, **kwargs):
         if target is None:
             raise ValueError("DSparkTrainer needs the frozen target: DSparkTrainer(model=drafter, target=target, ...)")
+        _check_inputs(model, target, kwargs)
         training_args = kwargs.get("args") if "args" in kwargs else (args[0] if args else None)
         if training_args is not None:
             training_args.remove_unused_columns = False
