@@ -148,11 +148,12 @@ def validate_request(prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, decoding="gr
     if dtype != "auto" and dtype not in DTYPES:
         raise AppError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}.")
     drafter = (drafter or "").strip() or "random"
-    if drafter != "random":  # a directory, a shipped drafter's name or a Hub id in the local cache
+    if drafter != "random":  # a directory or a shipped drafter's name; never a download on a visitor's request
+        from modeling_dspark.hub import shipped_drafter_dir
         from modeling_dspark.pairing import InputError, drafter_dir
 
         try:
-            drafter = drafter_dir(drafter)
+            drafter = drafter_dir(str(shipped_drafter_dir(drafter) or drafter), hub=False)
         except InputError as err:
             raise AppError(f"Drafter: {err}; give a drafter's directory or shipped name, or 'random'.") from None
     if dtype == "auto":
@@ -585,7 +586,8 @@ def build_ui(bank: ModelBank):
                     dtype = gr.Radio(list(DTYPES), value=bank.default_dtype, label="dtype", elem_id="dspark-dtype",
                                      info=f"{picked}. float32 is token-exact; "
                                           "bfloat16 may part from plain generate() at a near-tie")
-                    drafter = gr.Textbox(value=bank.default_drafter, label="drafter (directory or 'random')")
+                    drafter = gr.Textbox(value=bank.default_drafter,
+                                         label="drafter (directory, shipped name or 'random')")
         with gr.Row():
             spec_out = gr.Textbox(label="DSpark output (streams)", lines=6, interactive=False, elem_id="dspark-out")
             base_out = gr.Textbox(label="plain generate() output", lines=6, interactive=False, elem_id="dspark-base")

@@ -105,7 +105,9 @@ def write_result(result: dict, table: str, out: str | os.PathLike, *, final: boo
     result["markdown"] = table
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    partial = path.with_name(path.name + ".partial")  # replaced in one step: a kill mid-write leaves the last whole file
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(partial, path)
     if final:
         print(table)
         print(f"\nwritten to {path}", file=sys.stderr)

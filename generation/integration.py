@@ -2,8 +2,9 @@
 
 transformers (5.24 and 5.25) picks a candidate generator in a fixed chain inside
 `GenerationMixin._get_candidate_generator`, which no model or config can extend; this is dspark's seam into
-transformers' internals, beside a wrapper of the loop that only chooses BLAS calls (:mod:`.products`; :mod:`.compat`
-lists every internal). Importing :mod:`modeling_dspark` wraps that method once, at class level
+transformers' internals, beside two wrappers: of the loop, which only chooses BLAS calls (:mod:`.products`), and of
+`_validate_generation_mode`, which refuses what a DSpark drafter cannot serve (:func:`validate_generation_call`;
+:mod:`.compat` lists every internal). Importing :mod:`modeling_dspark` wraps that method once, at class level
 (:func:`modeling_dspark.install_generate_hook`): for a `DSparkDraftModel` assistant the wrapper returns the
 :class:`DSparkCandidateGenerator` of :func:`dspark_candidate_generator`; every other assistant (draft models, prompt
 lookup, …) keeps transformers' behaviour. So any supported target loaded with `AutoModelForCausalLM` drafts with DSpark
@@ -125,14 +126,16 @@ def validate_generation_call(target, drafter, generation_mode, generation_config
     Raises:
         ValueError: what :func:`_assistant_options` or :func:`~dspark.generation.drafting.check_drafter` refuses (a
             drafter for another target: named here, not as transformers' "different tokenizers"); a mode that decodes
-            without the assistant (beam search, constraints, DoLa); ``output_hidden_states`` (the verify forwards
-            return only the layers the drafter reads).
+            without the assistant (beam search, constraints, DoLa); ``output_hidden_states`` with
+            ``return_dict_in_generate`` (the verify forwards return only the layers the drafter reads).
+        RuntimeError: the installed transformers is outside the supported range (:mod:`dspark.generation.compat`).
     """
+    check_transformers()
     _assistant_options(generation_config, _options.get().get("block_size"), drafter.config.block_size)
     if generation_mode != GenerationMode.ASSISTED_GENERATION:
         raise ValueError(f"these generate() options select {generation_mode.value}, which decodes without "
                          "assistant_model; a DSpark drafter drafts for greedy decoding and sampling (num_beams=1)")
-    if generation_config.output_hidden_states:
+    if generation_config.output_hidden_states and generation_config.return_dict_in_generate:
         raise ValueError("output_hidden_states is not supported with a DSpark drafter; run the target on the output")
     check_drafter(drafter, target)
 
@@ -140,17 +143,14 @@ def validate_generation_call(target, drafter, generation_mode, generation_config
 def dspark_candidate_generator(target, drafter, generation_config, input_ids, logits_processor,
                                model_kwargs, tokenizer=None) -> DSparkCandidateGenerator:
     """The candidate generator of one `target.generate(..., assistant_model=drafter)` call (called by the hook of
-    :func:`modeling_dspark.install_generate_hook`), with the options of :func:`dspark_options`. Bad input fails here,
-    before any model compute. An unbound drafter (e.g. from ``AutoModel.from_pretrained``) is bound to ``target``
-    (:func:`~dspark.generation.drafting.check_drafter`); the block size γ' comes from ``num_assistant_tokens`` or
+    :func:`modeling_dspark.install_generate_hook` after :func:`validate_generation_call`, which binds an unbound
+    drafter), with the options of :func:`dspark_options`: the block size γ' from ``num_assistant_tokens`` or
     ``dspark_options(block_size=...)`` (:func:`_assistant_options`); the policy and its SPS(B) table are resolved by
     :class:`DSparkCandidateGenerator` (after its checks).
 
     Raises:
-        RuntimeError: the installed transformers is outside the supported range (:mod:`dspark.generation.compat`).
-        ValueError: a ``cache`` (``past_key_values``) already holding tokens (a previous turn's).
+        ValueError: a ``cache`` (``past_key_values``) already holding tokens (a previous turn's), before any compute.
     """
-    check_transformers()
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("a cache holding earlier tokens (cache= or past_key_values=) is not supported with a DSpark "

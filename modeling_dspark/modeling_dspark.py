@@ -294,8 +294,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         Raises:
             FileNotFoundError: neither a local directory nor a Hub repository that could be fetched.
             OSError: the directory has no ``config.json`` (the drafter's settings: block size, target layers,
-                calibration) or an invalid one (the file is named), no safetensors weights, the weights are corrupt,
-                or tensors are missing/unexpected.
+                calibration; a LoRA adapter's directory is named as one) or an invalid one (the file is named), no
+                safetensors weights, the weights are corrupt, or tensors are missing/unexpected.
             ValueError: the drafter does not match ``target``, or the target's family is not supported.
         """
         from .hub import resolve_pretrained_dir
@@ -307,7 +307,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         name = str(pretrained_model_name_or_path)
         if kwargs.get("config") is None:
             config_file = path / "config.json"
-            if (path / "adapter_config.json").is_file():
+            if not config_file.is_file() and (path / "adapter_config.json").is_file():
                 raise OSError(f"{str(path)!r} holds a LoRA adapter: dspark.training.peft_adapt.load_adapter loads it")
             if not config_file.is_file():
                 raise OSError(

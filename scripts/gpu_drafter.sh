@@ -53,7 +53,7 @@ elif [ "$MODE" = gpu ]; then
   eval "$("$PYTHON" scripts/lease_tree.py env)"
   [ -f .lease/ready.json ] || { echo "no .lease/ready.json: stage the target first (docs/gpu.md)" >&2; exit 2; }
   "$PYTHON" -c "import json, sys; s = json.load(open('.lease/ready.json')).get('stack', {})
-sys.exit(0 if s.get('datasets_ok', True) else f'datasets does not work here: {s}')" || exit 2
+sys.exit(0 if s.get('datasets_ok') else f'datasets does not work here: {s}')" || exit 2
   [ -f "$PREP/data/plan.json" ] || { echo "no $PREP: run --prepare here and carry .lease/drafter-prep" >&2; exit 2; }
   "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "torch sees no GPU" >&2; exit 2; }
 fi

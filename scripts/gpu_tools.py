@@ -71,9 +71,10 @@ def top2_margin(target, ids, tokens: list[int]) -> float:
 
 
 def _passed(out: dict) -> bool:
-    """float32 greedy and engine outputs identical to plain, every sampled token in the vocabulary."""
+    """Every requested dtype checked, float32 greedy and engine outputs identical to plain, every sampled token in
+    the vocabulary."""
     f32 = out["dtypes"].get("float32")
-    return bool(f32) and f32["greedy_identical"] == f32["greedy_prompts"] and \
+    return out["complete"] and bool(f32) and f32["greedy_identical"] == f32["greedy_prompts"] and \
         f32.get("engine_identical") == f32.get("engine_requests") and \
         all(r["sampling_tokens_in_vocab"] for r in out["dtypes"].values())
 
@@ -130,6 +131,7 @@ def lossless(args, save) -> dict:
             row["engine_requests"] = len(rid)
         row["seconds"] = time.perf_counter() - t0
         out["dtypes"][dt] = row
+        out["complete"] = set(out["dtypes"]) == set(args.dtypes.split(","))
         out["pass"] = _passed(out)
         save(out)
         print(f"[lossless] {dt}: {json.dumps(row)}", file=sys.stderr, flush=True)
@@ -153,7 +155,11 @@ def summary(args) -> dict:
     """One small JSON of every step's result file in --dir, plus their markdown tables."""
     out = {"steps": {}, "markdown": []}
     for f in sorted(Path(args.dir).glob("*.json")):
-        data = json.loads(f.read_text())
+        try:
+            data = json.loads(f.read_text())
+        except ValueError as err:  # recorded, so the other steps' results still come back
+            out["steps"][f.stem] = {"unreadable": str(err)}
+            continue
         for run in data.get("runs", []):  # keep per-domain aggregates, drop per-prompt records (size)
             for part in (run.get("generate"), run):
                 if isinstance(part, dict):
@@ -203,8 +209,10 @@ def main(argv=None) -> int:
             torch.set_num_threads(args.threads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
-    def save(result):
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    def save(result):  # replaced in one step: a time limit's kill mid-write leaves the last whole file
+        partial = Path(args.out + ".partial")
+        partial.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(partial, args.out)
 
     result = lossless(args, save) if args.cmd == "lossless" else summary(args)
     save(result)

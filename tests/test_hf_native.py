@@ -189,6 +189,14 @@ def test_generation_options_dspark_cannot_honour_fail_before_compute(tiny, kwarg
     assert calls["n"] == 0
 
 
+def test_output_hidden_states_without_a_dict_is_ignored_as_transformers_does(tiny):
+    """transformers returns hidden states only with return_dict_in_generate; without it the flag changes nothing,
+    with a DSpark drafter too."""
+    target, drafter_dir = tiny
+    out = _generate(target, AutoModel.from_pretrained(drafter_dir), output_hidden_states=True)
+    assert torch.equal(out, _generate(target))
+
+
 def test_num_assistant_tokens_and_dspark_options_must_agree(tiny):
     target, drafter_dir = tiny
     drafter = AutoModel.from_pretrained(drafter_dir)

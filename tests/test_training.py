@@ -593,9 +593,10 @@ def test_data_build_records_a_packaged_target_by_name(tmp_path, monkeypatch):
 
 
 def test_trainer_checks_its_collator_and_data_and_defaults_the_collator(tmp_path):
-    """A DSparkCollator of another block size (blocks cut short) and a data set without prompt_len are refused at
-    construction; without a data_collator the drafter's own is used and training runs; a reduced draft vocabulary
-    never chosen from data (still ids 0..N-1) is warned about."""
+    """A DSparkCollator of another block size (blocks cut short) and data sets without prompt_len for it are refused
+    at construction, a collator given by position included; without a data_collator the drafter's own is used and
+    training runs; a new run whose reduced draft vocabulary was never chosen from data (ids 0..N-1) warns, a resumed
+    one (its checkpoint restores the ids) does not."""
     import warnings
 
     from datasets import Dataset
@@ -605,15 +606,29 @@ def test_trainer_checks_its_collator_and_data_and_defaults_the_collator(tmp_path
     with pytest.raises(ValueError, match=rf"block_size 2, the drafter {GAMMA}: its blocks would be cut short"):
         DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data,
                       data_collator=DSparkCollator(2))
+    with pytest.raises(ValueError, match=r"block_size 2"):  # by position, as Trainer takes it
+        DSparkTrainer(drafter, make_args(tmp_path), DSparkCollator(2), data, target=target)
     bare = Dataset.from_dict({"input_ids": [[1, 2, 3]]})
     with pytest.raises(ValueError, match=r"train_dataset needs the columns input_ids and prompt_len"):
         DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=bare)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a full-vocabulary drafter: no warning
-        trainer = DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path, max_steps=1),
-                                train_dataset=data)
+    with pytest.raises(ValueError, match=r"held needs the columns"):  # one of several named eval sets
+        DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data,
+                      eval_dataset={"ok": data, "held": bare})
+    trainer = DSparkTrainer(drafter, make_args(tmp_path, max_steps=1), None, data, target=target)
     assert isinstance(trainer.data_collator, DSparkCollator) and trainer.data_collator.block_size == GAMMA
-    assert trainer.train().global_step == 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert trainer.train().global_step == 1
+    assert not [w for w in seen if "draft vocabulary" in str(w.message)]  # a full-vocabulary drafter
     reduced = make_drafter(target, draft_vocab_size=20)
+    trainer = DSparkTrainer(model=reduced, target=target, args=make_args(tmp_path / "r", max_steps=1,
+                                                                          save_strategy="steps", save_steps=1),
+                            train_dataset=data)
     with pytest.warns(UserWarning, match=r"draft vocabulary is token ids 0..19, as initialised"):
-        DSparkTrainer(model=reduced, target=target, args=make_args(tmp_path), train_dataset=data)
+        trainer.train()
+    trainer = DSparkTrainer(model=make_drafter(target, draft_vocab_size=20), target=target,
+                            args=make_args(tmp_path / "r", max_steps=1), train_dataset=data)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=str(tmp_path / "r" / "checkpoint-1"))
+    assert not [w for w in seen if "draft vocabulary" in str(w.message)]

@@ -21,6 +21,7 @@ masked out of the loss.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 import zlib
@@ -132,28 +133,27 @@ class _EpochCallback(TrainerCallback):
 
 
 # --------------------------------------------------------------------------- trainer
-def _check_inputs(model, target, kwargs: dict) -> None:
-    """:class:`DSparkTrainer`'s checks of its keyword arguments, and the default ``data_collator`` (set in
-    ``kwargs``); warns where a reduced draft vocabulary was never chosen (``draft_vocab_ids`` still 0..N-1)."""
-    gamma, cfg = model.config.block_size, model.config
-    collator = kwargs.get("data_collator")
+def _check_inputs(model, target, call: dict) -> None:
+    """:class:`DSparkTrainer`'s checks of the ``Trainer`` arguments ``call`` (bound by name), and the default
+    ``data_collator`` (set in ``call``)."""
+    gamma = model.config.block_size
+    collator = call.get("data_collator")
     if collator is None:
         text = target.config.get_text_config()
         pad = text.pad_token_id if text.pad_token_id is not None else text.eos_token_id
-        kwargs["data_collator"] = DSparkCollator(gamma, pad_token_id=pad if isinstance(pad, int) else 0)
-    elif isinstance(collator, DSparkCollator) and collator.block_size != gamma:
+        collator = call["data_collator"] = DSparkCollator(gamma, pad_token_id=pad if isinstance(pad, int) else 0)
+    if not isinstance(collator, DSparkCollator):  # the caller's own collator reads what it reads
+        return
+    if collator.block_size != gamma:
         raise ValueError(f"data_collator has block_size {collator.block_size}, the drafter {gamma}: its blocks would "
                          "be cut short; give DSparkCollator the drafter's block_size")
     for split in ("train_dataset", "eval_dataset"):
-        columns = getattr(kwargs.get(split), "column_names", None)
-        if columns is not None and not {"input_ids", "prompt_len"} <= set(columns):
-            raise ValueError(f"{split} needs the columns input_ids and prompt_len (prompt + response token ids, the "
-                             f"prompt's length); it has {columns}")
-    ids = getattr(model, "draft_vocab_ids", None)
-    if cfg.draft_vocab_size and ids is not None and torch.equal(ids.cpu(), torch.arange(len(ids))):
-        warnings.warn(f"the drafter's {len(ids)}-token draft vocabulary is token ids 0..{len(ids) - 1}, as "
-                      "initialised: choose it from the data first (drafter.draft_vocab_ids.copy_(select_draft_vocab("
-                      "dataset, size)))", stacklevel=3)
+        sets = call.get(split)
+        for name, data in (sets.items() if isinstance(sets, dict) else [(split, sets)]):
+            columns = getattr(data, "column_names", None)
+            if columns is not None and not {"input_ids", "prompt_len"} <= set(columns):
+                raise ValueError(f"{name} needs the columns input_ids and prompt_len (prompt + response token ids, "
+                                 f"the prompt's length) for DSparkCollator; it has {columns}")
 
 
 class DSparkTrainer(Trainer):
@@ -168,18 +168,20 @@ class DSparkTrainer(Trainer):
             ``args.remove_unused_columns`` is forced to False (the batch is not the drafter's forward signature), and
             ``args.ddp_find_unused_parameters`` defaults to False (the heads run outside the DDP-wrapped forward).
             ``data_collator`` defaults to a :class:`DSparkCollator` of the drafter's block size (pad id: the target's
-            pad or EOS token); ``train_dataset`` rows hold ``input_ids`` and ``prompt_len`` (:func:`prepare_dataset`).
+            pad token, else its EOS token, else 0); its data sets' rows hold ``input_ids`` and ``prompt_len``
+            (:func:`prepare_dataset`).
 
     Raises:
         ValueError: no target; a :class:`DSparkCollator` whose block size differs from the drafter's (its blocks
-            would be cut short); a dataset without the ``input_ids`` and ``prompt_len`` columns.
+            would be cut short), or data sets for it without the ``input_ids`` and ``prompt_len`` columns.
     """
 
     def __init__(self, model=None, *args, target=None, **kwargs):
         if target is None:
             raise ValueError("DSparkTrainer needs the frozen target: DSparkTrainer(model=drafter, target=target, ...)")
-        _check_inputs(model, target, kwargs)
-        training_args = kwargs.get("args") if "args" in kwargs else (args[0] if args else None)
+        call = inspect.signature(Trainer.__init__).bind(self, model, *args, **kwargs)
+        _check_inputs(model, target, call.arguments)
+        training_args = call.arguments.get("args")
         if training_args is not None:
             training_args.remove_unused_columns = False
             # the sequential / confidence heads run outside the drafter's forward (on its outputs); with DDP's
@@ -190,12 +192,22 @@ class DSparkTrainer(Trainer):
         target.eval()
         target.requires_grad_(False)
         model.bind_target(target)
-        super().__init__(model, *args, **kwargs)
+        super().__init__(*call.args[1:], **call.kwargs)
         self.target = target.to(self.args.device)
         self._sums: dict[str, dict[str, tuple[float, int]]] = {"train": {}, "eval": {}}
         self._last_log_time = time.perf_counter()
         self._blocks_since_log = 0
         self.add_callback(_EpochCallback(self.data_collator))
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train``; a new run (not resumed: a checkpoint restores ``draft_vocab_ids``) warns where a reduced
+        draft vocabulary was never chosen from data (still token ids 0..N-1, as initialised)."""
+        ids = getattr(self.model, "draft_vocab_ids", None)
+        if not resume_from_checkpoint and ids is not None and torch.equal(ids.cpu(), torch.arange(len(ids))):
+            warnings.warn(f"the drafter's {len(ids)}-token draft vocabulary is token ids 0..{len(ids) - 1}, as "
+                          "initialised: choose it from the data first (drafter.draft_vocab_ids.copy_("
+                          "select_draft_vocab(dataset, size)))", stacklevel=2)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ---------------------------------------------------------------- target side (no grad)
     @torch.no_grad()
