@@ -94,20 +94,27 @@ def result_header(benchmark: str, argv: list[str] | None, threads: int) -> dict:
     }
 
 
+def write_json(data, out: str | os.PathLike, indent: int = 2) -> Path:
+    """Write ``data`` as JSON to ``out`` (parents created), replacing the file in one step: a process killed
+    mid-write (a time limit) leaves the last whole file, never a truncated one; returns the path."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=indent) + "\n")
+    os.replace(partial, path)
+    return path
+
+
 def write_result(result: dict, table: str, out: str | os.PathLike, *, final: bool = True) -> Path:
     """Record the load average at the end, store ``table`` as ``result["markdown"]``, write ``result`` as JSON to
-    ``out`` (parents created) and, when ``final``, print the table; returns the path. Benchmarks also write after
+    ``out`` (:func:`write_json`) and, when ``final``, print the table; returns the path. Benchmarks also write after
     each finished part (``final=False``), so a run stopped by a time limit keeps what it measured."""
     try:
         result["machine"]["load_average_at_end"] = os.getloadavg()
     except OSError:
         pass
     result["markdown"] = table
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")  # replaced in one step: a kill mid-write leaves the last whole file
-    partial.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(partial, path)
+    path = write_json(result, out)
     if final:
         print(table)
         print(f"\nwritten to {path}", file=sys.stderr)

@@ -207,12 +207,10 @@ def main(argv=None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    from benchmarks.common import write_json
 
-    def save(result):  # replaced in one step: a time limit's kill mid-write leaves the last whole file
-        partial = Path(args.out + ".partial")
-        partial.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(partial, args.out)
+    def save(result):
+        write_json(result, args.out, indent=1)
 
     result = lossless(args, save) if args.cmd == "lossless" else summary(args)
     save(result)
