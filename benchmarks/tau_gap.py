@@ -66,9 +66,9 @@ def main(argv=None) -> int:
         batch_tau: list[float]
 
         def compute_loss(self, model, inputs, *a, **kw):
-            before = self._sums["eval"].get("tau", (0.0, 0))
+            before = [float(x) for x in self._sums["eval"].get("tau", (0.0, 0.0))]
             loss = super().compute_loss(model, inputs, *a, **kw)
-            after = self._sums["eval"].get("tau", (0.0, 0))
+            after = [float(x) for x in self._sums["eval"]["tau"]]
             self.batch_tau.append(after[0] - before[0] if after[1] > before[1] else float("nan"))
             return loss
 

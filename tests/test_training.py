@@ -632,3 +632,31 @@ def test_trainer_checks_its_collator_and_data_and_defaults_the_collator(tmp_path
         warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=str(tmp_path / "r" / "checkpoint-1"))
     assert not [w for w in seen if "draft vocabulary" in str(w.message)]
+
+
+def test_greedy_stats_are_the_per_block_counts_and_stay_on_the_device(monkeypatch):
+    """The logged acceptance statistics equal a count over blocks by hand, and computing them copies nothing to the
+    host (a copy per training step would stall a GPU): Tensor.item / tolist / bool are refused while they run."""
+    from dspark.training.trainer import _greedy_stats
+
+    torch.manual_seed(0)
+    b, n, v = 2, 3, 6
+    draft = torch.randn(b, n, GAMMA, v)
+    labels = torch.where(torch.rand(b, n, GAMMA) < 0.7, draft.argmax(-1), torch.randint(0, v, (b, n, GAMMA)))
+    mask = torch.ones(b, n, GAMMA, dtype=torch.bool)
+    mask[1, 2, 2:] = False  # one block cut by the end of its sequence
+    terms = {k: torch.tensor(x) for k, x in (("ce", 1.5), ("tv", 0.5), ("conf", 0.25))}
+    for name in ("item", "tolist", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"a host copy ({_n})"))
+    stats = _greedy_stats(terms, draft, labels, mask, None, per_position=True)
+    monkeypatch.undo()
+    hits = (draft.argmax(-1) == labels).tolist()
+    whole = [hits[i][j] for i in range(b) for j in range(n) if (i, j) != (1, 2)]
+    survival = [sum(all(row[: k + 1]) for row in whole) / len(whole) for k in range(GAMMA)]
+    values = {k: (float(x), float(w)) for k, (x, w) in stats.items()}
+    assert values["tau"] == (pytest.approx(1 + sum(survival)), 1.0)
+    assert [values[f"a{k + 1}"][0] for k in range(GAMMA)] == pytest.approx(survival)
+    assert values["acc_k1"][0] == pytest.approx(sum(hits[i][j][0] for i in range(b) for j in range(n)) / (b * n))
+    assert values["ce"] == (1.5, 1.0)
+    none_whole = _greedy_stats(terms, draft, labels, mask & (torch.arange(GAMMA) < 2), None, per_position=False)
+    assert float(none_whole["tau"][1]) == 0.0  # no block with all γ labels: τ carries no weight in the mean

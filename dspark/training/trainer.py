@@ -194,7 +194,7 @@ class DSparkTrainer(Trainer):
         model.bind_target(target)
         super().__init__(*call.args[1:], **call.kwargs)
         self.target = target.to(self.args.device)
-        self._sums: dict[str, dict[str, tuple[float, int]]] = {"train": {}, "eval": {}}
+        self._sums: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {"train": {}, "eval": {}}
         self._last_log_time = time.perf_counter()
         self._blocks_since_log = 0
         self.add_callback(_EpochCallback(self.data_collator))
@@ -308,15 +308,16 @@ class DSparkTrainer(Trainer):
         t_logits, t_lse = self.slot_targets(drafter, gather_slots(last, inputs["anchor_positions"], cfg.block_size))
         return feats, t_logits, t_lse
 
-    def _add_stats(self, stats: dict[str, float], training: bool, anchor_valid: torch.Tensor) -> None:
-        """Add one batch's ``stats`` to the sums :meth:`log` averages (per key: sum and number of batches, since τ
-        and a_k are missing from batches without a whole block); in training also count its valid anchor blocks."""
+    def _add_stats(self, stats: dict[str, tuple[torch.Tensor, torch.Tensor]], training: bool,
+                   anchor_valid: torch.Tensor) -> None:
+        """Add one batch's ``stats`` (:func:`_greedy_stats`) to the weighted sums :meth:`log` averages, and in
+        training count its valid anchor blocks; all on the device (a host copy per step would stall a GPU)."""
         acc = self._sums["train" if training else "eval"]
-        for k, v in stats.items():
-            total, n = acc.get(k, (0.0, 0))
-            acc[k] = (total + v, n + 1)
+        for k, (value, weight) in stats.items():
+            total, n = acc.get(k, (0.0, 0.0))
+            acc[k] = (total + value * weight, n + weight)
         if training:
-            self._blocks_since_log += int(anchor_valid.sum())
+            self._blocks_since_log = self._blocks_since_log + anchor_valid.sum()
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -329,12 +330,17 @@ class DSparkTrainer(Trainer):
         is_eval = any(k.startswith("eval_") for k in logs)
         mode = "eval" if is_eval else "train"
         prefix = "eval_" if is_eval else ""
-        for k, (total, n) in self._sums[mode].items():
-            logs[prefix + k] = round(total / n, 5)
+        sums = self._sums[mode]
+        if sums:  # one device-to-host copy: [keys, 2] (sum, weight)
+            pairs = torch.stack([torch.stack([t, n]) for t, n in sums.values()])
+            for k, (total, n) in zip(sums, pairs.tolist()):
+                if n > 0:  # τ and a_k: only where some batch had a whole block
+                    logs[prefix + k] = round(total / n, 5)
         self._sums[mode] = {}
         if not is_eval and "loss" in logs:
             now = time.perf_counter()
-            logs["blocks_per_s"] = round(self._blocks_since_log / max(now - self._last_log_time, 1e-9), 2)
+            blocks = float(self._blocks_since_log)
+            logs["blocks_per_s"] = round(blocks / max(now - self._last_log_time, 1e-9), 2)
             self._blocks_since_log = 0
             self._last_log_time = now
         super().log(logs, start_time)
@@ -411,28 +417,30 @@ def _draft_vocab_labels(drafter, labels):
 
 
 @torch.no_grad()
-def _greedy_stats(terms, draft, target_labels, loss_mask, ce_mask, per_position: bool) -> dict[str, float]:
+def _greedy_stats(terms, draft, target_labels, loss_mask, ce_mask,
+                  per_position: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Logged statistics of one batch: the loss terms ce / tv / conf, ``acc_k1`` (top-1 accuracy of slot 1) and
     greedy acceptance on the data (target-greedy responses), where slot k is accepted when slots 1..k match: over
     blocks with all γ labels, survival a_k = P(first k accepted) and ``tau`` = 1 + Σ_k a_k (the bonus token); with
     ``per_position`` also ``a1..aγ``. ``draft`` ``[B, n, γ, V]``; ``target_labels``, ``loss_mask`` ``[B, n, γ]``.
+
+    Each statistic comes as ``(value, weight)``, float32 0-d tensors on the batch's device, so a training step
+    copies nothing to the host: the weight is 1, or for ``tau`` and a_k 0 in a batch without a whole block.
     """
     top1 = (draft.argmax(-1) == target_labels) & loss_mask
     if ce_mask is not None:
         top1 &= ce_mask.reshape(top1.shape)
     first = loss_mask[..., 0]
-    stats = {
-        "ce": terms["ce"].item(),
-        "tv": terms["tv"].item(),
-        "conf": terms["conf"].item(),
-        "acc_k1": (top1[..., 0].sum() / first.sum().clamp_min(1)).item(),
-    }
-    whole = loss_mask.all(-1)
-    if whole.any():
-        survival = top1.long().cumprod(-1)[whole].float().mean(0)
-        stats["tau"] = 1.0 + survival.sum().item()
-        if per_position:
-            stats.update({f"a{k + 1}": a for k, a in enumerate(survival.tolist())})
+    one = torch.ones((), dtype=torch.float32, device=draft.device)
+    stats = {k: (terms[k].detach().float(), one) for k in ("ce", "tv", "conf")}
+    stats["acc_k1"] = ((top1[..., 0].sum() / first.sum().clamp_min(1)).float(), one)
+    whole = loss_mask.all(-1)  # [B, n]: blocks with all γ labels
+    n_whole = whole.sum()
+    survival = (top1.long().cumprod(-1) * whole[..., None]).sum(dim=(0, 1)).float() / n_whole.clamp_min(1)  # [γ]
+    has_whole = (n_whole > 0).float()
+    stats["tau"] = (1.0 + survival.sum(), has_whole)
+    if per_position:
+        stats.update({f"a{k + 1}": (a, has_whole) for k, a in enumerate(survival.unbind())})
     return stats
 
 
