@@ -65,12 +65,11 @@ def main(argv=None) -> int:
 
         batch_tau: list[float]
 
-        def compute_loss(self, model, inputs, *a, **kw):
-            before = [float(x) for x in self._sums["eval"].get("tau", (0.0, 0.0))]
-            loss = super().compute_loss(model, inputs, *a, **kw)
-            after = [float(x) for x in self._sums["eval"]["tau"]]
-            self.batch_tau.append(after[0] - before[0] if after[1] > before[1] else float("nan"))
-            return loss
+        def _add_stats(self, stats, training, anchor_valid):
+            if not training:
+                value, weight = stats["tau"]
+                self.batch_tau.append(float(value) if float(weight) > 0 else float("nan"))
+            super()._add_stats(stats, training, anchor_valid)
 
     try:  # every drafter is compared on one target: each must be made for it, checked before anything loads
         target_name = target_for_drafter(args.target, args.drafter[0])

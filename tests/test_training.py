@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -646,7 +647,7 @@ def test_greedy_stats_are_the_per_block_counts_and_stay_on_the_device(monkeypatc
     mask = torch.ones(b, n, GAMMA, dtype=torch.bool)
     mask[1, 2, 2:] = False  # one block cut by the end of its sequence
     terms = {k: torch.tensor(x) for k, x in (("ce", 1.5), ("tv", 0.5), ("conf", 0.25))}
-    for name in ("item", "tolist", "__bool__"):
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"a host copy ({_n})"))
     stats = _greedy_stats(terms, draft, labels, mask, None, per_position=True)
     monkeypatch.undo()
@@ -660,3 +661,23 @@ def test_greedy_stats_are_the_per_block_counts_and_stay_on_the_device(monkeypatc
     assert values["ce"] == (1.5, 1.0)
     none_whole = _greedy_stats(terms, draft, labels, mask & (torch.arange(GAMMA) < 2), None, per_position=False)
     assert float(none_whole["tau"][1]) == 0.0  # no block with all γ labels: τ carries no weight in the mean
+
+
+def test_logged_statistics_are_the_weighted_means_over_batches(monkeypatch):
+    """log() reports each statistic's mean over the batches since the last log, τ over those with a whole block
+    only, and leaves τ out where no batch had one."""
+    logged = []
+    monkeypatch.setattr("transformers.Trainer.log", lambda self, logs, start_time=None: logged.append(dict(logs)))
+    trainer = DSparkTrainer.__new__(DSparkTrainer)  # the logging state alone, no model
+    trainer._sums, trainer._blocks_since_log = {"train": {}, "eval": {}}, 0
+    trainer._last_log_time = time.perf_counter() - 1.0  # a second ago
+    t = torch.tensor
+    for ce, tau, whole in ((1.0, 3.0, 1.0), (2.0, 9.0, 0.0), (4.0, 2.0, 1.0)):
+        trainer._add_stats({"ce": (t(ce), t(1.0)), "tau": (t(tau), t(whole))}, True, t([True, False]))
+    trainer.log({"loss": 1.0})
+    assert logged[-1]["ce"] == pytest.approx(7 / 3, abs=1e-5) and logged[-1]["tau"] == pytest.approx(2.5)
+    assert 2.5 < logged[-1]["blocks_per_s"] <= 3  # 3 valid blocks in about a second
+    trainer._add_stats({"ce": (t(1.0), t(1.0)), "tau": (t(5.0), t(0.0))}, False, t([True]))
+    trainer.log({"eval_loss": 1.0})
+    assert logged[-1]["eval_ce"] == 1.0 and "eval_tau" not in logged[-1]
+    assert trainer._sums == {"train": {}, "eval": {}}

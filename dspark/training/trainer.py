@@ -194,7 +194,7 @@ class DSparkTrainer(Trainer):
         model.bind_target(target)
         super().__init__(*call.args[1:], **call.kwargs)
         self.target = target.to(self.args.device)
-        self._sums: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {"train": {}, "eval": {}}
+        self._sums: dict[str, dict[str, list[torch.Tensor]]] = {"train": {}, "eval": {}}  # per key [value, weight]s
         self._last_log_time = time.perf_counter()
         self._blocks_since_log = 0
         self.add_callback(_EpochCallback(self.data_collator))
@@ -310,12 +310,11 @@ class DSparkTrainer(Trainer):
 
     def _add_stats(self, stats: dict[str, tuple[torch.Tensor, torch.Tensor]], training: bool,
                    anchor_valid: torch.Tensor) -> None:
-        """Add one batch's ``stats`` (:func:`_greedy_stats`) to the weighted sums :meth:`log` averages, and in
-        training count its valid anchor blocks; all on the device (a host copy per step would stall a GPU)."""
+        """Keep one batch's ``stats`` (:func:`_greedy_stats`) for :meth:`log`, and in training count its valid anchor
+        blocks; on the device (a host copy per step would stall a GPU)."""
         acc = self._sums["train" if training else "eval"]
         for k, (value, weight) in stats.items():
-            total, n = acc.get(k, (0.0, 0.0))
-            acc[k] = (total + value * weight, n + weight)
+            acc.setdefault(k, []).append(torch.stack([value, weight]))
         if training:
             self._blocks_since_log = self._blocks_since_log + anchor_valid.sum()
 
@@ -330,16 +329,18 @@ class DSparkTrainer(Trainer):
         is_eval = any(k.startswith("eval_") for k in logs)
         mode = "eval" if is_eval else "train"
         prefix = "eval_" if is_eval else ""
-        sums = self._sums[mode]
-        if sums:  # one device-to-host copy: [keys, 2] (sum, weight)
-            pairs = torch.stack([torch.stack([t, n]) for t, n in sums.values()])
-            for k, (total, n) in zip(sums, pairs.tolist()):
-                if n > 0:  # τ and a_k: only where some batch had a whole block
-                    logs[prefix + k] = round(total / n, 5)
+        kept = self._sums[mode]
+        if kept:  # one device-to-host copy of every batch's (value, weight); the weighted means in float64
+            rows = iter(torch.cat([torch.stack(v) for v in kept.values()]).tolist())
+            for k, batches in kept.items():
+                pairs = [next(rows) for _ in batches]
+                weight = sum(w for _, w in pairs)
+                if weight > 0:  # τ and a_k: only where some batch had a whole block
+                    logs[prefix + k] = round(sum(v * w for v, w in pairs) / weight, 5)
         self._sums[mode] = {}
         if not is_eval and "loss" in logs:
+            blocks = float(self._blocks_since_log)  # the host copy before the clock is read
             now = time.perf_counter()
-            blocks = float(self._blocks_since_log)
             logs["blocks_per_s"] = round(blocks / max(now - self._last_log_time, 1e-9), 2)
             self._blocks_since_log = 0
             self._last_log_time = now
