@@ -207,6 +207,27 @@ def test_an_unknown_option_is_named_by_its_command(argv, prog, unknown, capsys):
     assert f"usage: {prog}" in err
 
 
+@pytest.mark.parametrize("argv, missing", [(["eval", "--limit", "1"], "matplotlib"),
+                                           (["bench", "serve", "--limit", "1"], "matplotlib"),
+                                           (["adapt", "--drafter", "x", "--data", "d"], "peft")])
+def test_a_missing_train_extra_is_named_before_the_command_runs(argv, missing, monkeypatch, capsys):
+    """A command whose figure or LoRA layers need the [train] extra says so before it loads anything, not after a
+    whole evaluation; `profile --no-plot` draws nothing and is not refused."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    ran = []
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"needs {missing}, which is not installed: pip install 'dspark[train]'" in capsys.readouterr().err
+    monkeypatch.setattr("dspark.cli.profile_cmd.run", lambda args: ran.append(args) or 0)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name,
+                                                                                                             *a))
+    assert main(["profile", "--no-plot"]) == 0 and ran
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])

@@ -1,13 +1,14 @@
 """The `dspark` command: `dspark <subcommand> ...` (also `python -m dspark.cli`).
 
 Subcommands live in modules of this package, each with ``add_parser(subparsers)`` and ``run(args)`` (returning an
-exit code or None). Modules that are not written yet are skipped; any other import error is raised.
+exit code or None).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 SUBCOMMAND_MODULES = [
@@ -23,13 +24,9 @@ SUBCOMMAND_MODULES = [
 ]
 
 
-def _import_optional(name: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name == name:  # the subcommand module itself is absent: skip it
-            return None
-        raise  # a missing dependency *inside* the module is a real error
+NEEDS = {"eval": "matplotlib", "calibrate": "matplotlib", "profile": "matplotlib", "bench": "matplotlib",
+         "adapt": "peft"}
+"""The package of the ``[train]`` extra each command needs (its figure, its LoRA layers), checked before it runs."""
 
 
 def version_string() -> str:
@@ -54,9 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_string())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
-        mod = _import_optional(name)
-        if mod is None:
-            continue
+        mod = importlib.import_module(name)
         before = set(subparsers.choices)
         mod.add_parser(subparsers)
         for cmd in set(subparsers.choices) - before:
@@ -86,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if runner is None:
         parser.print_help(sys.stderr)
         return 2
+    need = NEEDS.get(args.command)
+    if need and not getattr(args, "no_plot", False) and importlib.util.find_spec(need) is None:
+        command.error(f"needs {need}, which is not installed: pip install 'dspark[train]' (or {need})")
     rc = runner(args)
     return int(rc) if isinstance(rc, int) else 0
 
