@@ -372,7 +372,8 @@ def receive(repo: Path) -> int:
 STACK_CHECK = """
 import importlib.metadata as m, json, tempfile
 out = {}
-for name in ("torch", "transformers", "datasets", "pyarrow", "fsspec", "huggingface_hub", "tokenizers", "safetensors"):
+for name in ("torch", "transformers", "datasets", "pyarrow", "fsspec", "huggingface_hub", "tokenizers", "safetensors",
+             "accelerate", "peft", "matplotlib"):  # the last two: `dspark adapt`, the figures of calibrate and eval
     try:
         out[name] = m.version(name)
     except m.PackageNotFoundError:

@@ -211,21 +211,26 @@ def test_an_unknown_option_is_named_by_its_command(argv, prog, unknown, capsys):
                                            (["bench", "serve", "--limit", "1"], "matplotlib"),
                                            (["adapt", "--drafter", "x", "--data", "d"], "peft")])
 def test_a_missing_train_extra_is_named_before_the_command_runs(argv, missing, monkeypatch, capsys):
-    """A command whose figure or LoRA layers need the [train] extra says so before it loads anything, not after a
-    whole evaluation; `profile --no-plot` draws nothing and is not refused."""
+    """A command whose figure or LoRA layers need the [train] extra says so before it runs, not after a whole
+    evaluation; `profile --no-plot` and `--show` draw nothing and are not refused, nor is bare `bench`."""
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
     ran = []
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    assert f"needs {missing}, which is not installed: pip install 'dspark[train]'" in capsys.readouterr().err
-    monkeypatch.setattr("dspark.cli.profile_cmd.run", lambda args: ran.append(args) or 0)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name,
-                                                                                                             *a))
-    assert main(["profile", "--no-plot"]) == 0 and ran
+    for name in ("eval", "bench", "adapt", "profile"):
+        monkeypatch.setattr(f"dspark.cli.{name}_cmd.run", lambda args, _n=name: ran.append(_n) or 0)
+    for gone in (missing, "matplotlib"):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, _g=gone: None if name == _g
+                            else find_spec(name, *a))
+        if gone == missing:
+            with pytest.raises(SystemExit) as exc:
+                main(argv)
+            err = capsys.readouterr().err
+            usage = "usage: dspark " + " ".join(argv[: 2 if argv[0] == "bench" else 1])
+            assert exc.value.code == 2 and not ran and usage in err
+            assert f"needs {missing}, which is not installed: pip install 'dspark[train]'" in err
+    assert main(["profile", "--no-plot"]) == 0 and main(["profile", "--show"]) == 0 and main(["bench"]) == 0
+    assert ran == ["profile", "profile", "bench"]
 
 
 def test_version(capsys):

@@ -24,9 +24,10 @@ SUBCOMMAND_MODULES = [
 ]
 
 
-NEEDS = {"eval": "matplotlib", "calibrate": "matplotlib", "profile": "matplotlib", "bench": "matplotlib",
-         "adapt": "peft"}
-"""The package of the ``[train]`` extra each command needs (its figure, its LoRA layers), checked before it runs."""
+NEEDS = {"dspark eval": "matplotlib", "dspark calibrate": "matplotlib", "dspark profile": "matplotlib",
+         "dspark bench serve": "matplotlib", "dspark adapt": "peft"}
+"""The package of the ``[train]`` extra each command needs (its figure, its LoRA layers), checked before it runs
+(`profile --no-plot` and `--show` draw nothing)."""
 
 
 def version_string() -> str:
@@ -81,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if runner is None:
         parser.print_help(sys.stderr)
         return 2
-    need = NEEDS.get(args.command)
-    if need and not getattr(args, "no_plot", False) and importlib.util.find_spec(need) is None:
+    need = NEEDS.get(command.prog)
+    drawn = not (getattr(args, "no_plot", False) or getattr(args, "show", False))
+    if need and drawn and importlib.util.find_spec(need) is None:
         command.error(f"needs {need}, which is not installed: pip install 'dspark[train]' (or {need})")
     rc = runner(args)
     return int(rc) if isinstance(rc, int) else 0
