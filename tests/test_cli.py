@@ -219,16 +219,17 @@ def test_a_missing_train_extra_is_named_before_the_command_runs(argv, missing, m
     ran = []
     for name in ("eval", "bench", "adapt", "profile"):
         monkeypatch.setattr(f"dspark.cli.{name}_cmd.run", lambda args, _n=name: ran.append(_n) or 0)
-    for gone in (missing, "matplotlib"):
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, _g=gone: None if name == _g
-                            else find_spec(name, *a))
-        if gone == missing:
-            with pytest.raises(SystemExit) as exc:
-                main(argv)
-            err = capsys.readouterr().err
-            usage = "usage: dspark " + " ".join(argv[: 2 if argv[0] == "bench" else 1])
-            assert exc.value.code == 2 and not ran and usage in err
-            assert f"needs {missing}, which is not installed: pip install 'dspark[train]'" in err
+    def without(gone):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == gone else find_spec(name, *a))
+
+    without(missing)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    usage = "usage: dspark " + " ".join(argv[: 2 if argv[0] == "bench" else 1])
+    assert exc.value.code == 2 and not ran and usage in err
+    assert f"needs {missing}, which is not installed: pip install 'dspark[train]'" in err
+    without("matplotlib")
     assert main(["profile", "--no-plot"]) == 0 and main(["profile", "--show"]) == 0 and main(["bench"]) == 0
     assert ran == ["profile", "profile", "bench"]
 
