@@ -85,7 +85,7 @@ class PackedTarget:
         target: a transformers ``*ForCausalLM`` with full attention in every layer.
 
     Raises:
-        ValueError: the model has sliding-window / non-full attention layers.
+        ValueError: non-full attention layers or a sliding window (not one Qwen2 leaves off: ``use_sliding_window``).
     """
 
     def __init__(self, target):
@@ -93,8 +93,8 @@ class PackedTarget:
         layer_types = getattr(cfg, "layer_types", None)
         if layer_types and any(t != "full_attention" for t in layer_types):
             raise ValueError(f"PackedTarget supports full-attention layers only; this target has {set(layer_types)}")
-        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-            raise ValueError("PackedTarget does not support sliding-window attention")
+        if (window := getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True):
+            raise ValueError(f"PackedTarget does not support sliding-window attention (sliding_window={window})")
         self.target = target
         self.num_layers = cfg.num_hidden_layers
 

@@ -11,15 +11,22 @@ SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
 DRAFT_LAYER_STYLES = ("qwen3", "target")
 DEFAULT_MARKOV_RANK = 64  # r of W_1 / W_2 (eq. 5)
-# text-model families whose decoder hidden states, embedding table and LM head dspark reads, and whose assisted
-# decoding in transformers is tested token for token against plain greedy generate() (tests/test_families.py)
-SUPPORTED_TARGET_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text")
-GEMMA_FAMILIES = ("gemma3_text", "gemma4_text")
+# text-model families whose decoder hidden states, embedding table and LM head dspark reads, whose embedding output
+# and logits the drafter reproduces from them, and whose assisted decoding in transformers is tested token for token
+# against plain greedy generate() (tests/test_families.py)
+SUPPORTED_TARGET_FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                             "olmo2", "smollm3", "gpt_oss", "gemma", "gemma2", "gemma3_text", "gemma4_text")
+# families whose embedding layer multiplies by √H (and whose norms store the scale − 1, Gemma 1–3)
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text", "gemma4_text")
 # formats a drafter can be converted from (modeling_dspark.formats); None = a native dspark checkpoint
 SOURCE_FORMATS = (None, "deepspec", "dflash", "specforge", "speculators")
 # why a family is refused, where there is a reason more specific than "untested"
 _UNSUPPORTED_REASONS = {
     "gpt2": "GPT-2 has learned absolute position embeddings and no RMSNorm / RoPE / intermediate_size",
+    **dict.fromkeys(("granite", "granitemoe"), "it scales its embeddings by embedding_multiplier and divides its "
+                    "logits by logits_scaling, which the drafter's shared embedding table and LM head do not"),
+    **dict.fromkeys(("cohere", "cohere2"), "it multiplies its logits by logit_scale, which the drafter's shared LM "
+                    "head does not"),
 }
 
 
@@ -369,7 +376,7 @@ class DSparkConfig(PretrainedConfig):
             head_dim=t.get("head_dim") or hidden // heads,
             hidden_act=t.get("hidden_act") or t.get("hidden_activation") or "silu",
             rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-            attention_bias=style == "target" and bool(t.get("attention_bias", family == "qwen2")),
+            attention_bias=style == "target" and bool(t.get("attention_bias", t.get("qkv_bias", family == "qwen2"))),
             mlp_bias=style == "target" and bool(t.get("mlp_bias", False)),
             rope_parameters=rope,
             max_position_embeddings=t.get("max_position_embeddings") or 8192,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The core tests (`pytest -m core`: lossless greedy and sampling with lookup on and off, stop strings, logits
-# processors, model I/O, the generate() integration, transformers' own DFlash loop with a DSpark drafter) at the
+# processors, model I/O, the generate() integration, every target family, transformers' own DFlash loop) at the
 # highest supported Python, torch and transformers, in a fresh venv that installs this package from pyproject.toml
 # with its test extra (so the declared ranges must resolve there). The lowest end, Python 3.11 with torch 2.13.0 and
 # transformers 5.24.0, is .ci/run's main run in .venv (scripts/setup.sh); generation/compat.py lists the transformers

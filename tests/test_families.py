@@ -1,8 +1,10 @@
 """Target families and drafter conventions: greedy output identical to plain generate() (fp32), tiny random models.
 
-Each supported family (Llama with Llama-3 RoPE scaling, Qwen2, Qwen3, Gemma 3, Gemma 4: embedding scale √H,
+Each supported family (Llama with Llama-3 RoPE scaling; Mistral with a sliding window; Mixtral, Qwen2-MoE, Qwen3-MoE
+and gpt-oss with routed experts, gpt-oss with attention sinks; Phi-3 with fused projections and partial RoPE; OLMo 2
+with norms after each sublayer; SmolLM3 with RoPE-free layers; Qwen2, Qwen3; Gemma 1–4: embedding scale √H,
 final-logit soft-capping, sliding-window layers) drafts with a random Qwen3-style drafter; lossless must hold
-whatever the draft quality. Every convention of other implementations (a real mask token, the anchor slot that
+whatever the draft quality, and the drafter must read the target's embedding output and reproduce its logits. Every convention of other implementations (a real mask token, the anchor slot that
 predicts nothing, layer id −1, the drafter's own embedding / LM head, gated and RNN heads, confidence without the
 Markov features) runs the same forward path, and greedy output stays identical. Unsupported families fail with a
 clear error before any compute.
@@ -16,16 +18,30 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CohereConfig,
+    Gemma2Config,
     Gemma3TextConfig,
+    GemmaConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 import modeling_dspark as md
 from dspark.generation import collect_stats, dspark_options
+
+pytestmark = pytest.mark.core  # also run at the highest supported versions (scripts/test_versions.sh)
 
 VOCAB = 48
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -51,6 +67,21 @@ FAMILIES = {
                                        final_logit_softcapping=30.0,
                                        layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "gemma4": _gemma4_config,
+    "gemma": lambda: GemmaConfig(**SHAPE),
+    "gemma2": lambda: Gemma2Config(**SHAPE, sliding_window=4, query_pre_attn_scalar=8, final_logit_softcapping=30.0,
+                                   attn_logit_softcapping=50.0),
+    "mistral": lambda: MistralConfig(**SHAPE, sliding_window=4),
+    "phi3": lambda: Phi3Config(**SHAPE, partial_rotary_factor=0.75),
+    "olmo2": lambda: Olmo2Config(**SHAPE),
+    "smollm3": lambda: SmolLM3Config(**SHAPE, no_rope_layer_interval=2),
+    "mixtral": lambda: MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=16),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "gpt_oss": lambda: GptOssConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                    layer_types=["sliding_attention", "full_attention"] * 2,
+                                    rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,
+                                                     "original_max_position_embeddings": 64}),
 }
 
 
@@ -102,7 +133,7 @@ def test_family_greedy_identical(one_thread, scripted, family):
         assert drafter.config.embedding_scale == pytest.approx(32**0.5)
         ids = torch.tensor([[3, 7]])
         torch.testing.assert_close(drafter.embed(ids), target.get_input_embeddings()(ids))
-    if family in ("gemma3", "gemma4"):
+    if family in ("gemma2", "gemma3", "gemma4"):
         assert drafter.config.final_logit_softcapping == 30.0
         assert drafter.lm_logits(torch.randn(2, 32) * 100).abs().max() <= 30.0
     _assert_greedy_identical(target, drafter)
@@ -114,6 +145,65 @@ def test_family_greedy_identical(one_thread, scripted, family):
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=24, do_sample=False)
     assert torch.equal(out, ref)
     assert all(r.accepted == r.drafted > 0 for r in runs[-1].rounds[:-1])
+
+
+def _reproduces_target(target, drafter) -> bool:
+    """The drafter's block embedding equals what the target's first layer reads, and the target's logits are its
+    LM head on the final hidden state, soft-capped as the drafter caps its own (what the trainer fits)."""
+    from modeling_dspark.common import softcap
+    from modeling_dspark.target import decoder_of
+
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        last = decoder_of(target)(input_ids=ids).last_hidden_state
+        logits = softcap(target.get_output_embeddings()(last), drafter.config.final_logit_softcapping)
+    return torch.allclose(drafter.embed(ids), out.hidden_states[0]) and torch.allclose(logits, out.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_embeddings_and_logits_reproduced(family):
+    target = _target(family)
+    assert _reproduces_target(target, _drafter(target))
+
+
+@pytest.mark.parametrize("config", [GraniteConfig(**SHAPE, embedding_multiplier=12.0, logits_scaling=8.0),
+                                    CohereConfig(**SHAPE, logit_scale=0.0625)], ids=["granite", "cohere"])
+def test_family_with_scaled_logits_is_refused_with_the_reason(monkeypatch, config):
+    """Granite and Cohere scale their logits (Granite its embeddings too) outside the LM head: refused, naming it.
+    Admitted, the drafter would be lossless but trained against logits its target never computes."""
+    with pytest.raises(ValueError, match=rf"'{config.model_type}' is not supported: it .*(logits_scaling|logit_scale)"):
+        md.DSparkConfig.from_target_config(config)
+    monkeypatch.setattr(md.configuration_dspark, "SUPPORTED_TARGET_FAMILIES", (config.model_type,))
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert not _reproduces_target(target, _drafter(target))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_engine_serves_each_full_attention_family_and_refuses_windows(one_thread, family):
+    """The batched engine's packed attention is plain causal SDPA: a target with sliding-window layers (or a window
+    on every layer, Mistral's) is refused before any forward; every other family decodes exactly as generate()."""
+    from dspark.generation import DSparkEngine
+
+    target = _target(family)
+    drafter = _drafter(target)
+    tc = target.config.get_text_config()
+    windowed = set(getattr(tc, "layer_types", None) or ["full_attention"]) != {"full_attention"} or bool(
+        getattr(tc, "sliding_window", None) and getattr(tc, "use_sliding_window", True))
+    assert windowed == (family in ("gemma2", "gemma3", "gemma4", "gpt_oss", "mistral"))
+    if windowed:
+        calls = []
+        target.register_forward_hook(lambda *a: calls.append(1))
+        with pytest.raises(ValueError, match="sliding"):
+            DSparkEngine(target, drafter, "full", max_batch_size=2)
+        assert not calls
+        return
+    engine = DSparkEngine(target, drafter, "full", max_batch_size=2)
+    ids = [engine.add_request(p, 16) for p in PROMPTS]
+    outs = {o.request_id: o.output_ids for o in engine.run()}
+    for i, p in zip(ids, PROMPTS):
+        assert outs[i] == target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
 
 
 CONVENTIONS = {
