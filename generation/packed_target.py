@@ -13,6 +13,7 @@ switches its attention function).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -23,7 +24,6 @@ from .kv import RequestKV
 __all__ = ["PackedTarget"]
 
 _ATTN_NAME = "dspark_packed"
-_registered = False
 _swap_lock = threading.RLock()
 
 
@@ -55,13 +55,11 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
+@functools.cache
 def _register_attention() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
+    from transformers import AttentionInterface
 
-        AttentionInterface.register(_ATTN_NAME, _packed_attention)
-        _registered = True
+    AttentionInterface.register(_ATTN_NAME, _packed_attention)
 
 
 @contextlib.contextmanager
@@ -85,16 +83,18 @@ class PackedTarget:
         target: a transformers ``*ForCausalLM`` with full attention in every layer.
 
     Raises:
-        ValueError: non-full attention layers or a sliding window (not one Qwen2 leaves off: ``use_sliding_window``).
+        ValueError: a sliding-window layer (by ``layer_types``, else a window shorter than the model's context).
     """
 
     def __init__(self, target):
         cfg = target.config.get_text_config()
-        layer_types = getattr(cfg, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"PackedTarget supports full-attention layers only; this target has {set(layer_types)}")
-        if (window := getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True):
-            raise ValueError(f"PackedTarget does not support sliding-window attention (sliding_window={window})")
+        types = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        if types is None and window and window < getattr(cfg, "max_position_embeddings", window + 1):
+            types = ["sliding_attention"]  # no layer types (Mistral, Phi-3): the window is every layer's
+        if types and any(t != "full_attention" for t in types):
+            raise ValueError(f"PackedTarget supports full-attention layers only; this target has {set(types)} "
+                             f"(sliding_window={window})")
         self.target = target
         self.num_layers = cfg.num_hidden_layers
 

@@ -23,8 +23,9 @@ SOURCE_FORMATS = (None, "deepspec", "dflash", "specforge", "speculators")
 # why a family is refused, where there is a reason more specific than "untested"
 _UNSUPPORTED_REASONS = {
     "gpt2": "GPT-2 has learned absolute position embeddings and no RMSNorm / RoPE / intermediate_size",
-    **dict.fromkeys(("granite", "granitemoe"), "it scales its embeddings by embedding_multiplier and divides its "
-                    "logits by logits_scaling, which the drafter's shared embedding table and LM head do not"),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"),
+                    "it scales its embeddings by embedding_multiplier and divides its logits by logits_scaling, which "
+                    "the drafter's shared embedding table and LM head do not"),
     **dict.fromkeys(("cohere", "cohere2"), "it multiplies its logits by logit_scale, which the drafter's shared LM "
                     "head does not"),
 }
@@ -344,7 +345,8 @@ class DSparkConfig(PretrainedConfig):
         Any DSpark field (block_size, target_layer_ids, markov_rank, …) may be given in `kwargs`. New drafters get
         Qwen3-style draft layers (``draft_layer_style="qwen3"``, no attention biases) whatever the target family;
         Gemma targets also set ``embedding_scale`` = √H and their ``final_logit_softcapping``. For a target whose
-        RoPE differs per layer type (Gemma), the draft layers use its full-attention RoPE.
+        RoPE differs per layer type (Gemma), the draft layers use its full-attention RoPE; for one that rotates part
+        of each head (``partial_rotary_factor`` < 1), plain RoPE with its θ over whole heads.
 
         Raises:
             ValueError: the target's family is not supported, or its config lacks a field the drafter needs (both
@@ -364,6 +366,8 @@ class DSparkConfig(PretrainedConfig):
         rope = dict(t.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e4})
         if isinstance(rope.get("full_attention"), dict):  # RoPE per layer type: draft layers are full attention
             rope = dict(rope["full_attention"])
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini: draft layers rotate whole heads, plain RoPE
+            rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 1e4)}
         style = kwargs.get("draft_layer_style", "qwen3")
         gemma = family in GEMMA_FAMILIES
         hidden, heads = t["hidden_size"], t["num_attention_heads"]

@@ -1,13 +1,14 @@
 """Target families and drafter conventions: greedy output identical to plain generate() (fp32), tiny random models.
 
-Each supported family (Llama with Llama-3 RoPE scaling; Mistral with a sliding window; Mixtral, Qwen2-MoE, Qwen3-MoE
-and gpt-oss with routed experts, gpt-oss with attention sinks; Phi-3 with fused projections and partial RoPE; OLMo 2
-with norms after each sublayer; SmolLM3 with RoPE-free layers; Qwen2, Qwen3; Gemma 1–4: embedding scale √H,
-final-logit soft-capping, sliding-window layers) drafts with a random Qwen3-style drafter; lossless must hold
-whatever the draft quality, and the drafter must read the target's embedding output and reproduce its logits. Every convention of other implementations (a real mask token, the anchor slot that
-predicts nothing, layer id −1, the drafter's own embedding / LM head, gated and RNN heads, confidence without the
-Markov features) runs the same forward path, and greedy output stays identical. Unsupported families fail with a
-clear error before any compute.
+Each supported family drafts with a random Qwen3-style drafter: Llama with Llama-3 RoPE scaling; Mistral with a
+sliding window; Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss with routed experts, gpt-oss with attention sinks; Phi-3
+with fused projections, tied embeddings and Phi-4-mini's partial longrope; OLMo 2 with norms after each sublayer;
+SmolLM3 with RoPE-free layers; Qwen2, Qwen3; Gemma 1–4 with the embedding scale √H, Gemma 2–4 with final-logit
+soft-capping and sliding-window layers. Lossless must hold whatever the draft quality, and in float32 the drafter
+must read the target's embedding output and reproduce its logits. Every convention of other implementations (a
+real mask token, the anchor slot that predicts nothing, layer id −1, the drafter's own embedding / LM head, gated and
+RNN heads, confidence without the Markov features) runs the same forward path, and greedy output stays identical.
+Unsupported families fail with a clear error before any compute.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ FAMILIES = {
     "gemma2": lambda: Gemma2Config(**SHAPE, sliding_window=4, query_pre_attn_scalar=8, final_logit_softcapping=30.0,
                                    attn_logit_softcapping=50.0),
     "mistral": lambda: MistralConfig(**SHAPE, sliding_window=4),
-    "phi3": lambda: Phi3Config(**SHAPE, partial_rotary_factor=0.75),
+    "phi3": lambda: Phi3Config(**{**SHAPE, "tie_word_embeddings": True}, partial_rotary_factor=0.75,  # Phi-4-mini
+                               original_max_position_embeddings=64, rope_scaling={
+                                   "type": "longrope", "long_factor": [1.5] * 3, "short_factor": [1.0] * 3}),
     "olmo2": lambda: Olmo2Config(**SHAPE),
     "smollm3": lambda: SmolLM3Config(**SHAPE, no_rope_layer_interval=2),
     "mixtral": lambda: MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2),
@@ -133,6 +136,8 @@ def test_family_greedy_identical(one_thread, scripted, family):
         assert drafter.config.embedding_scale == pytest.approx(32**0.5)
         ids = torch.tensor([[3, 7]])
         torch.testing.assert_close(drafter.embed(ids), target.get_input_embeddings()(ids))
+    if family == "phi3":  # a partial longrope (Phi-4-mini) is not the draft layers': they rotate whole heads
+        assert drafter.config.rope_parameters == {"rope_type": "default", "rope_theta": 1e4}
     if family in ("gemma2", "gemma3", "gemma4"):
         assert drafter.config.final_logit_softcapping == 30.0
         assert drafter.lm_logits(torch.randn(2, 32) * 100).abs().max() <= 30.0
@@ -183,16 +188,13 @@ def test_family_with_scaled_logits_is_refused_with_the_reason(monkeypatch, confi
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_engine_serves_each_full_attention_family_and_refuses_windows(one_thread, family):
     """The batched engine's packed attention is plain causal SDPA: a target with sliding-window layers (or a window
-    on every layer, Mistral's) is refused before any forward; every other family decodes exactly as generate()."""
+    on every layer, Mistral's) is refused before any forward; every other family decodes exactly as generate().
+    Windows that never cut: :func:`test_engine_refuses_a_window_where_it_cuts`."""
     from dspark.generation import DSparkEngine
 
     target = _target(family)
     drafter = _drafter(target)
-    tc = target.config.get_text_config()
-    windowed = set(getattr(tc, "layer_types", None) or ["full_attention"]) != {"full_attention"} or bool(
-        getattr(tc, "sliding_window", None) and getattr(tc, "use_sliding_window", True))
-    assert windowed == (family in ("gemma2", "gemma3", "gemma4", "gpt_oss", "mistral"))
-    if windowed:
+    if family in ("gemma2", "gemma3", "gemma4", "gpt_oss", "mistral"):  # windows of 4 tokens (FAMILIES)
         calls = []
         target.register_forward_hook(lambda *a: calls.append(1))
         with pytest.raises(ValueError, match="sliding"):
@@ -204,6 +206,25 @@ def test_engine_serves_each_full_attention_family_and_refuses_windows(one_thread
     outs = {o.request_id: o.output_ids for o in engine.run()}
     for i, p in zip(ids, PROMPTS):
         assert outs[i] == target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("config, refused", [
+    (MistralConfig(**SHAPE, sliding_window=4), True),
+    (MistralConfig(**SHAPE, sliding_window=256), False),  # as long as the context: it never cuts
+    (MistralConfig(**SHAPE, sliding_window=None), False),
+    (Qwen2Config(**SHAPE, sliding_window=4, use_sliding_window=False), False),
+    (Qwen2Config(**SHAPE, sliding_window=4, use_sliding_window=True, max_window_layers=2), True),
+    (Qwen2Config(**SHAPE, sliding_window=4, use_sliding_window=True, max_window_layers=4), False),  # no layer's
+], ids=["mistral-4", "mistral-context", "mistral-none", "qwen2-off", "qwen2-layers-2-3", "qwen2-no-layer"])
+def test_engine_refuses_a_window_where_it_cuts(config, refused):
+    from dspark.generation.packed_target import PackedTarget
+
+    target = SimpleNamespace(config=config)
+    if refused:
+        with pytest.raises(ValueError, match="sliding_attention"):
+            PackedTarget(target)
+    else:
+        assert PackedTarget(target).num_layers == 4
 
 
 CONVENTIONS = {
