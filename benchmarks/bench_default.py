@@ -2,9 +2,10 @@
 
 `generate()` arm: for every held-out prompt (math: GSM8K, code: HumanEval, chat: MT-Bench / AlpacaEval alternating),
 plain greedy `generate()` and the default DSpark call (no options) run back to back, their order alternating from
-prompt to prompt, in the same dtype; outputs are compared token for token. Per domain: tokens/s of each, their
-ratio (total tokens over total seconds), how many prompts ran faster with DSpark, and a two-sided sign test of
-that count (scipy's binomtest).
+prompt to prompt, in the same dtype; outputs are compared token for token. Per domain: tokens/s of each (total
+tokens over total seconds), their ratio, how many prompts ran faster with DSpark, and a two-sided sign test of
+that count (scipy's binomtest). ``--temperature T`` samples instead (``do_sample=True``, T, transformers' other
+defaults; both arms seeded alike per prompt): the arms' outputs then differ, and so may their lengths.
 
 Engine arm (``--engine-requests``): for each R, a stream of ``--engine-waves`` × R prompts, all queued at the start,
 served with at most R in flight by :class:`dspark.generation.DSparkEngine` with the drafter (default policy) and without
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each eval set")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature in the generate() arm (default 0: greedy)")
     p.add_argument("--engine-requests", default="", help="comma-separated R values for the engine arm (default: none)")
     p.add_argument("--engine-tokens", type=int, default=48, help="new tokens per engine request, mean (default: 48)")
     p.add_argument("--engine-waves", type=int, default=4, help="engine requests per R in flight (default: 4)")
@@ -89,14 +92,16 @@ def background_load(num: int):
                 proc.join()
 
 
-def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
+def generate_arm(target, tok, drafter, prompts: dict, max_new: int, temperature: float = 0.0) -> dict:
     import torch
 
     from dspark.evaluation.eval_sets import timed_generate
     from modeling_dspark.target import apply_chat_template
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    gen = {"max_new_tokens": max_new, "do_sample": False, "pad_token_id": pad}
+    gen = {"max_new_tokens": max_new, "do_sample": temperature > 0, "pad_token_id": pad}
+    if temperature > 0:
+        gen["temperature"] = temperature
     encoded = [(d, p, torch.tensor([apply_chat_template(tok, p["prompt"])], device=target.device))
                for d, ps in prompts.items() for p in ps]
     for drafter_or_none in (None, drafter, drafter):  # warm-up: kernels, and the first rounds' prices
@@ -105,12 +110,13 @@ def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
     for i, (domain, prompt, ids) in enumerate(encoded):
         runs = {}
         for variant in (("plain", "dspark") if i % 2 == 0 else ("dspark", "plain")):
-            new, seconds, stats = timed_generate(target, ids, drafter if variant == "dspark" else None, gen)
+            new, seconds, stats = timed_generate(target, ids, drafter if variant == "dspark" else None, gen, seed=i)
             runs[variant] = (new, seconds, stats)
         (p_ids, p_s, _), (d_ids, d_s, stats) = runs["plain"], runs["dspark"]
         rounds = stats.rounds if stats else []
         records.append({
-            "domain": domain, "id": prompt["id"], "new_tokens": len(p_ids), "plain_s": p_s, "dspark_s": d_s,
+            "domain": domain, "id": prompt["id"], "new_tokens": len(p_ids), "dspark_tokens": len(d_ids),
+            "plain_s": p_s, "dspark_s": d_s,
             "identical": d_ids == p_ids, "rounds": len(rounds), "tau": stats.tau if stats else None,
             "draft_rounds": sum(r.source == "draft" for r in rounds),
             "lookup_rounds": sum(r.source == "lookup" for r in rounds),
@@ -119,16 +125,15 @@ def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
         })
         r = records[-1]
         print(f"[bench] {domain} {prompt['id']}: plain {len(p_ids) / p_s:.1f} tok/s, dspark {len(d_ids) / d_s:.1f} "
-              f"({p_s / d_s:.2f}x, τ {r['tau'] or 0:.2f}, draft/lookup/plain rounds {r['draft_rounds']}/"
+              f"({len(d_ids) / d_s / (len(p_ids) / p_s):.2f}x, τ {r['tau'] or 0:.2f}, draft/lookup/plain rounds {r['draft_rounds']}/"
               f"{r['lookup_rounds']}/{r['plain_rounds']}, identical {r['identical']})", file=sys.stderr, flush=True)
     domains = {}
     for d in prompts:
         recs = [r for r in records if r["domain"] == d]
-        tok_d = sum(len_ for len_ in (r["new_tokens"] for r in recs))
-        test = paired([r["plain_s"] for r in recs], [r["dspark_s"] for r in recs])  # won: DSpark faster
-        domains[d] = {"prompts": len(recs), "plain_tok_s": tok_d / sum(r["plain_s"] for r in recs),
-                      "dspark_tok_s": tok_d / sum(r["dspark_s"] for r in recs),
-                      "ratio": sum(r["plain_s"] for r in recs) / sum(r["dspark_s"] for r in recs),
+        test = paired(*_rates(recs))  # won: DSpark faster
+        plain = sum(r["new_tokens"] for r in recs) / sum(r["plain_s"] for r in recs)
+        dspark = sum(r["dspark_tokens"] for r in recs) / sum(r["dspark_s"] for r in recs)
+        domains[d] = {"prompts": len(recs), "plain_tok_s": plain, "dspark_tok_s": dspark, "ratio": dspark / plain,
                       "faster": test["won"], "sign_p": test["p"],
                       "identical": sum(r["identical"] for r in recs),
                       "tau": sum(r["tau"] or 0 for r in recs) / len(recs),
@@ -136,10 +141,15 @@ def generate_arm(target, tok, drafter, prompts: dict, max_new: int) -> dict:
                       "lookup_rounds": sum(r["lookup_rounds"] for r in recs),
                       "plain_rounds": sum(r["plain_rounds"] for r in recs),
                       "t_draft_ms": sum(r["t_draft_ms"] for r in recs) / len(recs)}
-    test = paired([r["plain_s"] for r in records], [r["dspark_s"] for r in records])
+    test = paired(*_rates(records))
     macro = {"ratio": sum(x["ratio"] for x in domains.values()) / len(domains), "faster": test["won"],
              "prompts": len(records), "sign_p": test["p"]}
     return {"domains": domains, "macro": macro, "per_prompt": records}
+
+
+def _rates(records: list[dict]) -> tuple[list[float], list[float]]:
+    """Per prompt: DSpark's tokens/s and plain decoding's (the arms' lengths differ under sampling)."""
+    return ([r["dspark_tokens"] / r["dspark_s"] for r in records], [r["new_tokens"] / r["plain_s"] for r in records])
 
 
 def engine_lengths(num: int, mean: int, equal: bool) -> list[int]:
@@ -180,6 +190,11 @@ def engine_arm(target, tok, drafter, prompts: dict, levels: list[int], max_new: 
                   "ratio": sum(rates["dspark"]) / sum(rates["plain"]), "faster": test["won"], "sign_p": test["p"]}
 
 
+def _decoding(settings: dict) -> str:
+    t = settings.get("temperature") or 0
+    return f"sampled at temperature {t:g} (outputs not comparable)" if t else "greedy"
+
+
 def markdown(result: dict) -> str:
     limits = result.get("machine", {}).get("kernel_limits") or result.get("isa_limit")  # older results: isa_limit
     limit = "; kernels limited by " + ", ".join(f"{k}={v}" for k, v in limits.items()) if limits else ""
@@ -187,7 +202,7 @@ def markdown(result: dict) -> str:
     limit += f"; {load} busy-loop process(es) beside the run" if load else ""
     lines = [f"Processor: {result['processor']}{limit}; torch threads {result['threads']}; target {result['target']}, "
              f"drafter {result['drafter']}; {result['settings']['per_domain']} prompts per domain × "
-             f"{result['settings']['max_new_tokens']} new tokens, greedy.", "",
+             f"{result['settings']['max_new_tokens']} new tokens, {_decoding(result['settings'])}.", "",
              "| dtype | domain | plain tok/s | default tok/s | × plain | faster | sign p | τ "
              "| rounds draft/lookup/plain | identical |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for run in result["runs"]:
@@ -236,7 +251,8 @@ def main(argv=None) -> int:
               "threads": threads,
               "target": args.target, "drafter": drafter_spec,
               "settings": {"per_domain": args.per_domain, "offset": args.offset,
-                           "max_new_tokens": args.max_new_tokens, "engine_tokens": args.engine_tokens,
+                           "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                           "engine_tokens": args.engine_tokens,
                            "engine_waves": args.engine_waves, "engine_equal_lengths": args.engine_equal_lengths,
                            "repeats": args.repeats, "background_load": args.background_load,
                            "prompt_ids": {d: [p["id"] for p in ps]
@@ -246,7 +262,8 @@ def main(argv=None) -> int:
         for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
             print(f"[bench] {dt} ...", file=sys.stderr, flush=True)
             target, tok, drafter = load_models(args.target, drafter_spec, dt, args.device)
-            run = {"dtype": dt, "generate": generate_arm(target, tok, drafter, prompts, args.max_new_tokens)}
+            run = {"dtype": dt, "generate": generate_arm(target, tok, drafter, prompts, args.max_new_tokens,
+                                                         args.temperature)}
             result["runs"].append(run)
             write_result(result, markdown(result), args.out, final=False)
             for r, stats in engine_arm(target, tok, drafter, prompts, levels, args.engine_tokens, args.repeats,
