@@ -12,6 +12,8 @@ Benchmarks:
   dtype: DSpark tokens/s, plain tokens/s, and their ratio (the speed-up measured inside one process).
 - ``serve``: ``python -m dspark.cli bench serve``; metrics per (R, policy): median total tokens/s, and each policy's
   tokens/s over ``none`` (plain decoding) in the same process where ``none`` is among the policies.
+- ``default``: ``benchmarks/bench_default.py``; metrics per dtype: the default's speed over plain ``generate()`` in
+  the same process, per domain and their mean (its ``--temperature`` compares sampled decoding).
 
 Arguments after ``--`` go to the benchmark unchanged, so both checkouts must accept them. Make a checkout of an old
 commit with ``git worktree add ../dspark-old COMMIT``; both use the Python running this script, and the SPS(B)
@@ -46,7 +48,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", required=True, help="checkout A (the old code)")
     p.add_argument("--after", required=True, help="checkout B (the new code)")
-    p.add_argument("--bench", choices=("generate", "serve"), required=True)
+    p.add_argument("--bench", choices=("generate", "serve", "default"), required=True)
     p.add_argument("--repeats", type=int, default=6, help="processes per checkout (default: 6)")
     p.add_argument("--out", required=True, help="JSON report")
     p.add_argument("--after-args", default="", metavar="ARGS",
@@ -70,8 +72,8 @@ def run_once(root: Path, bench: str, bench_args: list[str]) -> dict:
     """Run the benchmark in checkout ``root``; return its JSON. Raises RuntimeError with its stderr tail."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        if bench == "generate":
-            cmd = [sys.executable, str(root / "benchmarks" / "bench_generate.py"), *bench_args, "--out", str(out)]
+        if bench in ("generate", "default"):
+            cmd = [sys.executable, str(root / "benchmarks" / f"bench_{bench}.py"), *bench_args, "--out", str(out)]
         else:
             cli = "dspark.cli" if (root / "dspark" / "cli").is_dir() else "dspark_cli"  # older commits: dspark_cli
             cmd = [sys.executable, "-m", cli, "bench", "serve", *bench_args, "--out", str(out)]
@@ -93,6 +95,9 @@ def metrics(bench: str, result: dict) -> dict[str, float]:
             found[f"{d} dspark / plain"] = r["speedup"]
             found[f"{d} tau"] = r["tau"]
         return found
+    if bench == "default":
+        return {f"{run['dtype']} {d} dspark / plain": x["ratio"] for run in result["runs"]
+                for d, x in [*run["generate"]["domains"].items(), ("macro", run["generate"]["macro"])]}
     found = {f"R={r['R']} {r['policy']} tok/s": r["throughput_tok_s"] for r in result["results"]}
     for r in result["results"]:  # each policy over plain decoding in the same process, where `none` ran
         plain = found.get(f"R={r['R']} none tok/s")

@@ -282,12 +282,13 @@ def _sequential(drafter, h, active, anchors, plan, policy, sampler, tokens, conf
         else:
             full = d.expand_draft_logits(logits)  # [1, V]: -inf outside the draft vocabulary, if one is set
             i = alive[admit[0]]
-            if sampler.logits_processor is not None and len(sampler.logits_processor) > 0:
-                ids = torch.cat([sampler.input_ids, torch.tensor([tokens[i]], dtype=torch.long,
-                                                                 device=sampler.input_ids.device)], dim=-1)
+            if sampler.logits_processor:  # None or a LogitsProcessorList, empty or not
+                ids = torch.cat([sampler.input_ids, sampler.input_ids.new_tensor([tokens[i]])], dim=-1)
                 full = sampler.logits_processor(ids, full)
-            if sampler.do_sample:
-                new_tok = torch.multinomial(torch.softmax(full, dim=-1), num_samples=1)[:, 0]
+            if sampler.do_sample:  # drawn among q's positive entries: torch.multinomial costs O(V) random numbers
+                probs = torch.softmax(full[0], dim=-1)
+                support = probs.nonzero()[:, 0]  # the draft vocabulary at most, top-k / top-p's few after them
+                new_tok = support[torch.multinomial(probs[support], num_samples=1)]
             else:
                 new_tok = full.argmax(dim=-1)
             kept[i].append(full)

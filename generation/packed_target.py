@@ -47,10 +47,8 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     outs, off = [], 0
     for kv, start, q, mask in layout.segments:
         k_all, v_all = kv.write(module.layer_idx, start, key[:, :, off : off + q], value[:, :, off : off + q])
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, off : off + q], k_all, v_all, mask, dropout=0.0, scaling=scaling, is_causal=True
-        )
-        outs.append(out)
+        outs.append(sdpa_attention_forward(module, query[:, :, off : off + q], k_all, v_all, mask, dropout=0.0,
+                                           scaling=scaling, is_causal=True)[0])
         off += q
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
