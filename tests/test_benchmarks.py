@@ -191,7 +191,7 @@ def test_committed_before_after_reports_compare_again():
     """compare_commits.py's reports: the stored runs give the stored table again (but a metric whose repetitions
     all tied now has NaN for its sign test, where 1.0 was written)."""
     cc = load("compare_commits")
-    paths = committed("bench", {"generate", "serve"})
+    paths = committed("bench", {"generate", "serve", "default"})
     assert paths
     for path in paths:
         report = json.loads(path.read_text(encoding="utf-8"))
