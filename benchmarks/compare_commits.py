@@ -101,7 +101,8 @@ def metrics(bench: str, result: dict) -> dict[str, float]:
                  for d, x in [*run["generate"]["domains"].items(), ("macro", run["generate"]["macro"])]}
         for run in result["runs"]:
             ms = [x["t_draft_ms"] for x in run["generate"]["domains"].values()]
-            found[f"{run['dtype']} drafting rounds/s"] = 1000 * len(ms) / sum(ms)
+            if sum(ms):  # no domain drafted: no rate
+                found[f"{run['dtype']} drafting rounds/s"] = 1000 * len(ms) / sum(ms)
         return found
     found = {f"R={r['R']} {r['policy']} tok/s": r["throughput_tok_s"] for r in result["results"]}
     for r in result["results"]:  # each policy over plain decoding in the same process, where `none` ran

@@ -81,15 +81,15 @@ class PackedTarget:
         target: a transformers ``*ForCausalLM`` with full attention in every layer.
 
     Raises:
-        ValueError: a sliding-window layer (by ``layer_types``, else a window shorter than the model's context).
+        ValueError: a sliding-window layer in ``layer_types``, or a window shorter than the model's context.
     """
 
     def __init__(self, target):
         cfg = target.config.get_text_config()
         types = getattr(cfg, "layer_types", None)
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-        if types is None and window and window < getattr(cfg, "max_position_embeddings", window + 1):
-            types = ["sliding_attention"]  # no layer types (Mistral, Phi-3): the window is every layer's
+        if window and window < getattr(cfg, "max_position_embeddings", window + 1):  # Mistral's, whatever its types
+            types = [*(types or []), "sliding_attention"]
         if types and any(t != "full_attention" for t in types):
             raise ValueError(f"PackedTarget supports full-attention layers only; this target has {set(types)} "
                              f"(sliding_window={window})")

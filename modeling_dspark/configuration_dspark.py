@@ -366,7 +366,7 @@ class DSparkConfig(PretrainedConfig):
         rope = dict(t.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e4})
         if isinstance(rope.get("full_attention"), dict):  # RoPE per layer type: draft layers are full attention
             rope = dict(rope["full_attention"])
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini: draft layers rotate whole heads, plain RoPE
+        if rope.get("partial_rotary_factor") not in (None, 1.0):  # Phi-4-mini: draft layers rotate whole heads
             rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 1e4)}
         style = kwargs.get("draft_layer_style", "qwen3")
         gemma = family in GEMMA_FAMILIES

@@ -214,8 +214,9 @@ def test_engine_serves_each_full_attention_family_and_refuses_windows(one_thread
     (MistralConfig(**SHAPE, sliding_window=None), False),
     (Qwen2Config(**SHAPE, sliding_window=4, use_sliding_window=False), False),
     (Qwen2Config(**SHAPE, sliding_window=4, use_sliding_window=True, max_window_layers=2), True),
-    (Qwen2Config(**SHAPE, sliding_window=4, use_sliding_window=True, max_window_layers=4), False),  # no layer's
-], ids=["mistral-4", "mistral-context", "mistral-none", "qwen2-off", "qwen2-layers-2-3", "qwen2-no-layer"])
+    # a window in use is refused whatever layer_types say: Mistral's models apply it to every layer regardless
+    (MistralConfig(**SHAPE, sliding_window=4, layer_types=["full_attention"] * 4), True),
+], ids=["mistral-4", "mistral-context", "mistral-none", "qwen2-off", "qwen2-layers-2-3", "mistral-full-types"])
 def test_engine_refuses_a_window_where_it_cuts(config, refused):
     from dspark.generation.packed_target import PackedTarget
 
