@@ -124,9 +124,10 @@ def generate_arm(target, tok, drafter, prompts: dict, max_new: int, temperature:
             "t_draft_ms": sum(r.t_draft_ms for r in rounds if r.drafted) / max(1, sum(r.drafted > 0 for r in rounds)),
         })
         r = records[-1]
-        print(f"[bench] {domain} {prompt['id']}: plain {len(p_ids) / p_s:.1f} tok/s, dspark {len(d_ids) / d_s:.1f} "
-              f"({len(d_ids) / d_s / (len(p_ids) / p_s):.2f}x, τ {r['tau'] or 0:.2f}, draft/lookup/plain rounds {r['draft_rounds']}/"
-              f"{r['lookup_rounds']}/{r['plain_rounds']}, identical {r['identical']})", file=sys.stderr, flush=True)
+        (d_rate,), (p_rate,) = _rates([r])
+        print(f"[bench] {domain} {prompt['id']}: plain {p_rate:.1f} tok/s, dspark {d_rate:.1f} ({d_rate / p_rate:.2f}x, "
+              f"τ {r['tau'] or 0:.2f}, draft/lookup/plain rounds {r['draft_rounds']}/{r['lookup_rounds']}/"
+              f"{r['plain_rounds']}, identical {r['identical']})", file=sys.stderr, flush=True)
     domains = {}
     for d in prompts:
         recs = [r for r in records if r["domain"] == d]
