@@ -150,7 +150,7 @@ def validate_request(prompt, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, decoding="gr
     drafter = (drafter or "").strip() or "random"
     if drafter != "random":  # a directory or a shipped drafter's name; never a download on a visitor's request
         from modeling_dspark.hub import shipped_drafter_dir
-        from modeling_dspark.pairing import InputError, drafter_dir
+        from dspark.pairing import InputError, drafter_dir
 
         try:
             drafter = drafter_dir(str(shipped_drafter_dir(drafter) or drafter), hub=False)
@@ -663,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation at start (default: warm up)")
     args = p.parse_args(argv)
-    from modeling_dspark.pairing import InputError, target_for_drafter
+    from dspark.pairing import InputError, target_for_drafter
 
     try:
         drafter = validate_request("x", drafter=args.drafter or default_drafter_spec(args.target)).drafter

@@ -91,7 +91,7 @@ def bench_dtype(args, dtype_name: str, prompts: list[str]) -> list[dict]:
     alike; DSpark's per-pass speedups are paired with plain decoding of the same pass."""
     import torch
 
-    from modeling_dspark.pairing import load_models
+    from dspark.pairing import load_models
     from dspark.evaluation.eval_sets import timed_generate
     from dspark.generation import collect_stats, dspark_options
     from modeling_dspark.target import apply_chat_template
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
                   "quiet machine)", file=sys.stderr)
     except OSError:
         pass
-    from modeling_dspark.pairing import InputError, drafter_dir, target_for_drafter
+    from dspark.pairing import InputError, drafter_dir, target_for_drafter
 
     try:
         # a directory, shipped name or Hub id, checked before the target loads; the JSON records it as given

@@ -145,7 +145,7 @@ def summarise(records: list[dict], param_bytes: int) -> dict:
 def bench_dtype(args, dtype_name: str, prompts: dict[str, list[dict]]) -> dict:
     import torch
 
-    from modeling_dspark.pairing import load_models
+    from dspark.pairing import load_models
     from dspark.evaluation.eval_sets import ForwardCounter
     from modeling_dspark.target import apply_chat_template
 
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
 
     if "lookup" not in inspect.signature(dspark_options).parameters:
         sys.exit("this checkout's dspark_options has no lookup= option (the lookup proposer is not wired in)")
-    from modeling_dspark.pairing import InputError, drafter_dir, target_for_drafter
+    from dspark.pairing import InputError, drafter_dir, target_for_drafter
 
     try:
         # a directory, shipped name or Hub id, checked before the target loads; the JSON records it as given

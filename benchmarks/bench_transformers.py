@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     from dspark.evaluation.profiling import cpu_model
-    from modeling_dspark.pairing import load_models
+    from dspark.pairing import load_models
     from modeling_dspark.target import shipped_drafter_for
 
     hf_logging.disable_progress_bar()

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import TrainingArguments
 
-    from modeling_dspark.pairing import InputError, check_made_for_target, target_for_drafter
+    from dspark.pairing import InputError, check_made_for_target, target_for_drafter
     from modeling_dspark import DSparkDraftModel
     from modeling_dspark.target import load_target
     from dspark.training.data import load_data, read_plans

@@ -87,7 +87,7 @@ def lossless(args, save) -> dict:
     from benchmarks.common import load_domain_prompts
     from dspark.evaluation.eval_sets import timed_generate
     from dspark.generation import DSparkEngine
-    from modeling_dspark.pairing import load_models
+    from dspark.pairing import load_models
     from modeling_dspark.target import apply_chat_template, shipped_drafter_for
 
     hf_logging.disable_progress_bar()

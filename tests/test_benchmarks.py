@@ -277,7 +277,7 @@ def test_bench_default_keeps_each_finished_part(tmp_path, monkeypatch):
     rows are on disk."""
     import torch
 
-    import modeling_dspark.pairing as pairing
+    import dspark.pairing as pairing
 
     spec = importlib.util.spec_from_file_location("_gpu_tools", REPO / "scripts" / "gpu_tools.py")
     tools = importlib.util.module_from_spec(spec)

@@ -3,8 +3,8 @@
 Layers, lowest first: ``dspark.generation`` (decoding, which knows a drafter only by the methods it calls; its source
 is the top-level folder generation/), ``modeling_dspark`` (the model, whose package installs the ``generate()`` hook
 that returns ``dspark.generation``'s candidate generator: transformers' models sit above ``transformers.generation``
-the same way), ``dspark.training``, ``dspark.evaluation``; ``dspark.cli`` and the page (``app.py``,
-``dspark.app_render``) may import any of them. A module may import its own package and any lower layer, at module
+the same way), ``dspark.training``, ``dspark.evaluation``; ``dspark.cli``, the page (``app.py``, ``dspark.app_render``) and what
+they share (``dspark.pairing``: which target a drafter is for, loading both) may import any of them. A module may import its own package and any lower layer, at module
 level or inside a function alike: a lazy import upward is still a dependency upward. The namespace package
 ``dspark`` itself imports none of them.
 
@@ -28,7 +28,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LAYER = {"dspark.generation": 0, "modeling_dspark": 1, "dspark.training": 2, "dspark.evaluation": 3, "dspark.cli": 4,
-         "dspark.app_render": 4, "app": 4}
+         "dspark.app_render": 4, "dspark.pairing": 4, "app": 4}
 """Layer of each package or module (``dspark``'s subpackages, the other top-level names); a higher layer may import
 a lower one."""
 TOP = max(LAYER.values())

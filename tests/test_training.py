@@ -481,7 +481,7 @@ def test_train_no_progress_shows_no_progress_bar(tmp_path, one_thread, capsys, m
     import datasets
     import transformers
 
-    from modeling_dspark.pairing import local_target_of
+    from dspark.pairing import local_target_of
 
     tdir = saved_tiny_target(tmp_path, {"data": [f"what is {a} plus {b}?" for a in range(3) for b in range(2)]})
     monkeypatch.chdir(tmp_path)

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-from dspark.evaluation import acceptance
-from dspark.training import calibration, heldout
+from dspark.training import heldout
 
 from .common import (
     CLIError,
@@ -145,6 +145,8 @@ def _collect_pairs(args, out_dir: Path) -> tuple[dict, dict]:
     import torch
     from transformers.utils import logging as hf_logging
 
+    from dspark.evaluation import acceptance
+
     hf_logging.disable_progress_bar()
     device = resolve_device(args.device)
     args.dtype = resolve_dtype(args.dtype, device, announce="dspark calibrate", target=args.target,
@@ -178,6 +180,9 @@ def _collect_pairs(args, out_dir: Path) -> tuple[dict, dict]:
 
 @reports_cli_errors("dspark calibrate")
 def run(args) -> int:
+    from dspark.evaluation import acceptance
+    from dspark.training import calibration
+
     _check_args(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     set_threads(args.threads)
@@ -243,9 +248,9 @@ def plot_reliability(logits, accepted, temperatures, path: str, valid=None, n_bi
         ValueError: arrays or values that :func:`dspark.training.calibration.calibration_report` refuses, or a position
             outside 1..γ.
     """
-    import math
-
     import numpy as np
+
+    from dspark.training import calibration
 
     report = calibration.calibration_report(logits, accepted, temperatures, valid=valid, n_bins=n_bins,
                                             biases=biases)

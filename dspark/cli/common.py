@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from modeling_dspark.pairing import (  # noqa: F401  (the commands take these from here)
+from dspark.pairing import (  # noqa: F401  (the commands take these from here)
     RANDOM_DRAFTER_BLOCK_SIZE,
     RANDOM_DRAFTER_SEED,
     InputError,
@@ -33,7 +33,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 CLIError = InputError
 """A usage or input error: printed on stderr, exit code 2 (:func:`reports_cli_errors`); the library's
-:class:`modeling_dspark.pairing.InputError`, which its checks and loaders raise."""
+:class:`dspark.pairing.InputError`, which its checks and loaders raise."""
 
 
 def reports_cli_errors(prog: str):
@@ -257,18 +257,11 @@ def idle_threads(announce: str | None = None, interval: float = 0.2) -> int:
 
 
 def set_threads(n: int | None) -> None:
-    """``--threads``: set torch's CPU thread count (None: leave it).
+    """``--threads`` (the parser refuses N < 1): set torch's CPU thread count (None: leave it)."""
+    if n is not None:
+        import torch
 
-    Raises:
-        CLIError: ``n`` < 1.
-    """
-    if n is None:
-        return
-    if n < 1:
-        raise CLIError(f"--threads must be >= 1, got {n}")
-    import torch
-
-    torch.set_num_threads(n)
+        torch.set_num_threads(n)
 
 
 def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -> int:
