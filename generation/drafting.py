@@ -45,6 +45,7 @@ class Drafter(Protocol):
     @property
     def bound_target(self) -> Any: ...
     def bind_target(self, target) -> Any: ...
+    def drafting_for(self, target) -> Any: ...  # a context manager holding the binding to target
     def to(self, *args, **kwargs) -> Any: ...
     def __call__(self, anchor_ids, anchor_positions, context_features=None, context_positions=None,
                  attention_mask=None, cache=None, num_slots=None, return_logits=True) -> Any: ...  # eqs. 2–4
@@ -113,24 +114,18 @@ class DraftResult:
 
 
 def check_drafter(drafter: Drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
-    """Bind an unbound drafter to ``target`` (moving it to the target's device) and check that it serves this request,
-    for `generate()` and :class:`~dspark.generation.engine.DSparkEngine` alike; return the block size γ'.
+    """Bind the drafter to ``target`` unless it is (moving it to the target's device) and check that it serves this
+    request, for `generate()` and :class:`~dspark.generation.engine.DSparkEngine` alike; return the block size γ'.
 
     Raises:
-        ValueError: a drafter bound to a different target instance (re-binding would change it for every other
-            user of the drafter), a drafter that does not match the target (:meth:`DSparkDraftModel.bind_target`),
-            ``block_size`` out of [1, γ], or a policy that needs a confidence head the drafter lacks.
+        ValueError: a drafter that does not match the target, or one that a call for another target (another
+            thread) is drafting with now (:meth:`DSparkDraftModel.bind_target`), ``block_size`` out of [1, γ], or a
+            policy that needs a confidence head the drafter lacks.
     """
-    bound = drafter.bound_target
-    if bound is None:
+    if drafter.bound_target is not target:  # a drafter drafts for the target of the call using it
         drafter.bind_target(target)  # validates hidden size / vocab / layers / family
         if drafter.device != target.device:
             drafter.to(target.device)
-    elif bound is not target:
-        raise ValueError(
-            "this drafter is bound to another target instance; call drafter.bind_target(target) first (binding "
-            "is shared by every user of the drafter, so it is not re-bound silently)"
-        )
     block_size = drafter.config.block_size if block_size is None else block_size
     if not 1 <= block_size <= drafter.config.block_size:
         raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {block_size}")

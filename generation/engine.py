@@ -15,6 +15,7 @@ the reference for the scheduler on one machine; serving at scale belongs to vLLM
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -309,8 +310,9 @@ class DSparkEngine:
         """One speculative round over the running requests, with the waiting requests that fit prefilled in its forward
         (they run from the next step on); returns the requests that finished during this step."""
         t0 = time.perf_counter()
-        if self._running or self._waiting:
-            with few_row_products(self.target, self.drafter):  # the faster BLAS call for few rows, measured
+        if self._running or self._waiting:  # the drafter held for this target: another's call may have re-bound it
+            hold = self.drafter.drafting_for(self.target) if self.drafter is not None else contextlib.nullcontext()
+            with few_row_products(self.target, self.drafter), hold:  # the faster BLAS call for few rows, measured
                 self._round(self._running)
         done = self._retire()
         self.stats.step_time_s += time.perf_counter() - t0

@@ -126,8 +126,9 @@ def validate_generation_call(target, drafter, generation_mode, generation_config
     Raises:
         ValueError: what :func:`_assistant_options` or :func:`~dspark.generation.drafting.check_drafter` refuses (a
             drafter for another target: named here, not as transformers' "different tokenizers"); a mode that decodes
-            without the assistant (beam search, constraints, DoLa); ``output_hidden_states`` with
-            ``return_dict_in_generate`` (the verify forwards return only the layers the drafter reads).
+            without the assistant (beam search, constraints, DoLa); ``num_return_sequences`` > 1;
+            ``output_hidden_states`` with ``return_dict_in_generate`` (the verify forwards return only the layers the
+            drafter reads).
         RuntimeError: the installed transformers is outside the supported range (:mod:`dspark.generation.compat`).
     """
     check_transformers()
@@ -135,6 +136,9 @@ def validate_generation_call(target, drafter, generation_mode, generation_config
     if generation_mode != GenerationMode.ASSISTED_GENERATION:
         raise ValueError(f"these generate() options select {generation_mode.value}, which decodes without "
                          "assistant_model; a DSpark drafter drafts for greedy decoding and sampling (num_beams=1)")
+    if generation_config.num_return_sequences > 1:
+        raise ValueError(f"num_return_sequences={generation_config.num_return_sequences}: assisted decoding returns "
+                         "one sequence per call; call generate() once per sequence (each call samples anew)")
     if generation_config.output_hidden_states and generation_config.return_dict_in_generate:
         raise ValueError("output_hidden_states is not supported with a DSpark drafter; run the target on the output")
     check_drafter(drafter, target)

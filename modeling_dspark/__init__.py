@@ -9,7 +9,8 @@ Importing this package
   assistant_model=drafter)`) drafts with DSpark for any target when ``drafter`` is a `DSparkDraftModel`, and
   defers to transformers unchanged for every other assistant (draft models, prompt lookup, early exit, …);
 - wraps `GenerationMixin._assisted_decoding` so that, with a DSpark assistant, the loop's products of few rows
-  take the faster BLAS call (:func:`dspark.generation.products.few_row_products`); other assistants run it as is;
+  take the faster BLAS call (:func:`dspark.generation.products.few_row_products`) and the drafter stays bound to
+  this call's target while it runs (:meth:`DSparkDraftModel.drafting_for`); other assistants run it as is;
 - wraps `GenerationMixin._validate_generation_mode`, so a call a DSpark drafter cannot serve (beam search, hidden
   states asked for, a drafter made for another target) is refused with a message naming it, before any compute.
 
@@ -18,7 +19,6 @@ The model sits above decoding, as transformers' models sit above `transformers.g
 package, so neither imports the other in a circle.
 """
 
-import contextlib
 import inspect
 
 from transformers import AutoConfig, AutoModel
@@ -77,8 +77,9 @@ def install_generate_hook() -> None:
 
     def _assisted_decoding(self, *args, **kwargs):
         assistant = loop_signature.bind_partial(self, *args, **kwargs).arguments.get("assistant_model")
-        drafter = dspark_drafter(assistant)
-        with few_row_products(self, drafter) if drafter is not None else contextlib.nullcontext():
+        if (drafter := dspark_drafter(assistant)) is None:
+            return transformers_loop(self, *args, **kwargs)
+        with few_row_products(self, drafter), drafter.drafting_for(self):  # held: no other target re-binds it
             return transformers_loop(self, *args, **kwargs)
 
     # generate() reads the loop's parameters with inspect.signature (whether it takes inputs_tensor), which follows

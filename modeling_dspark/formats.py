@@ -163,6 +163,58 @@ def load_config_and_state(path: str | os.PathLike, target_config=None) -> tuple[
 
 
 # ---------------------------------------------------------------------------------------------------- import
+def from_other_format(cls, path, target=None, *args, dtype=None, torch_dtype=None,
+                      attn_implementation: str | None = None, device_map=None, **kwargs):
+    """``cls`` (:class:`~modeling_dspark.DSparkDraftModel`) from a DeepSpec / DFlash / SpecForge / speculators
+    checkpoint in directory ``path``, converted by :func:`load_config_and_state`, bound to ``target`` if given (what
+    ``DSparkDraftModel.from_pretrained`` returns for such a directory).
+
+    Args:
+        dtype (or ``torch_dtype``): a torch dtype; None or "auto": the checkpoint's.
+        attn_implementation: as in ``from_pretrained`` ("eager", "sdpa", ...).
+        device_map: one device (``"cpu"``, ``"cuda:0"``, an index or a ``torch.device``); default the target's
+            device, else the CPU.
+
+    Raises:
+        OSError: no weights, corrupt weights, or tensors missing/unexpected after conversion.
+        ValueError: a convention the conversion cannot reproduce, a drafter that does not fit ``target``, a
+            ``device_map`` other than one device (or not the target's), or any other ``from_pretrained`` option
+            (named; they do not apply to a converted checkpoint).
+    """
+    if args or kwargs:
+        raise ValueError(
+            f"from_pretrained options {[*map(repr, args), *sorted(kwargs)]} do not apply to a drafter converted "
+            f"from another format ({str(path)!r}); it takes dtype, attn_implementation and device_map"
+        )
+    device = None
+    if device_map is not None:
+        try:
+            device = torch.device(device_map)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device_map={device_map!r}: a converted drafter goes to one device (e.g. 'cpu', "
+                             "'cuda:0')") from None
+        if target is not None and device != target.device:
+            raise ValueError(f"device_map={device_map!r} differs from the target's device {target.device}")
+    config, state = load_config_and_state(path, target.config if target is not None else None)
+    model = cls(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise OSError(f"incomplete or incompatible drafter checkpoint in {str(path)!r}: "
+                      f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    dtype = dtype if dtype is not None else torch_dtype
+    if dtype in (None, "auto"):
+        dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    model.to(dtype=dtype).eval()
+    if target is not None:
+        model.bind_target(target)
+        model.to(target.device)
+    elif device is not None:
+        model.to(device)
+    return model
+
+
 def _layer_fields(layer_config: dict, where: str) -> dict:
     """DSparkConfig's draft-layer fields from a Qwen3-style layer config dict (RoPE keys normalised by
     transformers). Raises ValueError for sliding-window or causal draft layers."""

@@ -11,7 +11,9 @@ reference and frozen (never saved with the drafter, never duplicated in memory);
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,8 @@ from transformers.utils import ModelOutput
 from .common import block_positions, softcap
 from .configuration_dspark import SPECIAL_TOKEN_FIELDS, DSparkConfig, check_target_family
 from .heads import ConfidenceHead, GatedMarkovHead, MarkovHead, RNNHead
+
+_BINDING = threading.RLock()  # a drafter's binding and its holders (DSparkDraftModel.drafting_for) change under it
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -216,11 +220,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             feat = config.markov_rank if self.sequential_head is not None else h
         self.confidence_head = ConfidenceHead(h, feat) if config.use_confidence_head else None
         self._target = {}  # shared, frozen: {"embed": nn.Embedding, "lm_head": nn.Linear, "model": target, ...}
+        self._holders = 0  # calls drafting with the bound target now (drafting_for)
         self.post_init()
 
     # ------------------------------------------------------------------ binding to a target
     def bind_target(self, target: PreTrainedModel) -> DSparkDraftModel:
-        """Share ``target``'s embedding table and LM head (by reference, frozen) after validating the match.
+        """Share ``target``'s embedding table and LM head (by reference, frozen) after validating the match,
+        replacing any earlier binding: a drafter drafts for one target at a time, the target of the call using it.
 
         The draft layers do not depend on the target's family (they are Qwen3-style or, in older drafters, built
         from the config's own fields), so any supported family with the drafter's shapes fits; the config's
@@ -229,7 +235,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         Raises:
             ValueError: naming both values, if hidden size, vocabulary size or number of layers (so the layer ids)
                 differ from what this drafter was built for, the target's family is not supported, or the drafter
-                is a SpecForge conversion and the target a Gemma model.
+                is a SpecForge conversion and the target a Gemma model; or another target's call (another thread)
+                is drafting with this drafter now (:meth:`drafting_for`).
         """
         tc = target.config.get_text_config()
         c = self.config
@@ -255,11 +262,34 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError(f"target {type(target).__name__} has no LM head (need a *ForCausalLM model)")
         for p in list(embed.parameters()) + list(lm_head.parameters()):
             p.requires_grad_(False)
-        c.target_model_type = tc.model_type
-        for name in SPECIAL_TOKEN_FIELDS:  # the target's tokenizer is the drafter's (pipeline() compares them)
-            setattr(c, name, getattr(tc, name, None))
-        self._target = {"embed": embed, "lm_head": lm_head, "model": target}
+        with _BINDING:  # the holders checked and the binding replaced at once
+            if self._holders and self.bound_target is not target:
+                raise ValueError("this drafter is drafting for another target in a call still running (another "
+                                 "thread); it drafts for one target at a time: give each target its own drafter")
+            c.target_model_type = tc.model_type
+            for name in SPECIAL_TOKEN_FIELDS:  # the target's tokenizer is the drafter's (pipeline() compares them)
+                setattr(c, name, getattr(tc, name, None))
+            self._target = {"embed": embed, "lm_head": lm_head, "model": target}
         return self
+
+    @contextlib.contextmanager
+    def drafting_for(self, target: PreTrainedModel):
+        """Hold the binding to ``target`` while the block runs (one ``generate()`` call, one engine step): bound to
+        ``target`` first if need be; until every holder has left, :meth:`bind_target` refuses any other target, so
+        threads sharing this drafter draft for one target at a time.
+
+        Raises:
+            ValueError: what :meth:`bind_target` refuses, a call for another target still running included.
+        """
+        with _BINDING:
+            if self.bound_target is not target:
+                self.bind_target(target)
+            self._holders += 1
+        try:
+            yield self
+        finally:
+            with _BINDING:
+                self._holders -= 1
 
     @property
     def bound_target(self) -> PreTrainedModel | None:
@@ -288,7 +318,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         A Hub id is fetched with ``huggingface_hub`` (:func:`modeling_dspark.hub.resolve_pretrained_dir`; the
         keyword arguments ``cache_dir``, ``revision``, ``token``, ``force_download``, ``local_files_only`` and
         ``subfolder`` apply); an existing directory is always read as a path. ``AutoModel.from_pretrained`` lands
-        here too. Without ``target`` the drafter binds itself to the target of its first
+        here too. Without ``target`` the drafter binds itself to the target of each
         ``target.generate(ids, assistant_model=drafter)`` call.
 
         Raises:
@@ -319,7 +349,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
             if formats.detect_format(formats.read_json(config_file)) != "dspark":  # ValueError if unknown
                 kwargs.pop("config", None)  # None here
-                return cls._from_other_format(path, target, *args, **kwargs)
+                return formats.from_other_format(cls, path, target, *args, **kwargs)
         if not any(f.endswith(".safetensors") for f in os.listdir(path)):
             raise OSError(f"no safetensors weights file in drafter directory {str(path)!r}")
         kwargs["output_loading_info"] = True
@@ -335,59 +365,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if target is not None:
             model.bind_target(target)
             model.to(target.device)
-        return model
-
-    @classmethod
-    def _from_other_format(cls, path, target: PreTrainedModel | None, *args, dtype=None, torch_dtype=None,
-                           attn_implementation: str | None = None, device_map=None, **kwargs) -> DSparkDraftModel:
-        """A DeepSpec / DFlash / SpecForge / speculators checkpoint in directory ``path``, converted by
-        :func:`modeling_dspark.formats.load_config_and_state`, bound to ``target`` if given.
-
-        Args:
-            dtype (or ``torch_dtype``): a torch dtype; None or "auto": the checkpoint's.
-            attn_implementation: as in ``from_pretrained`` ("eager", "sdpa", ...).
-            device_map: one device (``"cpu"``, ``"cuda:0"``, an index or a ``torch.device``); default the target's
-                device, else the CPU.
-
-        Raises:
-            OSError: no weights, corrupt weights, or tensors missing/unexpected after conversion.
-            ValueError: a convention the conversion cannot reproduce, a drafter that does not fit ``target``, a
-                ``device_map`` other than one device (or not the target's), or any other ``from_pretrained`` option
-                (named; they do not apply to a converted checkpoint).
-        """
-        from . import formats
-
-        if args or kwargs:
-            raise ValueError(
-                f"from_pretrained options {[*map(repr, args), *sorted(kwargs)]} do not apply to a drafter converted "
-                f"from another format ({str(path)!r}); it takes dtype, attn_implementation and device_map"
-            )
-        device = None
-        if device_map is not None:
-            try:
-                device = torch.device(device_map)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"device_map={device_map!r}: a converted drafter goes to one device (e.g. 'cpu', "
-                                 "'cuda:0')") from None
-            if target is not None and device != target.device:
-                raise ValueError(f"device_map={device_map!r} differs from the target's device {target.device}")
-        config, state = formats.load_config_and_state(path, target.config if target is not None else None)
-        model = cls(config)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise OSError(f"incomplete or incompatible drafter checkpoint in {str(path)!r}: "
-                          f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        if attn_implementation is not None:
-            model.set_attn_implementation(attn_implementation)
-        dtype = dtype if dtype is not None else torch_dtype
-        if dtype in (None, "auto"):
-            dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
-        model.to(dtype=dtype).eval()
-        if target is not None:
-            model.bind_target(target)
-            model.to(target.device)
-        elif device is not None:
-            model.to(device)
         return model
 
     # ------------------------------------------------------------------ eq. 2

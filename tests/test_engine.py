@@ -529,15 +529,29 @@ def test_lookup_option_errors(tiny):
         DSparkEngine(target, drafter, "full", lookup="yes")
 
 
-def test_a_drafter_bound_to_another_target_is_refused_like_generate():
-    """The engine does not re-bind a drafter that another target is using; generate() refuses the same way."""
+def test_a_drafter_follows_the_target_of_each_call():
+    """A drafter drafts for the target of the call using it: generate() and the engine re-bind it from one target
+    to another, each output that target's own; while a call for one target drafts with it (on another thread), a
+    call for another target is refused before any compute."""
     from .conftest import tiny_target
 
     first, second = tiny_target(vocab_size=64, seed=0), tiny_target(vocab_size=64, seed=1)
     drafter = make_drafter(first, block_size=4)
-    with pytest.raises(ValueError, match="bound to another target instance"):
-        DSparkEngine(second, drafter, "full")
-    with pytest.raises(ValueError, match="bound to another target instance"):
-        second.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, max_new_tokens=4, do_sample=False)
-    assert drafter._target["model"] is first  # still bound to its target
-    DSparkEngine(first, drafter, "full")
+    engine = DSparkEngine(first, drafter, "full")
+    ids = torch.tensor([[1, 2, 3]])
+    for target in (second, first, second):
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=8, do_sample=False)
+        assert torch.equal(out, target.generate(ids, max_new_tokens=8, do_sample=False))
+        assert drafter.bound_target is target
+    engine.add_request([1, 2, 3], 8)
+    (res,) = engine.run()
+    assert res.output_ids == first.generate(ids, max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert drafter.bound_target is first  # the engine's step re-bound it to its own target
+    calls = []
+    second.register_forward_hook(lambda *a: calls.append(1))
+    with drafter.drafting_for(first):  # a call for `first` running
+        with pytest.raises(ValueError, match="drafting for another target"):
+            second.generate(ids, assistant_model=drafter, max_new_tokens=4, do_sample=False)
+        with pytest.raises(ValueError, match="drafting for another target"):
+            DSparkEngine(second, drafter, "full")
+    assert not calls and drafter.bound_target is first and drafter._holders == 0

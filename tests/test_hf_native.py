@@ -175,6 +175,7 @@ def test_num_assistant_tokens_sets_the_block_size(tiny):
         ({"num_beams": 2}, r"select beam_search, which decodes without assistant_model"),
         ({"num_beams": 2, "do_sample": True}, r"select beam_sample"),
         ({"output_hidden_states": True, "return_dict_in_generate": True}, r"output_hidden_states is not supported"),
+        ({"num_return_sequences": 2, "do_sample": True}, r"num_return_sequences=2: .*call generate\(\) once per"),
     ],
 )
 def test_generation_options_dspark_cannot_honour_fail_before_compute(tiny, kwargs, message):

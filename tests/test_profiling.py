@@ -334,6 +334,19 @@ def test_auto_dtype_picks_the_faster_measured_dtype_and_caches_it(monkeypatch, f
 
 
 @pytest.mark.real_auto_dtype
+def test_auto_dtype_takes_a_drafter_by_name_folder_or_loaded_model_alike(monkeypatch):
+    """A shipped drafter's name, its folder and the drafter loaded from it are one job: measured once, then cached."""
+    from modeling_dspark import DSparkDraftModel
+    from modeling_dspark.hub import shipped_drafter_dir
+
+    calls = _fake_timing(monkeypatch, {"float32": 10.0, "bfloat16": 20.0})
+    loaded = DSparkDraftModel.from_pretrained("smollm2-135m-dspark")
+    for drafter in ("smollm2-135m-dspark", shipped_drafter_dir("smollm2-135m-dspark"), loaded):
+        assert choice.auto_dtype(None, drafter, threads=1)[0] == torch.bfloat16
+    assert len(calls) == 1
+
+
+@pytest.mark.real_auto_dtype
 def test_auto_dtype_remeasures_on_another_processor_and_under_load(monkeypatch):
     """A cache entry from another processor is measured again; a timing during which other work took half a CPU or
     more from its threads (a thread sharing its core stalls every step) is kept for this process only, not cached."""

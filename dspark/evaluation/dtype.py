@@ -30,10 +30,13 @@ OTHERS_BUSY = 0.5
 
 def _dtype_key(target, drafter, threads: int, device) -> str:
     """``TARGET|DRAFTER|THREADS|DEVICE`` naming one measured job in the profile file's ``"dtype"`` section."""
+    from modeling_dspark.hub import shipped_drafter_dir
     from modeling_dspark.target import DEFAULT_TARGET, PACKAGED_TARGETS
 
     t = str(target or DEFAULT_TARGET)
     t = t if t in PACKAGED_TARGETS else str(Path(t).expanduser().resolve())
+    if drafter is not None and not Path(drafter).is_dir():  # a shipped drafter's name: its folder, as the CLI passes
+        drafter = shipped_drafter_dir(drafter) or drafter
     d = "plain" if drafter is None else (str(Path(drafter).resolve()) if Path(drafter).is_dir() else str(drafter))
     return f"{t}|{d}|{threads}|{torch.device(device).type}"
 
@@ -150,11 +153,11 @@ def auto_dtype(
 
     Args:
         target: a target directory, a packaged target's name, or None for the default target.
-        drafter: a drafter directory or Hub id, or None for plain decoding.
+        drafter: a drafter directory, shipped drafter's name or Hub id, or None for plain decoding (a loaded model,
+            here or as ``target``: its ``name_or_path``, loaded again in each dtype).
         device: ``"cpu"`` or a CUDA device.
-        threads: torch CPU threads (default: the current setting), part of the cache key.
-        path: the profile file (default :func:`default_profile_path`).
-        max_new_tokens, repeats: the size of the measurement (each >= 1).
+        threads: torch CPU threads (default: the current setting), part of the cache key; ``path``: the profile
+            file (default :func:`default_profile_path`); ``max_new_tokens``, ``repeats``: the measurement's size.
 
     Returns:
         ``(dtype, reason)``: ``torch.float32`` or ``torch.bfloat16``, and one line saying why.
@@ -164,14 +167,14 @@ def auto_dtype(
     """
     if max_new_tokens < 1 or repeats < 1:
         raise ValueError(f"max_new_tokens and repeats must be >= 1; got {max_new_tokens}, {repeats}")
+    target, drafter = (getattr(m, "name_or_path", m) for m in (target, drafter))  # a loaded model: where it came from
     if torch.device(device).type == "cuda":
         dtype = fast_dtype(device)  # bf16 from compute capability 8.0
         return dtype, "a GPU" + ("" if dtype == torch.bfloat16 else " without native bf16 (compute capability < 8.0)")
     threads = int(threads or torch.get_num_threads())
     path = Path(path) if path is not None else default_profile_path()
     key, here = _dtype_key(target, drafter, threads, device), device_model(device)
-    data = _read(path)
-    entry = data.setdefault("dtype", {}).get(key)
+    entry = _read(path).get("dtype", {}).get(key)
     cached = entry is not None and entry.get("cpu_model") == here
     note = ""
     if not cached:
