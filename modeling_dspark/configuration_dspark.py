@@ -14,8 +14,10 @@ DEFAULT_MARKOV_RANK = 64  # r of W_1 / W_2 (eq. 5)
 # text-model families whose decoder hidden states, embedding table and LM head dspark reads, whose embedding output
 # and logits the drafter reproduces from them, and whose assisted decoding in transformers is tested token for token
 # against plain greedy generate() (tests/test_families.py)
-SUPPORTED_TARGET_FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-                             "olmo2", "smollm3", "gpt_oss", "gemma", "gemma2", "gemma3_text", "gemma4_text")
+SUPPORTED_TARGET_FAMILIES = ("llama", "mistral", "mixtral", "ministral", "ministral3", "phi3", "qwen2", "qwen2_moe",
+                             "qwen3", "qwen3_moe", "olmo2", "olmo3", "smollm3", "gpt_oss", "gemma", "gemma2",
+                             "gemma3_text", "gemma4_text", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe", "exaone4",
+                             "seed_oss", "hunyuan_v1_dense", "apertus", "helium", "cwm")
 # families whose embedding layer multiplies by √H (and whose norms store the scale − 1, Gemma 1–3)
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text", "gemma4_text")
 # formats a drafter can be converted from (modeling_dspark.formats); None = a native dspark checkpoint

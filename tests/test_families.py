@@ -1,10 +1,12 @@
 """Target families and drafter conventions: greedy output identical to plain generate() (fp32), tiny random models.
 
 Each supported family drafts with a random Qwen3-style drafter: Llama with Llama-3 RoPE scaling; Mistral with a
-sliding window; Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss with routed experts, gpt-oss with attention sinks; Phi-3
-with fused projections, tied embeddings and Phi-4-mini's partial longrope; OLMo 2 with norms after each sublayer;
-SmolLM3 with RoPE-free layers; Qwen2, Qwen3; Gemma 1–4 with the embedding scale √H, Gemma 2–4 with final-logit
-soft-capping and sliding-window layers. Lossless must hold whatever the draft quality, and in float32 the drafter
+sliding window; Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, ERNIE-4.5-MoE and gpt-oss with routed experts, gpt-oss with
+attention sinks; Phi-3 with fused projections, tied embeddings and Phi-4-mini's partial longrope; GLM-4 with partial
+RoPE; OLMo 2 and GLM-4 with norms after each sublayer; SmolLM3 with RoPE-free layers; Ministral 3 with Llama-4 query
+scaling; Ministral, OLMo 3, EXAONE 4 and CWM with sliding-window layers; Qwen2, Qwen3, ERNIE 4.5, Seed-OSS (biases),
+Hunyuan, Apertus (xIELU), Helium; Gemma 1–4 with the embedding scale √H, Gemma 2–4 with final-logit soft-capping and
+sliding-window layers. Lossless must hold whatever the draft quality, and in float32 the drafter
 must read the target's embedding output and reproduce its logits. Every convention of other implementations (a
 real mask token, the anchor slot that predicts nothing, layer id −1, the drafter's own embedding / LM head, gated and
 RNN heads, confidence without the Markov features) runs the same forward path, and greedy output stays identical.
@@ -19,23 +21,36 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    ApertusConfig,
     CohereConfig,
+    CwmConfig,
+    Ernie4_5_MoeConfig,
+    Ernie4_5Config,
+    Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
     GPT2Config,
+    Glm4Config,
+    Glm4MoeConfig,
     GPT2LMHeadModel,
     GptOssConfig,
     GraniteConfig,
+    HeliumConfig,
+    HunYuanDenseV1Config,
     LlamaConfig,
+    Ministral3Config,
+    MinistralConfig,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    Olmo3Config,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SeedOssConfig,
     SmolLM3Config,
 )
 
@@ -48,6 +63,10 @@ VOCAB = 48
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
              eos_token_id=None, tie_word_embeddings=False)
+
+
+WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+"""Sliding-window layers whose window (4 tokens) cuts within the prompt and the generated tokens."""
 
 
 def _gemma4_config():
@@ -85,7 +104,27 @@ FAMILIES = {
                                     layer_types=["sliding_attention", "full_attention"] * 2,
                                     rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,
                                                      "original_max_position_embeddings": 64}),
+    "ministral": lambda: MinistralConfig(**SHAPE, **WINDOWS),
+    # Ministral 3: yarn with Llama-4's position-dependent query scaling
+    "ministral3": lambda: Ministral3Config(**SHAPE, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
+        "llama_4_scaling_beta": 0.1, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "olmo3": lambda: Olmo3Config(**SHAPE, **WINDOWS),
+    "glm4": lambda: Glm4Config(**SHAPE, partial_rotary_factor=0.5),  # norms after each sublayer too
+    "glm4_moe": lambda: Glm4MoeConfig(**SHAPE, partial_rotary_factor=0.5, n_routed_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16, first_k_dense_replace=1, use_qk_norm=True),
+    "ernie4_5": lambda: Ernie4_5Config(**SHAPE),
+    "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(**SHAPE, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                                               moe_layer_start_index=1, moe_num_shared_experts=1),
+    "exaone4": lambda: Exaone4Config(**SHAPE, **WINDOWS),
+    "seed_oss": lambda: SeedOssConfig(**SHAPE, attention_bias=True),
+    "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**SHAPE),
+    "apertus": lambda: ApertusConfig(**SHAPE),  # xIELU MLP
+    "helium": lambda: HeliumConfig(**SHAPE),
+    "cwm": lambda: CwmConfig(**SHAPE, sliding_window=4, layer_types=["full_attention"] + ["sliding_attention"] * 3),
 }
+WINDOWED = {"gemma2", "gemma3", "gemma4", "gpt_oss", "mistral", "ministral", "olmo3", "exaone4", "cwm"}
+"""The families of :data:`FAMILIES` configured with sliding windows of 4 tokens."""
 
 
 def _target(name: str, seed: int = 0):
@@ -194,7 +233,7 @@ def test_engine_serves_each_full_attention_family_and_refuses_windows(one_thread
 
     target = _target(family)
     drafter = _drafter(target)
-    if family in ("gemma2", "gemma3", "gemma4", "gpt_oss", "mistral"):  # windows of 4 tokens (FAMILIES)
+    if family in WINDOWED:
         calls = []
         target.register_forward_hook(lambda *a: calls.append(1))
         with pytest.raises(ValueError, match="sliding"):
