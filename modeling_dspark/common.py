@@ -63,6 +63,8 @@ def gather_slots(values: torch.Tensor, anchor_positions: torch.LongTensor, num_s
     return values.gather(1, slots[..., None].expand(-1, -1, values.shape[-1])).reshape(bsz, n, num_slots, -1)
 
 
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """Final-logit soft-capping c·tanh(logits / c) (Gemma's ``final_logit_softcapping``); identity for ``cap`` None."""
+def softcap(logits: torch.Tensor, cap: float | None, scale: float = 1.0) -> torch.Tensor:
+    """A target family's logits from its LM head's output U: c·tanh(s·U / c) (Gemma's ``final_logit_softcapping`` c;
+    s: Granite's 1 / ``logits_scaling``, Cohere's ``logit_scale``); identity for ``cap`` None and ``scale`` 1."""
+    logits = logits if scale == 1.0 else logits * scale
     return logits if cap is None else torch.tanh(logits / cap) * cap

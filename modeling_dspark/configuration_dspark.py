@@ -17,7 +17,8 @@ DEFAULT_MARKOV_RANK = 64  # r of W_1 / W_2 (eq. 5)
 SUPPORTED_TARGET_FAMILIES = ("llama", "mistral", "mixtral", "ministral", "ministral3", "phi3", "qwen2", "qwen2_moe",
                              "qwen3", "qwen3_moe", "olmo2", "olmo3", "smollm3", "gpt_oss", "gemma", "gemma2",
                              "gemma3_text", "gemma4_text", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe", "exaone4",
-                             "seed_oss", "hunyuan_v1_dense", "apertus", "helium", "cwm")
+                             "seed_oss", "hunyuan_v1_dense", "apertus", "helium", "cwm", "granite", "granitemoe",
+                             "granitemoeshared", "cohere", "cohere2")
 # families whose embedding layer multiplies by √H (and whose norms store the scale − 1, Gemma 1–3)
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text", "gemma4_text")
 # formats a drafter can be converted from (modeling_dspark.formats); None = a native dspark checkpoint
@@ -25,12 +26,18 @@ SOURCE_FORMATS = (None, "deepspec", "dflash", "specforge", "speculators")
 # why a family is refused, where there is a reason more specific than "untested"
 _UNSUPPORTED_REASONS = {
     "gpt2": "GPT-2 has learned absolute position embeddings and no RMSNorm / RoPE / intermediate_size",
-    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"),
-                    "it scales its embeddings by embedding_multiplier and divides its logits by logits_scaling, which "
-                    "the drafter's shared embedding table and LM head do not"),
-    **dict.fromkeys(("cohere", "cohere2"), "it multiplies its logits by logit_scale, which the drafter's shared LM "
-                    "head does not"),
+    "granitemoehybrid": "its Mamba layers keep a state that transformers' assisted decoding cannot roll back",
 }
+
+
+def logit_transform(target_config) -> tuple[float, float | None]:
+    """``(scale, cap)``: how the target family turns its LM head's output U into logits, c·tanh(s·U / c)
+    (:func:`modeling_dspark.common.softcap`): s = 1 / ``logits_scaling`` (Granite), ``logit_scale`` (Cohere), else 1;
+    c = ``final_logit_softcapping`` (Gemma 2–4), else None."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    t = tc if isinstance(tc, dict) else tc.to_dict() if hasattr(tc, "to_dict") else dict(vars(tc))
+    scale = 1.0 / t["logits_scaling"] if t.get("logits_scaling") else float(t.get("logit_scale") or 1.0)
+    return scale, t.get("final_logit_softcapping")
 
 
 def check_target_family(model_type: str, source_format: str | None = None) -> None:
@@ -115,6 +122,8 @@ class DSparkConfig(PretrainedConfig):
             (DFlash ``input_embedding_scale``).
         final_logit_softcapping (`float`, optional): base logits U = c·tanh(LM_head(h)/c), as the target computes
             its own (Gemma); `None` = no capping.
+        logit_scale (`float`): base logits U = LM_head(h)·s before any capping, as the target scales its own:
+            1 / ``logits_scaling`` for Granite, ``logit_scale`` for Cohere, else 1.0.
         sequential_head (`str`): "markov" (eq. 5, default; DeepSpec ``markov_head_type="vanilla"``), "gated"
             (DeepSpec "gated": B = W_2ᵀ(σ(W_g[h_k; W_1[x_{k−1}]] + b_g) ⊙ W_1[x_{k−1}])), "rnn" (eq. 6; DeepSpec
             "rnn") or "none" (plain DFlash, the ablation baseline; DeepSpec ``markov_rank=0``; the very same code
@@ -148,8 +157,8 @@ class DSparkConfig(PretrainedConfig):
     Raises:
         ValueError: unknown `sequential_head` or `draft_layer_style`, unsupported `target_model_type`, bad
             `target_layer_ids`, `block_size` < 1, a negative `mask_token_id` or one outside the vocabulary, a
-            non-positive `embedding_scale` or `final_logit_softcapping`, a wrong number of STS temperatures
-            (finite, > 0) or offsets (finite), or a `source_format` not in `SOURCE_FORMATS`.
+            non-positive `embedding_scale`, `logit_scale` or `final_logit_softcapping`, a wrong number of STS
+            temperatures (finite, > 0) or offsets (finite), or a `source_format` not in `SOURCE_FORMATS`.
     """
 
     model_type = "dspark"
@@ -180,6 +189,7 @@ class DSparkConfig(PretrainedConfig):
         own_embeddings: bool = False,
         embedding_scale: float = 1.0,
         final_logit_softcapping: float | None = None,
+        logit_scale: float = 1.0,
         sequential_head: str = "markov",
         markov_rank: int = DEFAULT_MARKOV_RANK,
         use_confidence_head: bool = True,
@@ -201,7 +211,7 @@ class DSparkConfig(PretrainedConfig):
                               max_position_embeddings)
         self._set_target(target_model_type, target_name_or_path, target_num_hidden_layers, target_layer_ids)
         self._set_draft_block(block_size, num_draft_layers, draft_layer_style, mask_token_id, anchor_predicts,
-                              own_embeddings, embedding_scale, final_logit_softcapping)
+                              own_embeddings, embedding_scale, final_logit_softcapping, logit_scale)
         self._set_heads(sequential_head, markov_rank, use_confidence_head, confidence_head_with_markov,
                         draft_vocab_size, sts_temperatures, sts_biases)
         self._set_training(ce_weight, tv_weight, conf_weight, loss_decay, initializer_range)
@@ -243,9 +253,10 @@ class DSparkConfig(PretrainedConfig):
         )
 
     def _set_draft_block(self, block_size, num_draft_layers, draft_layer_style, mask_token_id, anchor_predicts,
-                         own_embeddings, embedding_scale, final_logit_softcapping) -> None:
+                         own_embeddings, embedding_scale, final_logit_softcapping, logit_scale) -> None:
         """γ, the draft layers' number and style, and how the block is embedded (mask token, slot convention,
-        embedding table, scale) and its logits capped; flags are stored as `bool`, the scale and cap as `float`."""
+        embedding table, scale) and its logits scaled and capped; flags are stored as `bool`, scales and cap as
+        `float`."""
         self.block_size = block_size
         self.num_draft_layers = num_draft_layers
         self.draft_layer_style = draft_layer_style
@@ -254,6 +265,7 @@ class DSparkConfig(PretrainedConfig):
         self.own_embeddings = bool(own_embeddings)
         self.embedding_scale = float(embedding_scale)
         self.final_logit_softcapping = None if final_logit_softcapping is None else float(final_logit_softcapping)
+        self.logit_scale = float(logit_scale)
 
     def _set_heads(self, sequential_head, markov_rank, use_confidence_head, confidence_head_with_markov,
                    draft_vocab_size, sts_temperatures, sts_biases) -> None:
@@ -309,8 +321,9 @@ class DSparkConfig(PretrainedConfig):
             )
         if self.source_format not in SOURCE_FORMATS:
             raise ValueError(f"source_format={self.source_format!r} must be one of {SOURCE_FORMATS}")
-        if not (math.isfinite(self.embedding_scale) and self.embedding_scale > 0):
-            raise ValueError(f"embedding_scale must be a finite number > 0, got {self.embedding_scale}")
+        for name in ("embedding_scale", "logit_scale"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         cap = self.final_logit_softcapping
         if cap is not None and not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"final_logit_softcapping must be None or a finite number > 0, got {cap}")
@@ -346,7 +359,8 @@ class DSparkConfig(PretrainedConfig):
 
         Any DSpark field (block_size, target_layer_ids, markov_rank, …) may be given in `kwargs`. New drafters get
         Qwen3-style draft layers (``draft_layer_style="qwen3"``, no attention biases) whatever the target family;
-        Gemma targets also set ``embedding_scale`` = √H and their ``final_logit_softcapping``. For a target whose
+        Gemma targets also set ``embedding_scale`` = √H, Granite targets their ``embedding_multiplier``, and every
+        target its logits' scale and cap (:func:`logit_transform`). For a target whose
         RoPE differs per layer type (Gemma), the draft layers use its full-attention RoPE; for one that rotates part
         of each head (``partial_rotary_factor`` < 1), plain RoPE with its θ over whole heads.
 
@@ -389,8 +403,9 @@ class DSparkConfig(PretrainedConfig):
             target_model_type=family,
             target_name_or_path=getattr(tc, "name_or_path", "") or t.get("_name_or_path", ""),
             target_num_hidden_layers=t["num_hidden_layers"],
-            embedding_scale=math.sqrt(hidden) if gemma else 1.0,
-            final_logit_softcapping=t.get("final_logit_softcapping"),
+            embedding_scale=math.sqrt(hidden) if gemma else float(t.get("embedding_multiplier") or 1.0),
+            final_logit_softcapping=logit_transform(t)[1],
+            logit_scale=logit_transform(t)[0],
             **{name: t.get(name) for name in SPECIAL_TOKEN_FIELDS},
         )
         facts.update(kwargs)

@@ -94,7 +94,8 @@ def _verifier_problems(c: DSparkConfig, fmt: str, verifier_name: str | None) -> 
 
 def _draft_block_problems(c: DSparkConfig, fmt: str) -> list[str]:
     """What no format (or, for Gemma-style scaling and soft-capping, every format but DFlash) holds: non-Qwen3 draft
-    layers, a learned mask embedding, a block-input ``embedding_scale`` and ``final_logit_softcapping``."""
+    layers, a learned mask embedding, a block-input ``embedding_scale``, ``final_logit_softcapping`` and a
+    ``logit_scale``."""
     problems = []
     if c.draft_layer_style != "qwen3":
         problems.append(
@@ -107,6 +108,8 @@ def _draft_block_problems(c: DSparkConfig, fmt: str) -> list[str]:
         problems.append(f"embedding_scale={c.embedding_scale} (Gemma-style scaled block inputs) has no key there")
     if c.final_logit_softcapping is not None and fmt != "dflash":
         problems.append("final_logit_softcapping (Gemma) has no place in this format's Qwen3 drafter")
+    if c.logit_scale != 1.0:
+        problems.append(f"logit_scale={c.logit_scale} (Granite, Cohere) has no key in any other format")
     return problems
 
 

@@ -460,8 +460,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return DSparkOutput(hidden_states=hidden, base_logits=logits)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """U = LM_head(h), soft-capped to c·tanh(U/c) when ``final_logit_softcapping`` = c: ``[..., H] -> [..., N]``
-        float32.
+        """U = LM_head(h)·``logit_scale``, soft-capped to c·tanh(U/c) when ``final_logit_softcapping`` = c:
+        ``[..., H] -> [..., N]`` float32.
 
         N = V, or the draft vocabulary size when ``config.draft_vocab_size`` is set (then only the rows
         ``draft_vocab_ids`` of the target's head are used, or the drafter's own N-row head; see
@@ -473,7 +473,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         else:
             weight = self._draft_head_weight(head)
             logits = nn.functional.linear(hidden.to(weight.dtype), weight).float()
-        return softcap(logits, self.config.final_logit_softcapping)
+        return softcap(logits, self.config.final_logit_softcapping, self.config.logit_scale)
 
     def _draft_head_weight(self, head: nn.Linear) -> torch.Tensor:
         """Rows ``draft_vocab_ids`` of the target's LM head, gathered once per (ids, head) and reused.

@@ -6,7 +6,8 @@ attention sinks; Phi-3 with fused projections, tied embeddings and Phi-4-mini's 
 RoPE; OLMo 2 and GLM-4 with norms after each sublayer; SmolLM3 with RoPE-free layers; Ministral 3 with Llama-4 query
 scaling; Ministral, OLMo 3, EXAONE 4 and CWM with sliding-window layers; Qwen2, Qwen3, ERNIE 4.5, Seed-OSS (biases),
 Hunyuan, Apertus (xIELU), Helium; Gemma 1–4 with the embedding scale √H, Gemma 2–4 with final-logit soft-capping and
-sliding-window layers. Lossless must hold whatever the draft quality, and in float32 the drafter
+sliding-window layers; Granite with an embedding multiplier and logits divided by logits_scaling, Cohere with logits
+times logit_scale. Lossless must hold whatever the draft quality, and in float32 the drafter
 must read the target's embedding output and reproduce its logits. Every convention of other implementations (a
 real mask token, the anchor slot that predicts nothing, layer id −1, the drafter's own embedding / LM head, gated and
 RNN heads, confidence without the Markov features) runs the same forward path, and greedy output stays identical.
@@ -22,6 +23,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     ApertusConfig,
+    Cohere2Config,
     CohereConfig,
     CwmConfig,
     Ernie4_5_MoeConfig,
@@ -36,6 +38,7 @@ from transformers import (
     GPT2LMHeadModel,
     GptOssConfig,
     GraniteConfig,
+    GraniteMoeConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
     LlamaConfig,
@@ -122,8 +125,16 @@ FAMILIES = {
     "apertus": lambda: ApertusConfig(**SHAPE),  # xIELU MLP
     "helium": lambda: HeliumConfig(**SHAPE),
     "cwm": lambda: CwmConfig(**SHAPE, sliding_window=4, layer_types=["full_attention"] + ["sliding_attention"] * 3),
+    # Granite: embeddings × embedding_multiplier, logits / logits_scaling (and its residual and attention multipliers)
+    "granite": lambda: GraniteConfig(**SHAPE, embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.2,
+                                     attention_multiplier=0.0625),
+    "granitemoe": lambda: GraniteMoeConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                                           logits_scaling=8.0),
+    # Cohere: logits × logit_scale, LayerNorm, attention and MLP in parallel; Command R7B with sliding windows too
+    "cohere": lambda: CohereConfig(**SHAPE, logit_scale=0.0625),
+    "cohere2": lambda: Cohere2Config(**SHAPE, logit_scale=0.25, **WINDOWS),
 }
-WINDOWED = {"gemma2", "gemma3", "gemma4", "gpt_oss", "mistral", "ministral", "olmo3", "exaone4", "cwm"}
+WINDOWED = {"gemma2", "gemma3", "gemma4", "gpt_oss", "mistral", "ministral", "olmo3", "exaone4", "cwm", "cohere2"}
 """The families of :data:`FAMILIES` configured with sliding windows of 4 tokens."""
 
 
@@ -195,14 +206,18 @@ def _reproduces_target(target, drafter) -> bool:
     """The drafter's block embedding equals what the target's first layer reads, and the target's logits are its
     LM head on the final hidden state, soft-capped as the drafter caps its own (what the trainer fits)."""
     from modeling_dspark.common import softcap
+    from modeling_dspark.configuration_dspark import logit_transform
     from modeling_dspark.target import decoder_of
 
     ids = torch.tensor([PROMPTS[1]])
+    scale, cap = logit_transform(target.config)  # what the trainer applies to the target's LM head
     with torch.no_grad():
         out = target(ids, output_hidden_states=True)
         last = decoder_of(target)(input_ids=ids).last_hidden_state
-        logits = softcap(target.get_output_embeddings()(last), drafter.config.final_logit_softcapping)
-    return torch.allclose(drafter.embed(ids), out.hidden_states[0]) and torch.allclose(logits, out.logits, atol=1e-5)
+        logits = softcap(target.get_output_embeddings()(last), cap, scale)
+        draft = drafter.lm_logits(last)  # the drafter's own head on the same state
+    return (torch.allclose(drafter.embed(ids), out.hidden_states[0]) and torch.allclose(logits, out.logits, atol=1e-5)
+            and torch.allclose(draft, out.logits, atol=1e-5))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -211,17 +226,37 @@ def test_family_embeddings_and_logits_reproduced(family):
     assert _reproduces_target(target, _drafter(target))
 
 
-@pytest.mark.parametrize("config", [GraniteConfig(**SHAPE, embedding_multiplier=12.0, logits_scaling=8.0),
-                                    CohereConfig(**SHAPE, logit_scale=0.0625)], ids=["granite", "cohere"])
-def test_family_with_scaled_logits_is_refused_with_the_reason(monkeypatch, config):
-    """Granite and Cohere scale their logits (Granite its embeddings too) outside the LM head: refused, naming it.
-    Admitted, the drafter would be lossless but trained against logits its target never computes."""
-    with pytest.raises(ValueError, match=rf"'{config.model_type}' is not supported: it .*(logits_scaling|logit_scale)"):
-        md.DSparkConfig.from_target_config(config)
-    monkeypatch.setattr(md.configuration_dspark, "SUPPORTED_TARGET_FAMILIES", (config.model_type,))
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    assert not _reproduces_target(target, _drafter(target))
+def test_granite_and_cohere_scales_are_read_from_the_target():
+    """Granite's embedding multiplier becomes the block-input scale and 1 / logits_scaling the logit scale; Cohere's
+    logit_scale is the logit scale. Without them the drafter would be lossless but trained against logits its target
+    never computes (test_family_embeddings_and_logits_reproduced fails for both)."""
+    granite = md.DSparkConfig.from_target_config(FAMILIES["granite"]())
+    assert (granite.embedding_scale, granite.logit_scale, granite.final_logit_softcapping) == (12.0, 0.125, None)
+    assert md.DSparkConfig.from_target_config(FAMILIES["cohere"]()).logit_scale == 0.0625
+    with pytest.raises(ValueError, match="logit_scale must be a finite number > 0"):
+        md.DSparkConfig.from_target_config(FAMILIES["cohere"](), logit_scale=0.0)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "cohere"])
+def test_trainer_scores_against_the_targets_own_logits(tmp_path, family):
+    """The logits the trainer fits at the block slots are the target's own: scaled and soft-capped as it computes
+    them."""
+    from dspark.training.trainer import DSparkCollator, DSparkTrainer
+
+    from .test_training import make_args, make_data
+
+    target = _target(family)
+    drafter = _drafter(target)
+    data = make_data(vocab=VOCAB)
+    tr = DSparkTrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data,
+                       data_collator=DSparkCollator(4, anchors_per_seq=2, pad_token_id=0, seed=0))
+    batch = tr.data_collator([data[i] for i in range(2)])
+    ids, attn, anchors = batch["input_ids"], batch["attention_mask"], batch["anchor_positions"]
+    _, logits = tr.target_outputs(ids, attn, anchors, drafter.config.target_layer_ids, 4)
+    with torch.no_grad():
+        full = target(ids, attention_mask=attn).logits
+    p = int(anchors[1, 0])
+    torch.testing.assert_close(logits[1, 0], full[1, p : p + 4], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -474,6 +474,9 @@ def test_shipped_drafter_exports_to_speculators_only(tmp_path, smollm):
     (dict(anchor_predicts=False), "deepspec", "anchor slot predicts nothing"),
     (dict(sequential_head="none", use_confidence_head=False), "dflash", "anchor_predicts=True"),
     (dict(sequential_head="none"), "speculators", "target embedding of x_{k-1}"),
+    (dict(logit_scale=0.125), "speculators", "logit_scale=0.125 (Granite, Cohere) has no key"),
+    (dict(logit_scale=0.125, anchor_predicts=False, sequential_head="none", use_confidence_head=False), "dflash",
+     "logit_scale=0.125 (Granite, Cohere) has no key"),
 ])
 def test_export_refuses_what_the_format_cannot_hold(tmp_path, fields, fmt, message):
     drafter = new_drafter(tiny_target("qwen3"), **fields)

@@ -165,7 +165,7 @@ NEW_FIELDS = {
                      confidence_head_with_markov=True),
     "dflash": dict(mask_token_id=63, anchor_predicts=False, sequential_head="none", use_confidence_head=True,
                    confidence_head_with_markov=False, embedding_scale=2.5, final_logit_softcapping=20.0),
-    "rnn-draft-vocab": dict(sequential_head="rnn", own_embeddings=True, draft_vocab_size=16),
+    "rnn-draft-vocab": dict(sequential_head="rnn", own_embeddings=True, draft_vocab_size=16, logit_scale=0.125),
 }
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from modeling_dspark.common import gather_slots, softcap
+from modeling_dspark.configuration_dspark import logit_transform
 from dspark.generation.features import context_features, hidden_state_indices
 from modeling_dspark.target import decoder_of
 from .trainer import DSparkCollator
@@ -216,7 +217,7 @@ def _fill_cache(out: Path, meta: dict, arrays, dataset, target, layer_ids: list[
     feats, last, lse = arrays
     decoder = decoder_of(target)
     head = target.get_output_embeddings()
-    cap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)  # Gemma's soft-capping
+    scale, cap = logit_transform(target.config)  # Granite's and Cohere's scale, Gemma's soft-capping
     device = next(target.parameters()).device
     was_training = target.training
     target.eval()
@@ -232,7 +233,7 @@ def _fill_cache(out: Path, meta: dict, arrays, dataset, target, layer_ids: list[
                 o = int(offsets[j])
                 feats[o : o + n] = _bf16_to_u16(f[b, :n])
                 last[o : o + n] = _bf16_to_u16(h[b, :n])
-                lse[o : o + n] = _response_lse(head, cap, h[b], plen, n)
+                lse[o : o + n] = _response_lse(head, (cap, scale), h[b], plen, n)
             feats.flush()
             last.flush()
             lse.flush()
@@ -260,15 +261,15 @@ def _target_features(decoder, dataset, chunk: list[int], width: int, layer_ids: 
     return context_features(res.hidden_states, layer_ids), res.last_hidden_state
 
 
-def _response_lse(head, cap: float | None, hidden: torch.Tensor, prompt_len: int, n: int) -> np.ndarray:
-    """float32 ``[n]``: logsumexp of the target's full-vocabulary logits ``softcap(head(hidden))`` at the response
-    positions of one row (from ``prompt_len − 1``), NaN on the prompt positions. ``hidden`` is the row's ``[L, H]``
-    final hidden states, rounded to bf16 first as the cache stores them."""
+def _response_lse(head, cap_scale: tuple, hidden: torch.Tensor, prompt_len: int, n: int) -> np.ndarray:
+    """float32 ``[n]``: logsumexp of the target's full-vocabulary logits ``softcap(head(hidden), cap, scale)`` at the
+    response positions of one row (from ``prompt_len − 1``), NaN on the prompt positions. ``hidden`` is the row's
+    ``[L, H]`` final hidden states, rounded to bf16 first as the cache stores them."""
     values = np.full(n, np.nan, dtype=np.float32)
     lo = min(max(prompt_len - 1, 0), n)
     if lo < n:  # slots are response positions (anchor ≥ prompt_len); one earlier for safety
         # from the bf16-rounded state that is stored (training computes the draft columns from it)
-        logits = softcap(head(hidden[lo:n].to(torch.bfloat16).to(head.weight.dtype)), cap)
+        logits = softcap(head(hidden[lo:n].to(torch.bfloat16).to(head.weight.dtype)), *cap_scale)
         values[lo:] = torch.logsumexp(logits.float(), dim=-1).cpu().numpy()
     return values
 

@@ -33,6 +33,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from modeling_dspark.common import block_attention_mask, block_positions, gather_slots, softcap
+from modeling_dspark.configuration_dspark import logit_transform
 from .losses import dspark_loss, position_weights
 from dspark.generation.features import context_features, hidden_state_indices
 from modeling_dspark.target import decoder_of
@@ -227,12 +228,17 @@ class DSparkTrainer(Trainer):
         """Context features ``[B, L, m·H]`` and the target's full logits at the block slots ``[B, n, γ, V]``."""
         feats, last = self._decoder_pass(input_ids, attention_mask, layer_ids)
         logits = self.target.get_output_embeddings()(gather_slots(last, anchor_positions, block_size))
-        return feats, softcap(logits, self._logit_cap)
+        return feats, softcap(logits, self._logit_cap, self._logit_scale)
 
     @property
     def _logit_cap(self) -> float | None:
         """The target's final-logit soft-capping c (Gemma), applied to its logits as its own forward does."""
-        return getattr(self.target.config.get_text_config(), "final_logit_softcapping", None)
+        return logit_transform(self.target.config)[1]
+
+    @property
+    def _logit_scale(self) -> float:
+        """The target's logit scale (Granite, Cohere), applied before the cap as its own forward does."""
+        return logit_transform(self.target.config)[0]
 
     @torch.no_grad()
     def slot_targets(self, drafter, slot_hidden, slot_lse=None):
@@ -248,15 +254,15 @@ class DSparkTrainer(Trainer):
             ``[B, n, γ, N]`` logits of the draft columns only and the full-vocabulary ``lse [B, n, γ]`` float32,
             which :func:`~dspark.training.losses.dspark_loss` needs to add the target mass outside them (exact).
         """
-        head, cap = self.target.get_output_embeddings(), self._logit_cap
+        head, cap, scale = self.target.get_output_embeddings(), self._logit_cap, self._logit_scale
         if drafter.draft_vocab_ids is None:
-            return softcap(head(slot_hidden.to(head.weight.dtype)), cap), None
+            return softcap(head(slot_hidden.to(head.weight.dtype)), cap, scale), None
         if slot_lse is None:
-            full = softcap(head(slot_hidden.to(head.weight.dtype)), cap)
+            full = softcap(head(slot_hidden.to(head.weight.dtype)), cap, scale)
             lse = torch.logsumexp(full.float(), dim=-1)
             return full[..., drafter.draft_vocab_ids.to(full.device)], lse
         weight = drafter._draft_head_weight(head)
-        return softcap(torch.nn.functional.linear(slot_hidden.to(weight.dtype), weight), cap), slot_lse.float()
+        return softcap(torch.nn.functional.linear(slot_hidden.to(weight.dtype), weight), cap, scale), slot_lse.float()
 
     # ---------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
