@@ -46,7 +46,6 @@ class Drafter(Protocol):
     def bound_target(self) -> Any: ...
     def bind_target(self, target) -> Any: ...
     def drafting_for(self, target) -> Any: ...  # a context manager holding the binding to target
-    def to(self, *args, **kwargs) -> Any: ...
     def __call__(self, anchor_ids, anchor_positions, context_features=None, context_positions=None,
                  attention_mask=None, cache=None, num_slots=None, return_logits=True) -> Any: ...  # eqs. 2–4
     def block_slots(self, num_slots: int | None = None) -> int: ...
@@ -114,8 +113,9 @@ class DraftResult:
 
 
 def check_drafter(drafter: Drafter, target, block_size: int | None = None, policy: str | Policy | None = None) -> int:
-    """Bind the drafter to ``target`` unless it is (moving it to the target's device) and check that it serves this
-    request, for `generate()` and :class:`~dspark.generation.engine.DSparkEngine` alike; return the block size γ'.
+    """Bind the drafter to ``target`` unless it is (:meth:`DSparkDraftModel.bind_target` moves it to the target's
+    device) and check that it serves this request, for `generate()` and :class:`~dspark.generation.engine.DSparkEngine`
+    alike; return the block size γ'.
 
     Raises:
         ValueError: a drafter that does not match the target, or one that a call for another target (another
@@ -123,9 +123,7 @@ def check_drafter(drafter: Drafter, target, block_size: int | None = None, polic
             policy that needs a confidence head the drafter lacks.
     """
     if drafter.bound_target is not target:  # a drafter drafts for the target of the call using it
-        drafter.bind_target(target)  # validates hidden size / vocab / layers / family
-        if drafter.device != target.device:
-            drafter.to(target.device)
+        drafter.bind_target(target)  # validates hidden size / vocab / layers / family; moves it to target's device
     block_size = drafter.config.block_size if block_size is None else block_size
     if not 1 <= block_size <= drafter.config.block_size:
         raise ValueError(f"block_size must be in [1, {drafter.config.block_size}] for this drafter, got {block_size}")

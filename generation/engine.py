@@ -207,8 +207,8 @@ class DSparkEngine:
 
     Args:
         target: the target causal LM (eval mode; float32 for exact greedy equality with ``generate()``).
-        drafter: a :class:`~modeling_dspark.DSparkDraftModel` (bound to ``target`` here if it is not yet); may be
-            None only with ``policy="none"``.
+        drafter: a :class:`~modeling_dspark.DSparkDraftModel` (bound to ``target`` here and at every step, where
+            another target's call may have re-bound it); may be None only with ``policy="none"``.
         policy: a spec of :func:`dspark.generation.policies.parse_policy` or a
             :class:`~dspark.generation.policies.Policy`; None: :func:`~dspark.generation.policies.default_policy`'s.
         block_size: γ' ≤ the drafter's γ slots per round (default γ).

@@ -147,8 +147,8 @@ def validate_generation_call(target, drafter, generation_mode, generation_config
 def dspark_candidate_generator(target, drafter, generation_config, input_ids, logits_processor,
                                model_kwargs, tokenizer=None) -> DSparkCandidateGenerator:
     """The candidate generator of one `target.generate(..., assistant_model=drafter)` call (called by the hook of
-    :func:`modeling_dspark.install_generate_hook` after :func:`validate_generation_call`, which binds an unbound
-    drafter), with the options of :func:`dspark_options`: the block size γ' from ``num_assistant_tokens`` or
+    :func:`modeling_dspark.install_generate_hook` after :func:`validate_generation_call`, which binds the drafter
+    to the target), with the options of :func:`dspark_options`: the block size γ' from ``num_assistant_tokens`` or
     ``dspark_options(block_size=...)`` (:func:`_assistant_options`); the policy and its SPS(B) table are resolved by
     :class:`DSparkCandidateGenerator` (after its checks).
 

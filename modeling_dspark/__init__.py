@@ -47,9 +47,10 @@ def install_generate_hook() -> None:
     Replaces `GenerationMixin._get_candidate_generator` by a wrapper that, when the assistant is a
     `DSparkDraftModel` (or a peft model of one, :func:`dspark_drafter`), returns
     :func:`dspark.generation.integration.dspark_candidate_generator`'s generator (which validates the request and
-    binds an unbound drafter to the target), and otherwise calls transformers' own method with the same arguments;
+    binds the drafter to the target), and otherwise calls transformers' own method with the same arguments;
     wraps `GenerationMixin._assisted_decoding` (the assisted loop, reached by ``getattr(type(model), ...)`` in
-    `generate()`) to run inside :func:`dspark.generation.products.few_row_products` of the target and the drafter;
+    `generate()`) to run inside :func:`dspark.generation.products.few_row_products` of the target and the drafter
+    and with the drafter held for the target (:meth:`DSparkDraftModel.drafting_for`);
     and wraps `GenerationMixin._validate_generation_mode` to refuse, for a DSpark assistant, what the drafter cannot
     serve (:func:`dspark.generation.integration.validate_generation_call`) before transformers' own checks. Other
     assistants go through all three unchanged. Installing twice keeps single wrappers.

@@ -33,10 +33,14 @@ _UNSUPPORTED_REASONS = {
 def logit_transform(target_config) -> tuple[float, float | None]:
     """``(scale, cap)``: how the target family turns its LM head's output U into logits, c·tanh(s·U / c)
     (:func:`modeling_dspark.common.softcap`): s = 1 / ``logits_scaling`` (Granite), ``logit_scale`` (Cohere), else 1;
-    c = ``final_logit_softcapping`` (Gemma 2–4), else None."""
+    c = ``final_logit_softcapping`` (Gemma 2–4), else None. ``target_config``: a config or its ``to_dict()``."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     t = tc if isinstance(tc, dict) else tc.to_dict() if hasattr(tc, "to_dict") else dict(vars(tc))
-    scale = 1.0 / t["logits_scaling"] if t.get("logits_scaling") else float(t.get("logit_scale") or 1.0)
+    family, scale = t.get("model_type") or "", 1.0
+    if family.startswith("granite"):  # GraniteForCausalLM: logits / logits_scaling
+        scale = 1.0 / t.get("logits_scaling", 1.0)
+    elif family.startswith("cohere"):  # CohereForCausalLM: logits * logit_scale
+        scale = float(t.get("logit_scale", 1.0))
     return scale, t.get("final_logit_softcapping")
 
 
@@ -387,6 +391,7 @@ class DSparkConfig(PretrainedConfig):
         style = kwargs.get("draft_layer_style", "qwen3")
         gemma = family in GEMMA_FAMILIES
         hidden, heads = t["hidden_size"], t["num_attention_heads"]
+        scale, cap = logit_transform(t)
         facts = dict(
             vocab_size=t["vocab_size"],
             hidden_size=hidden,
@@ -404,8 +409,8 @@ class DSparkConfig(PretrainedConfig):
             target_name_or_path=getattr(tc, "name_or_path", "") or t.get("_name_or_path", ""),
             target_num_hidden_layers=t["num_hidden_layers"],
             embedding_scale=math.sqrt(hidden) if gemma else float(t.get("embedding_multiplier") or 1.0),
-            final_logit_softcapping=logit_transform(t)[1],
-            logit_scale=logit_transform(t)[0],
+            final_logit_softcapping=cap,
+            logit_scale=scale,
             **{name: t.get(name) for name in SPECIAL_TOKEN_FIELDS},
         )
         facts.update(kwargs)

@@ -225,8 +225,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     # ------------------------------------------------------------------ binding to a target
     def bind_target(self, target: PreTrainedModel) -> DSparkDraftModel:
-        """Share ``target``'s embedding table and LM head (by reference, frozen) after validating the match,
-        replacing any earlier binding: a drafter drafts for one target at a time, the target of the call using it.
+        """Share ``target``'s embedding table and LM head (by reference, frozen) after validating the match, and move
+        the drafter to the target's device; any earlier binding is replaced: a drafter drafts for one target at a
+        time, the target of the call using it.
 
         The draft layers do not depend on the target's family (they are Qwen3-style or, in older drafters, built
         from the config's own fields), so any supported family with the drafter's shapes fits; the config's
@@ -262,10 +263,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError(f"target {type(target).__name__} has no LM head (need a *ForCausalLM model)")
         for p in list(embed.parameters()) + list(lm_head.parameters()):
             p.requires_grad_(False)
-        with _BINDING:  # the holders checked and the binding replaced at once
+        with _BINDING:  # the holders checked, the drafter moved and the binding replaced at once
             if self._holders and self.bound_target is not target:
                 raise ValueError("this drafter is drafting for another target in a call still running (another "
                                  "thread); it drafts for one target at a time: give each target its own drafter")
+            if self.device != target.device:  # before the binding changes: a failed move leaves it as it was
+                self.to(target.device)
             c.target_model_type = tc.model_type
             for name in SPECIAL_TOKEN_FIELDS:  # the target's tokenizer is the drafter's (pipeline() compares them)
                 setattr(c, name, getattr(tc, name, None))
@@ -275,8 +278,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     @contextlib.contextmanager
     def drafting_for(self, target: PreTrainedModel):
         """Hold the binding to ``target`` while the block runs (one ``generate()`` call, one engine step): bound to
-        ``target`` first if need be; until every holder has left, :meth:`bind_target` refuses any other target, so
-        threads sharing this drafter draft for one target at a time.
+        ``target`` (and moved to its device) first if need be; until every holder has left, :meth:`bind_target`
+        refuses any other target, so threads sharing this drafter draft for one target at a time. The request's own
+        checks (block size, policy) are the caller's.
 
         Raises:
             ValueError: what :meth:`bind_target` refuses, a call for another target still running included.

@@ -555,3 +555,6 @@ def test_a_drafter_follows_the_target_of_each_call():
         with pytest.raises(ValueError, match="drafting for another target"):
             DSparkEngine(second, drafter, "full")
     assert not calls and drafter.bound_target is first and drafter._holders == 0
+    elsewhere = tiny_target(vocab_size=64, seed=2).to("meta")  # on another device (no GPU needed to see the move)
+    drafter.bind_target(elsewhere)
+    assert drafter.device.type == "meta" and drafter.bound_target is elsewhere

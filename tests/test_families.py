@@ -39,6 +39,7 @@ from transformers import (
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
+    GraniteMoeSharedConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
     LlamaConfig,
@@ -128,14 +129,23 @@ FAMILIES = {
     # Granite: embeddings × embedding_multiplier, logits / logits_scaling (and its residual and attention multipliers)
     "granite": lambda: GraniteConfig(**SHAPE, embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.2,
                                      attention_multiplier=0.0625),
-    "granitemoe": lambda: GraniteMoeConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
-                                           logits_scaling=8.0),
+    "granitemoe": lambda: GraniteMoeConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                           embedding_multiplier=12.0, logits_scaling=8.0),
+    "granitemoeshared": lambda: GraniteMoeSharedConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                                       shared_intermediate_size=16, embedding_multiplier=12.0,
+                                                       logits_scaling=8.0),
     # Cohere: logits × logit_scale, LayerNorm, attention and MLP in parallel; Command R7B with sliding windows too
     "cohere": lambda: CohereConfig(**SHAPE, logit_scale=0.0625),
     "cohere2": lambda: Cohere2Config(**SHAPE, logit_scale=0.25, **WINDOWS),
 }
 WINDOWED = {"gemma2", "gemma3", "gemma4", "gpt_oss", "mistral", "ministral", "olmo3", "exaone4", "cwm", "cohere2"}
 """The families of :data:`FAMILIES` configured with sliding windows of 4 tokens."""
+
+
+def test_every_supported_family_is_tested_here():
+    """Each family DSpark admits has a configuration in :data:`FAMILIES`, so every test below runs it."""
+    tested = {FAMILIES[name]().model_type for name in FAMILIES}
+    assert set(md.configuration_dspark.SUPPORTED_TARGET_FAMILIES) == tested
 
 
 def _target(name: str, seed: int = 0):

@@ -3,10 +3,11 @@
 Layers, lowest first: ``dspark.generation`` (decoding, which knows a drafter only by the methods it calls; its source
 is the top-level folder generation/), ``modeling_dspark`` (the model, whose package installs the ``generate()`` hook
 that returns ``dspark.generation``'s candidate generator: transformers' models sit above ``transformers.generation``
-the same way), ``dspark.training``, ``dspark.evaluation``; ``dspark.cli``, the page (``app.py``, ``dspark.app_render``) and what
-they share (``dspark.pairing``: which target a drafter is for, loading both) may import any of them. A module may import its own package and any lower layer, at module
-level or inside a function alike: a lazy import upward is still a dependency upward. The namespace package
-``dspark`` itself imports none of them.
+the same way), ``dspark.training``, ``dspark.evaluation``; ``dspark.cli``, the page (``app.py``,
+``dspark.app_render``) and what they share (``dspark.pairing``: which target a drafter is for, loading both) may
+import any of them. A module may import its own package and any lower layer, at module level or inside a function
+alike: a lazy import upward is still a dependency upward. The namespace package ``dspark`` itself imports none of
+them.
 
 No module takes part in an import cycle (the same imports, as a graph): a circle means two modules that should be one,
 or a piece of one that belongs elsewhere.

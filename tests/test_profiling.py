@@ -344,6 +344,8 @@ def test_auto_dtype_takes_a_drafter_by_name_folder_or_loaded_model_alike(monkeyp
     for drafter in ("smollm2-135m-dspark", shipped_drafter_dir("smollm2-135m-dspark"), loaded):
         assert choice.auto_dtype(None, drafter, threads=1)[0] == torch.bfloat16
     assert len(calls) == 1
+    with pytest.raises(ValueError, match="not loaded from a directory"):  # nothing auto_dtype could load again
+        choice.auto_dtype(None, torch.nn.Linear(1, 1), threads=1)
 
 
 @pytest.mark.real_auto_dtype

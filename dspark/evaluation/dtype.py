@@ -41,6 +41,20 @@ def _dtype_key(target, drafter, threads: int, device) -> str:
     return f"{t}|{d}|{threads}|{torch.device(device).type}"
 
 
+def _loaded_from(model):
+    """A name or directory as given; a loaded model: the directory it was loaded from (``name_or_path``).
+
+    Raises:
+        ValueError: a model that was not loaded from a directory (made with ``from_config``): nothing to time.
+    """
+    if model is None or isinstance(model, (str, os.PathLike)):
+        return model
+    if not getattr(model, "name_or_path", ""):
+        raise ValueError(f"this {type(model).__name__} was not loaded from a directory (empty name_or_path); "
+                         "auto_dtype loads what it times in each dtype: pass a name or directory")
+    return model.name_or_path
+
+
 @torch.inference_mode()
 def _time_generate(target, drafter, dtypes, max_new_tokens: int, repeats: int, device) -> dict[str, float]:
     """Tokens/s of greedy ``generate()`` on :data:`DTYPE_PROMPT` in each of ``dtypes``: one warm-up call each, then
@@ -152,10 +166,9 @@ def auto_dtype(
     plain SmolLM2 on 2 threads 2.2–2.8× slower).
 
     Args:
-        target: a target directory, a packaged target's name, or None for the default target.
-        drafter: a drafter directory, shipped drafter's name or Hub id, or None for plain decoding (a loaded model,
-            here or as ``target``: its ``name_or_path``, loaded again in each dtype).
-        device: ``"cpu"`` or a CUDA device.
+        target: a target directory, a packaged target's name, or None for the default target; ``drafter``: a
+            drafter directory, shipped drafter's name or Hub id, or None for plain decoding (a loaded model, either
+            one: its ``name_or_path``, loaded again in each dtype); ``device``: ``"cpu"`` or a CUDA device.
         threads: torch CPU threads (default: the current setting), part of the cache key; ``path``: the profile
             file (default :func:`default_profile_path`); ``max_new_tokens``, ``repeats``: the measurement's size.
 
@@ -163,11 +176,12 @@ def auto_dtype(
         ``(dtype, reason)``: ``torch.float32`` or ``torch.bfloat16``, and one line saying why.
 
     Raises:
-        ValueError: ``max_new_tokens`` or ``repeats`` < 1; errors of loading the target or drafter as they are.
+        ValueError: ``max_new_tokens`` or ``repeats`` < 1, a model not loaded from a directory; errors of loading
+            the target or drafter as they are.
     """
     if max_new_tokens < 1 or repeats < 1:
         raise ValueError(f"max_new_tokens and repeats must be >= 1; got {max_new_tokens}, {repeats}")
-    target, drafter = (getattr(m, "name_or_path", m) for m in (target, drafter))  # a loaded model: where it came from
+    target, drafter = map(_loaded_from, (target, drafter))
     if torch.device(device).type == "cuda":
         dtype = fast_dtype(device)  # bf16 from compute capability 8.0
         return dtype, "a GPU" + ("" if dtype == torch.bfloat16 else " without native bf16 (compute capability < 8.0)")

@@ -233,7 +233,7 @@ def _fill_cache(out: Path, meta: dict, arrays, dataset, target, layer_ids: list[
                 o = int(offsets[j])
                 feats[o : o + n] = _bf16_to_u16(f[b, :n])
                 last[o : o + n] = _bf16_to_u16(h[b, :n])
-                lse[o : o + n] = _response_lse(head, (cap, scale), h[b], plen, n)
+                lse[o : o + n] = _response_lse(head, h[b], plen, n, scale=scale, cap=cap)
             feats.flush()
             last.flush()
             lse.flush()
@@ -261,7 +261,8 @@ def _target_features(decoder, dataset, chunk: list[int], width: int, layer_ids: 
     return context_features(res.hidden_states, layer_ids), res.last_hidden_state
 
 
-def _response_lse(head, cap_scale: tuple, hidden: torch.Tensor, prompt_len: int, n: int) -> np.ndarray:
+def _response_lse(head, hidden: torch.Tensor, prompt_len: int, n: int, scale: float = 1.0,
+                  cap: float | None = None) -> np.ndarray:
     """float32 ``[n]``: logsumexp of the target's full-vocabulary logits ``softcap(head(hidden), cap, scale)`` at the
     response positions of one row (from ``prompt_len − 1``), NaN on the prompt positions. ``hidden`` is the row's
     ``[L, H]`` final hidden states, rounded to bf16 first as the cache stores them."""
@@ -269,7 +270,7 @@ def _response_lse(head, cap_scale: tuple, hidden: torch.Tensor, prompt_len: int,
     lo = min(max(prompt_len - 1, 0), n)
     if lo < n:  # slots are response positions (anchor ≥ prompt_len); one earlier for safety
         # from the bf16-rounded state that is stored (training computes the draft columns from it)
-        logits = softcap(head(hidden[lo:n].to(torch.bfloat16).to(head.weight.dtype)), *cap_scale)
+        logits = softcap(head(hidden[lo:n].to(torch.bfloat16).to(head.weight.dtype)), cap, scale)
         values[lo:] = torch.logsumexp(logits.float(), dim=-1).cpu().numpy()
     return values
 

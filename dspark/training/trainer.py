@@ -21,6 +21,7 @@ masked out of the loss.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import warnings
@@ -228,17 +229,14 @@ class DSparkTrainer(Trainer):
         """Context features ``[B, L, m·H]`` and the target's full logits at the block slots ``[B, n, γ, V]``."""
         feats, last = self._decoder_pass(input_ids, attention_mask, layer_ids)
         logits = self.target.get_output_embeddings()(gather_slots(last, anchor_positions, block_size))
-        return feats, softcap(logits, self._logit_cap, self._logit_scale)
+        scale, cap = self._logit_transform
+        return feats, softcap(logits, cap, scale)
 
-    @property
-    def _logit_cap(self) -> float | None:
-        """The target's final-logit soft-capping c (Gemma), applied to its logits as its own forward does."""
-        return logit_transform(self.target.config)[1]
-
-    @property
-    def _logit_scale(self) -> float:
-        """The target's logit scale (Granite, Cohere), applied before the cap as its own forward does."""
-        return logit_transform(self.target.config)[0]
+    @functools.cached_property
+    def _logit_transform(self) -> tuple[float, float | None]:
+        """The target's logit scale (Granite, Cohere) and soft-capping (Gemma), applied to its LM head's output as
+        its own forward does (:func:`~modeling_dspark.configuration_dspark.logit_transform`)."""
+        return logit_transform(self.target.config)
 
     @torch.no_grad()
     def slot_targets(self, drafter, slot_hidden, slot_lse=None):
@@ -254,7 +252,7 @@ class DSparkTrainer(Trainer):
             ``[B, n, γ, N]`` logits of the draft columns only and the full-vocabulary ``lse [B, n, γ]`` float32,
             which :func:`~dspark.training.losses.dspark_loss` needs to add the target mass outside them (exact).
         """
-        head, cap, scale = self.target.get_output_embeddings(), self._logit_cap, self._logit_scale
+        head, (scale, cap) = self.target.get_output_embeddings(), self._logit_transform
         if drafter.draft_vocab_ids is None:
             return softcap(head(slot_hidden.to(head.weight.dtype)), cap, scale), None
         if slot_lse is None:
