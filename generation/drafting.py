@@ -39,11 +39,9 @@ class Drafter(Protocol):
 
     config: Any
     confidence_head: Any
+    device: torch.device
+    bound_target: Any
 
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def bound_target(self) -> Any: ...
     def bind_target(self, target) -> Any: ...
     def drafting_for(self, target) -> Any: ...  # a context manager holding the binding to target
     def __call__(self, anchor_ids, anchor_positions, context_features=None, context_positions=None,

@@ -126,9 +126,9 @@ def validate_generation_call(target, drafter, generation_mode, generation_config
     Raises:
         ValueError: what :func:`_assistant_options` or :func:`~dspark.generation.drafting.check_drafter` refuses (a
             drafter for another target: named here, not as transformers' "different tokenizers"); a mode that decodes
-            without the assistant (beam search, constraints, DoLa); ``num_return_sequences`` > 1;
-            ``output_hidden_states`` with ``return_dict_in_generate`` (the verify forwards return only the layers the
-            drafter reads).
+            without the assistant (beam search, constraints, DoLa); ``num_return_sequences`` > 1; with
+            ``return_dict_in_generate``, ``output_hidden_states`` (the verify forwards return only the layers the
+            drafter reads) or ``output_attentions`` without eager attention (transformers' loop fails on it).
         RuntimeError: the installed transformers is outside the supported range (:mod:`dspark.generation.compat`).
     """
     check_transformers()
@@ -139,8 +139,12 @@ def validate_generation_call(target, drafter, generation_mode, generation_config
     if generation_config.num_return_sequences > 1:
         raise ValueError(f"num_return_sequences={generation_config.num_return_sequences}: assisted decoding returns "
                          "one sequence per call; call generate() once per sequence (each call samples anew)")
-    if generation_config.output_hidden_states and generation_config.return_dict_in_generate:
+    if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
         raise ValueError("output_hidden_states is not supported with a DSpark drafter; run the target on the output")
+    if generation_config.return_dict_in_generate and generation_config.output_attentions and \
+            getattr(target.config, "_attn_implementation", None) != "eager":  # no weights to read: IndexError
+        raise ValueError("output_attentions in assisted decoding needs the target's eager attention: load it with "
+                         "attn_implementation='eager' (transformers' loop fails on the weights others do not return)")
     check_drafter(drafter, target)
 
 

@@ -176,6 +176,7 @@ def test_num_assistant_tokens_sets_the_block_size(tiny):
         ({"num_beams": 2, "do_sample": True}, r"select beam_sample"),
         ({"output_hidden_states": True, "return_dict_in_generate": True}, r"output_hidden_states is not supported"),
         ({"num_return_sequences": 2, "do_sample": True}, r"num_return_sequences=2: .*call generate\(\) once per"),
+        ({"output_attentions": True, "return_dict_in_generate": True}, r"attn_implementation='eager'"),
     ],
 )
 def test_generation_options_dspark_cannot_honour_fail_before_compute(tiny, kwargs, message):
@@ -188,6 +189,20 @@ def test_generation_options_dspark_cannot_honour_fail_before_compute(tiny, kwarg
     finally:
         handle.remove()
     assert calls["n"] == 0
+
+
+def test_output_attentions_with_eager_attention_are_returned(tiny):
+    """With eager attention (the one attention that returns weights) the attentions come back, one entry per new
+    token as in plain generate(), and the output is plain generate()'s; other kernels are refused above."""
+    target, drafter_dir = tiny
+    kernel = target.config._attn_implementation  # the fixture's, shared by the module's tests: restored after
+    target.set_attn_implementation("eager")
+    try:
+        kw = {"return_dict_in_generate": True, "output_attentions": True}
+        out, ref = _generate(target, AutoModel.from_pretrained(drafter_dir), **kw), _generate(target, **kw)
+    finally:
+        target.set_attn_implementation(kernel)
+    assert torch.equal(out.sequences, ref.sequences) and len(out.attentions) == len(ref.attentions) == 24
 
 
 def test_output_hidden_states_without_a_dict_is_ignored_as_transformers_does(tiny):
