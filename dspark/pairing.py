@@ -41,27 +41,11 @@ def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--d
     return target
 
 
-def local_target_of(drafter) -> str | None:
-    """The drafter config's ``target_name_or_path`` when it is an absolute path to a model directory here (with a
-    ``config.json``), else None: a relative path would depend on the working directory."""
+def _recorded_target(path, drafter: bool) -> str | None:
+    """The target that directory ``path`` records, as written: a ``dspark data build`` directory's (``manifest.json``,
+    ``config.target``) or, with ``drafter``, a drafter's (``config.json``, ``target_name_or_path``, or a speculators
+    export's ``speculators_config.verifier.name_or_path``); None when it records none or cannot be read."""
     from modeling_dspark.formats import read_json
-
-    try:
-        name = read_json(Path(drafter) / "config.json").get("target_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        return None
-    ok = isinstance(name, str) and Path(name).is_absolute() and (Path(name) / "config.json").is_file()
-    return name if ok else None
-
-
-def made_with_target(path, drafter: bool = False) -> str | None:
-    """The packaged target that directory ``path`` was made with: a ``dspark data build`` directory's
-    (``manifest.json``, ``config.target``) or, with ``drafter``, a drafter's (``config.json``,
-    ``target_name_or_path``, or a speculators export's ``speculators_config.verifier.name_or_path``), recorded by
-    name, by the path of its cached copy or by its Hub id (what an export writes); None when it records none (a
-    ``save_to_disk`` directory, another target, unreadable)."""
-    from modeling_dspark.formats import read_json
-    from modeling_dspark.target import PACKAGED_TARGETS, packaged_target_name
 
     try:
         if drafter:
@@ -72,10 +56,38 @@ def made_with_target(path, drafter: bool = False) -> str | None:
             made = (read_json(Path(path) / "manifest.json").get("config") or {}).get("target")
     except (OSError, ValueError, AttributeError):
         return None
-    if not isinstance(made, str):
+    return made if isinstance(made, str) and made else None
+
+
+def local_target_of(path, drafter: bool = True) -> str | None:
+    """The target recorded by directory ``path`` (a drafter's, or without ``drafter`` a data build's) when it is an
+    absolute path to a model directory here (with a ``config.json``), else None: a relative path would depend on the
+    working directory."""
+    name = _recorded_target(path, drafter)
+    ok = name is not None and Path(name).is_absolute() and (Path(name) / "config.json").is_file()
+    return name if ok else None
+
+
+def made_with_target(path, drafter: bool = False) -> str | None:
+    """The packaged target that directory ``path`` was made with (:func:`_recorded_target`), recorded by name, by the
+    path of its cached copy or by its Hub id (what an export writes); None when it records none (a ``save_to_disk``
+    directory, another target, unreadable)."""
+    from modeling_dspark.target import PACKAGED_TARGETS, packaged_target_name
+
+    made = _recorded_target(path, drafter)
+    if made is None:
         return None
     by_hub_id = {packaged.hub_id: name for name, packaged in PACKAGED_TARGETS.items()}
     return packaged_target_name(made) or by_hub_id.get(made)
+
+
+def target_of_data(target: str | None, data: list[str]) -> str | None:
+    """``--target``, else the target the first ``--data`` directory was built with when that is a packaged target or,
+    by absolute path, a model directory here, else None (the default target): data built with a local checkpoint
+    trains a drafter for it without ``--target``. Each directory is then checked by :func:`check_made_for_target`."""
+    if target is not None or not data:
+        return target
+    return made_with_target(data[0]) or local_target_of(data[0], drafter=False)
 
 
 def check_made_for_target(target: str | None, flag: str, path, *, drafter: bool = False, shown: str | None = None,
@@ -96,7 +108,7 @@ def check_made_for_target(target: str | None, flag: str, path, *, drafter: bool 
     other = made_with_target(path, drafter)
     if other is not None and want is not None and other != want:
         raise InputError(f"{flag} {shown or path} was made with target {other}, not {target or DEFAULT_TARGET}: "
-                       f"{fix or f'pass --target {other}'}")
+                         f"{fix or f'pass --target {other}'}")
 
 
 def drafter_dir(spec: str, hub: bool = True, weights: bool = True) -> str:

@@ -91,8 +91,8 @@ class PackedTarget:
         if window and window < getattr(cfg, "max_position_embeddings", window + 1):  # Mistral's, whatever its types
             types = [*(types or []), "sliding_attention"]
         if types and any(t != "full_attention" for t in types):
-            raise ValueError(f"PackedTarget supports full-attention layers only; this target has {set(types)} "
-                             f"(sliding_window={window})")
+            raise ValueError(f"the batched engine packs full-attention layers only; this target has {set(types)} "
+                             f"(sliding_window={window}): decode it with generate(assistant_model=drafter)")
         self.target = target
         self.num_layers = cfg.num_hidden_layers
 

@@ -360,7 +360,7 @@ def test_a_drafter_brings_its_target(tmp_path):
 def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path, capsys):
     """--target NAME picks that target's shipped drafter; dspark train and dspark adapt refuse data or a drafter made
     with another packaged target before anything loads, naming the --target to pass."""
-    from dspark.cli.common import shipped_drafter_for
+    from dspark.cli.common import shipped_drafter_for, target_of_data
     from modeling_dspark.target import shipped_drafter_for as shipped_dir
     from dspark.cli.main import main
     from modeling_dspark.target import cache_dir
@@ -371,7 +371,9 @@ def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path,
     data = tmp_path / "data"
     data.mkdir()
     (data / "manifest.json").write_text(json.dumps({"config": {"target": str(cache_dir() / qwen)}}))
-    assert main(["train", "--data", str(data), "--out-dir", str(tmp_path / "a")]) == 2
+    assert target_of_data(None, [str(data)]) == qwen  # dspark train without --target trains for the data's target
+    assert main(["train", "--data", str(data), "--target", "SmolLM2-135M-Instruct",
+                 "--out-dir", str(tmp_path / "a")]) == 2
     assert f"was made with target {qwen}, not SmolLM2-135M-Instruct: pass --target {qwen}" in capsys.readouterr().err
     (tmp_path / "plain").mkdir()  # no manifest: a save_to_disk directory records no target
     assert main(["train", "--data", str(tmp_path / "plain"), "--target", "SmolLM2-135M-Instruct",

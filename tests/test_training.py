@@ -501,6 +501,27 @@ def test_train_no_progress_shows_no_progress_bar(tmp_path, one_thread, capsys, m
         assert bar not in err, (bar, err)
 
 
+def test_train_trains_for_the_target_its_data_was_built_with(tmp_path, one_thread, capsys, monkeypatch):
+    """Data built with a local checkpoint records its absolute path (given relative); `dspark train` without --target
+    trains for that checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark.pairing import local_target_of
+
+    tdir = saved_tiny_target(tmp_path).resolve()
+    monkeypatch.chdir(tmp_path)
+    build_dataset(AutoModelForCausalLM.from_pretrained("target"), char_tokenizer(), tmp_path / "data",
+                  prompts=[f"what is {a} plus 1?" for a in range(6)], eval_sets={}, max_new_tokens=12, batch_size=6,
+                  seed=0, shard_size=6, progress=False)
+    assert local_target_of(tmp_path / "data", drafter=False) == str(tdir)
+    common = ["--data", "data", "--target-layer-ids", "0,2", "--num-draft-layers", "1", "--block-size", "4",
+              "--markov-rank", "8", "--anchors-per-seq", "2", "--batch-size", "2", "--max-steps", "1", "--threads",
+              "1", "--no-progress"]
+    rc, err = run_cli(["train", *common, "--out-dir", "out"], capsys)
+    assert rc == 0, err
+    assert local_target_of(tmp_path / "out") == str(tdir)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--sources", "nosuch"], "--sources: unknown training source(s) ['nosuch']; choose from sharegpt,"),
     (["--per-source", "sharegpt=10,nosuch=2"], "--per-source: unknown training source(s) ['nosuch']"),

@@ -171,8 +171,7 @@ def _load_models(args, base_dir: str, target_spec, device: str):
     from modeling_dspark import DSparkDraftModel
 
     transformers.set_seed(args.seed)
-    target, tok = load_target_checked(target_spec, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                                      device=device)
+    target, tok = load_target_checked(target_spec, dtype=torch.bfloat16 if args.bf16 else torch.float32, device=device)
     try:
         drafter = DSparkDraftModel.from_pretrained(base_dir, target=target)
     except (OSError, ValueError) as err:

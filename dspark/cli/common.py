@@ -22,8 +22,8 @@ from dspark.pairing import (  # noqa: F401  (the commands take these from here)
     load_drafter,
     load_models,
     load_target_checked,
-    made_with_target,
     target_for_drafter,
+    target_of_data,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout (dspark/cli/common.py)

@@ -36,6 +36,7 @@ from .common import (
     set_threads,
     silence_progress,
     standalone_main,
+    target_of_data,
 )
 
 
@@ -53,7 +54,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_out_dir_option(p, None, "checkpoints (OUT_DIR/checkpoint-N) and the final drafter; a new run needs a new or "
                                 "empty OUT_DIR, a non-empty one is refused unless --resume is given")
     add_hidden_alias(p, "--output-dir", "out_dir")
-    add_target_option(p, "SmolLM2-135M-Instruct", "target")
+    add_target_option(p, "the one --data was built with (packaged or a local directory), else SmolLM2-135M-Instruct")
     g = p.add_argument_group("drafter")
     g.add_argument("--block-size", type=int, default=8, help="block size γ: draft slots per round (default: 8)")
     g.add_argument("--sequential-head", choices=["markov", "rnn", "none"], default="markov",
@@ -166,6 +167,7 @@ def _check_args(args) -> tuple[list[int] | None, list[int] | None]:
                    else parse_ints("--init-from-target", args.init_from_target))
     if args.init_from_drafter is not None and args.init_from_target is not None:
         raise CLIError("--init-from-drafter and --init-from-target both initialise the draft layers: give one")
+    args.target = target_of_data(args.target, args.data)
     check_target(args.target)
     for d in args.data:
         check_made_for_target(args.target, "--data", d)

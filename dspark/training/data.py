@@ -43,9 +43,16 @@ class DataBuildError(ValueError):
 
 def _target_name(target) -> str:
     """What a build records as its target: a packaged target's name (so the record holds on any machine and cache
-    directory), else the checkpoint path the target was loaded from."""
-    path = str(getattr(target.config, "name_or_path", "") or getattr(target.config, "_name_or_path", ""))
-    return packaged_target_name(path) or path
+    directory), else the checkpoint path the target was loaded from, absolute when it is a directory here (what
+    `dspark train` finds the target by)."""
+    return _target_key(str(getattr(target.config, "name_or_path", "") or getattr(target.config, "_name_or_path", "")))
+
+
+def _target_key(path: str | None) -> str | None:
+    """A packaged target's name, else an existing directory's absolute path, else ``path`` as it is."""
+    if not path:
+        return path
+    return packaged_target_name(path) or (str(Path(path).resolve()) if Path(path).is_dir() else path)
 
 
 def _record(p, i: int, default_source: str) -> dict:
@@ -258,7 +265,7 @@ def _resumed_manifest(out: Path, config: dict) -> dict:
         return {"config": config}
     manifest = json.loads(manifest_path.read_text())
     old = dict(manifest.get("config") or {})
-    old["target"] = packaged_target_name(old.get("target")) or old.get("target")  # cache path or name: same
+    old["target"] = _target_key(old.get("target"))  # cache path or name, relative or absolute path: the same
     if old != config:
         diff = "; ".join(f"{k}: build {old.get(k)!r}, now {config.get(k)!r}" for k in sorted({*old, *config})
                          if old.get(k) != config.get(k))
