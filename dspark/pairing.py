@@ -82,12 +82,27 @@ def made_with_target(path, drafter: bool = False) -> str | None:
 
 
 def target_of_data(target: str | None, data: list[str]) -> str | None:
-    """``--target``, else the target the first ``--data`` directory was built with when that is a packaged target or,
-    by absolute path, a model directory here, else None (the default target): data built with a local checkpoint
-    trains a drafter for it without ``--target``. Each directory is then checked by :func:`check_made_for_target`."""
-    if target is not None or not data:
+    """``--target``, else the target the ``--data`` directories were built with: a packaged target or, by absolute
+    path, a model directory here; None (the default target) when they record none. Data built with a local checkpoint
+    trains a drafter for it without ``--target``.
+
+    Raises:
+        InputError: the directories record different targets, or one records a target that is neither a packaged
+            target nor a model directory here (a relative path, a moved directory): ``--target`` must name it.
+    """
+    if target is not None:
         return target
-    return made_with_target(data[0]) or local_target_of(data[0], drafter=False)
+    found = set()
+    for d in data:
+        made = made_with_target(d) or local_target_of(d, drafter=False)
+        if made is None and (recorded := _recorded_target(d, drafter=False)) is not None:
+            raise InputError(f"--data {d} was built with target {recorded!r}, which is not a packaged target or a "
+                             "model directory here: pass --target")
+        found |= {made} - {None}
+    if len(found) > 1:
+        raise InputError(f"the --data directories were built with different targets ({', '.join(sorted(found))}): "
+                         "train on one target's data")
+    return found.pop() if found else None
 
 
 def check_made_for_target(target: str | None, flag: str, path, *, drafter: bool = False, shown: str | None = None,

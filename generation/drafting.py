@@ -39,7 +39,7 @@ class Drafter(Protocol):
 
     config: Any
     confidence_head: Any
-    device: torch.device
+    device: torch.device  # read-only properties on DSparkDraftModel
     bound_target: Any
 
     def bind_target(self, target) -> Any: ...
@@ -120,7 +120,7 @@ def check_drafter(drafter: Drafter, target, block_size: int | None = None, polic
             thread) is drafting with now (:meth:`DSparkDraftModel.bind_target`), ``block_size`` out of [1, γ], or a
             policy that needs a confidence head the drafter lacks.
     """
-    if drafter.bound_target is not target:  # a drafter drafts for the target of the call using it
+    if drafter.bound_target is not target or drafter.device != target.device:  # drafts for the call's target
         drafter.bind_target(target)  # validates hidden size / vocab / layers / family; moves it to target's device
     block_size = drafter.config.block_size if block_size is None else block_size
     if not 1 <= block_size <= drafter.config.block_size:

@@ -142,7 +142,7 @@ def validate_generation_call(target, drafter, generation_mode, generation_config
     if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
         raise ValueError("output_hidden_states is not supported with a DSpark drafter; run the target on the output")
     if generation_config.return_dict_in_generate and generation_config.output_attentions and \
-            getattr(target.config, "_attn_implementation", None) != "eager":  # no weights to read: IndexError
+            getattr(target.config.get_text_config(), "_attn_implementation", None) != "eager":  # else IndexError
         raise ValueError("output_attentions in assisted decoding needs the target's eager attention: load it with "
                          "attn_implementation='eager' (transformers' loop fails on the weights others do not return)")
     check_drafter(drafter, target)

@@ -38,9 +38,9 @@ def logit_transform(target_config) -> tuple[float, float | None]:
     t = tc if isinstance(tc, dict) else tc.to_dict() if hasattr(tc, "to_dict") else dict(vars(tc))
     family, scale = t.get("model_type") or "", 1.0
     if family.startswith("granite"):  # GraniteForCausalLM: logits / logits_scaling
-        scale = 1.0 / t.get("logits_scaling", 1.0)
+        scale = 1.0 / (t.get("logits_scaling") or 1.0)
     elif family.startswith("cohere"):  # CohereForCausalLM: logits * logit_scale
-        scale = float(t.get("logit_scale", 1.0))
+        scale = float(t.get("logit_scale") or 1.0)
     return scale, t.get("final_logit_softcapping")
 
 

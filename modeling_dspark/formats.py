@@ -208,8 +208,7 @@ def from_other_format(cls, path, target=None, *args, dtype=None, torch_dtype=Non
         dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model.to(dtype=dtype).eval()
     if target is not None:
-        model.bind_target(target)
-        model.to(target.device)
+        model.bind_target(target)  # on the target's device
     elif device is not None:
         model.to(device)
     return model

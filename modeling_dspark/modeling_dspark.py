@@ -267,8 +267,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             if self._holders and self.bound_target is not target:
                 raise ValueError("this drafter is drafting for another target in a call still running (another "
                                  "thread); it drafts for one target at a time: give each target its own drafter")
-            if self.device != target.device:  # before the binding changes: a failed move leaves it as it was
-                self.to(target.device)
+            if self.device != target.device and target.device.type != "meta":  # a meta target holds no weights
+                self.to(target.device)  # before the binding changes: a failed move leaves the binding as it was
             c.target_model_type = tc.model_type
             for name in SPECIAL_TOKEN_FIELDS:  # the target's tokenizer is the drafter's (pipeline() compares them)
                 setattr(c, name, getattr(tc, name, None))
@@ -286,7 +286,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             ValueError: what :meth:`bind_target` refuses, a call for another target still running included.
         """
         with _BINDING:
-            if self.bound_target is not target:
+            if self.bound_target is not target or self.device != target.device:  # another target, or it moved
                 self.bind_target(target)
             self._holders += 1
         try:
@@ -368,7 +368,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise OSError(f"incomplete or incompatible DSpark checkpoint in {name!r}: {bad}")
         if target is not None:
             model.bind_target(target)
-            model.to(target.device)
         return model
 
     # ------------------------------------------------------------------ eq. 2

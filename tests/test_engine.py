@@ -555,6 +555,14 @@ def test_a_drafter_follows_the_target_of_each_call():
         with pytest.raises(ValueError, match="drafting for another target"):
             DSparkEngine(second, drafter, "full")
     assert not calls and drafter.bound_target is first and drafter._holders == 0
-    elsewhere = tiny_target(vocab_size=64, seed=2).to("meta")  # on another device (no GPU needed to see the move)
-    drafter.bind_target(elsewhere)
-    assert drafter.device.type == "meta" and drafter.bound_target is elsewhere
+    # a target on another device (a GPU, as the drafter's move sees it): bound, the drafter goes there first; a meta
+    # target (no weights, e.g. under init_empty_weights) does not take the drafter's weights away
+    moves = []
+    drafter.to = lambda device: moves.append(str(device))
+    elsewhere = tiny_target(vocab_size=64, seed=2)
+    with mock.patch.object(type(elsewhere), "device", new_callable=mock.PropertyMock,
+                           return_value=torch.device("cuda:1")):
+        drafter.bind_target(elsewhere)
+    assert moves == ["cuda:1"] and drafter.bound_target is elsewhere
+    drafter.bind_target(tiny_target(vocab_size=64, seed=3).to("meta"))
+    assert moves == ["cuda:1"]

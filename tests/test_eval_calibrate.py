@@ -372,6 +372,18 @@ def test_packaged_targets_bring_their_drafters_and_refuse_foreign_data(tmp_path,
     data.mkdir()
     (data / "manifest.json").write_text(json.dumps({"config": {"target": str(cache_dir() / qwen)}}))
     assert target_of_data(None, [str(data)]) == qwen  # dspark train without --target trains for the data's target
+    local = tmp_path / "local-data"  # built with a model directory here, recorded by its absolute path
+    local.mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (local / "manifest.json").write_text(json.dumps({"config": {"target": str(tmp_path / "model")}}))
+    assert target_of_data(None, [str(local), str(tmp_path / "plain-none")]) == str(tmp_path / "model")
+    for mixed in ([str(local), str(data)], [str(data), str(local)]):
+        with pytest.raises(CLIError, match="built with different targets"):
+            target_of_data(None, mixed)
+    (local / "manifest.json").write_text(json.dumps({"config": {"target": "model"}}))  # relative: found nowhere
+    with pytest.raises(CLIError, match="built with target 'model', which is not a packaged target or a model "):
+        target_of_data(None, [str(local)])
     assert main(["train", "--data", str(data), "--target", "SmolLM2-135M-Instruct",
                  "--out-dir", str(tmp_path / "a")]) == 2
     assert f"was made with target {qwen}, not SmolLM2-135M-Instruct: pass --target {qwen}" in capsys.readouterr().err

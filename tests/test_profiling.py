@@ -308,6 +308,7 @@ def test_auto_dtype_settled_by_the_processor_only_on_a_gpu(monkeypatch):
     """A GPU: bfloat16 with no timing run; every CPU (native bf16 or not) is measured."""
     calls = _fake_timing(monkeypatch, {"float32": 1.0, "bfloat16": 100.0})
     assert choice.auto_dtype(device="cuda")[0] == torch.bfloat16
+    assert choice.auto_dtype(torch.nn.Linear(1, 1), device="cuda")[0] == torch.bfloat16  # nothing to load there
     assert calls == []
     assert choice.auto_dtype(threads=1)[0] == torch.bfloat16 and len(calls) == 1
     with pytest.raises(ValueError, match="repeats"):

@@ -85,8 +85,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     samp.add_argument("--top-k", type=int, default=None,
                       help="sample from the K most likely tokens; needs --do-sample (default: 0 = off)")
     samp.add_argument("--seed", type=int, default=None,
-                      help="set before each sampled call, needs --do-sample; repeats only with a fixed --policy "
-                           "(default: 0)")
+                      help="set before each sampled call, needs --do-sample; samples repeat under --policy full, "
+                           "fixed:N or threshold:P (default: 0)")
     add_model_options(p, idle=True)
     p.add_argument("--compare", action="store_true",
                    help="also run plain generate() on the same prompt and report speedup and identity")

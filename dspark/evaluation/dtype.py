@@ -181,10 +181,10 @@ def auto_dtype(
     """
     if max_new_tokens < 1 or repeats < 1:
         raise ValueError(f"max_new_tokens and repeats must be >= 1; got {max_new_tokens}, {repeats}")
-    target, drafter = map(_loaded_from, (target, drafter))
     if torch.device(device).type == "cuda":
         dtype = fast_dtype(device)  # bf16 from compute capability 8.0
         return dtype, "a GPU" + ("" if dtype == torch.bfloat16 else " without native bf16 (compute capability < 8.0)")
+    target, drafter = map(_loaded_from, (target, drafter))
     threads = int(threads or torch.get_num_threads())
     path = Path(path) if path is not None else default_profile_path()
     key, here = _dtype_key(target, drafter, threads, device), device_model(device)

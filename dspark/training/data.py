@@ -271,6 +271,7 @@ def _resumed_manifest(out: Path, config: dict) -> dict:
                          if old.get(k) != config.get(k))
         raise DataBuildError(f"{out} holds a build with different arguments ({diff}): pass the build's arguments "
                              "to resume it, or use another --out-dir")
+    manifest["config"] = config  # the target recorded as this build records it (an absolute path, say)
     return manifest
 
 
