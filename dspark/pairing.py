@@ -35,7 +35,7 @@ def target_for_drafter(target: str | None, drafter: str | None, flag: str = "--d
     if drafter in (None, "random"):
         return target
     if target is None:
-        return made_with_target(drafter, drafter=True) or local_target_of(drafter)
+        return loadable_target_of(drafter, drafter=True)
     check_made_for_target(target, flag, drafter, drafter=True, shown=shown,
                           fix="leave out --target to use the drafter's own, or give a drafter made for this one")
     return target
@@ -81,6 +81,13 @@ def made_with_target(path, drafter: bool = False) -> str | None:
     return packaged_target_name(made) or by_hub_id.get(made)
 
 
+def loadable_target_of(path, drafter: bool) -> str | None:
+    """The target directory ``path`` records when this machine can load it: a packaged target
+    (:func:`made_with_target`) or a model directory here named by absolute path (:func:`local_target_of`); else
+    None."""
+    return made_with_target(path, drafter) or local_target_of(path, drafter)
+
+
 def target_of_data(target: str | None, data: list[str]) -> str | None:
     """``--target``, else the target the ``--data`` directories were built with: a packaged target or, by absolute
     path, a model directory here; None (the default target) when they record none. Data built with a local checkpoint
@@ -94,7 +101,7 @@ def target_of_data(target: str | None, data: list[str]) -> str | None:
         return target
     found = set()
     for d in data:
-        made = made_with_target(d) or local_target_of(d, drafter=False)
+        made = loadable_target_of(d, drafter=False)
         if made is None and (recorded := _recorded_target(d, drafter=False)) is not None:
             raise InputError(f"--data {d} was built with target {recorded!r}, which is not a packaged target or a "
                              "model directory here: pass --target")
